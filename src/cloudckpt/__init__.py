@@ -1,0 +1,28 @@
+"""cloudckpt: save and load PyTorch checkpoints straight to object storage and filesystems.
+
+    import cloudckpt
+    cloudckpt.save(model.state_dict(), "s3://bucket/run1/step-100.pt")
+    state = cloudckpt.load("s3://bucket/run1/step-100.pt", map_location="cpu")
+
+See docs/ for the store URLs, transfer options and the commit guarantees.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from .engine.load import load
+from .engine.save import SaveResult, save
+from .options import TransferOptions, configure, get_defaults
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SaveResult",
+    "TransferOptions",
+    "__version__",
+    "configure",
+    "errors",
+    "get_defaults",
+    "load",
+    "save",
+]

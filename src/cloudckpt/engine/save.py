@@ -1,0 +1,94 @@
+"""Synchronous save: ``torch.save`` streamed into a multipart upload, committed last."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import SerializationError, UnpicklableError
+from ..format.picklability import find_unpicklable
+from ..format.tensors import storage_bytes
+from ..options import TransferOptions, resolve_options
+from ..store import open_url
+from .progress import progress_bar
+from .sink import ObjectSink
+
+__all__ = ["SaveResult", "save"]
+
+log = logging.getLogger("cloudckpt")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a committed save wrote."""
+
+    url: str
+    size: int
+    seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second, end to end."""
+        return self.size / self.seconds if self.seconds > 0 else float("inf")
+
+
+_PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
+
+
+def _unpicklable_error(obj: Any, exc: BaseException, url: str) -> SerializationError | None:
+    found = find_unpicklable(obj)
+    if found is None:
+        return None
+    path, bad, error = found
+    return UnpicklableError(
+        f"cannot save {url}: {path} ({type(bad).__name__}) cannot be pickled: {error}. "
+        "A checkpoint can hold tensors, containers, numbers, strings and importable "
+        "classes, but not local functions, lambdas, open files or locks. Resolve "
+        "factories into tensors before saving, or save sharded state dicts (e.g. "
+        "Megatron's) with torch.distributed.checkpoint.",
+        path=path,
+    )
+
+
+def save(
+    obj: Any,
+    url: str | os.PathLike[str],
+    *,
+    options: TransferOptions | None = None,
+    **overrides: Any,
+) -> SaveResult:
+    """Write ``obj`` as a standard ``torch.save`` archive at ``url``; visible only once complete.
+
+    ``overrides`` are :class:`~cloudckpt.TransferOptions` fields for this call (e.g.
+    ``part_size``, ``write_concurrency``, ``storage_options``).
+    """
+    opts = resolve_options(options, **overrides)
+    store, key = open_url(url, opts)
+    target = store.url(key)
+    started = time.perf_counter()
+    size_hint = storage_bytes(obj)
+    with progress_bar(f"save {key.rsplit('/', 1)[-1]}", size_hint, opts.progress) as advance:
+        sink = ObjectSink(store, key, opts, size_hint=size_hint, on_progress=advance)
+        try:
+            torch.save(obj, sink)  # type: ignore[arg-type]  # a write-only stream is enough
+            size = sink.commit()
+        except BaseException as exc:
+            try:
+                sink.abort()
+            except Exception as abort_exc:  # the original failure matters more
+                log.warning("aborting the upload of %s also failed: %s", target, abort_exc)
+            if sink.error is not None and sink.error is not exc:
+                # torch.save turned our failure into a RuntimeError while unwinding.
+                raise sink.error from None
+            if isinstance(exc, _PICKLE_ERRORS) and not isinstance(exc, SerializationError):
+                typed = _unpicklable_error(obj, exc, target)
+                if typed is not None:
+                    raise typed from exc
+            raise
+    return SaveResult(url=target, size=size, seconds=time.perf_counter() - started)

@@ -1,0 +1,220 @@
+"""A write-only stream that turns bytes into multipart parts as they are produced.
+
+``torch.save`` writes its archive into :class:`ObjectSink`; every ``part_size`` bytes
+become one part, uploaded in the background while the next part fills. The sink owns
+``write_concurrency`` part buffers and reuses them, so the memory a save adds is at
+most ``write_concurrency * part_size`` whatever the checkpoint size.
+
+Commit rule: nothing is visible at the URL until :meth:`commit` completes the upload
+(or, for an object smaller than one part, puts it in one request). :meth:`abort`
+discards every stored part; it is what every failure path calls.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+from ..errors import StorageError
+from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
+from ..store import MultipartUpload, Store, UploadedPart
+from .scheduler import TransferGroup, call_with_retries, get_scheduler
+
+__all__ = ["ObjectSink", "choose_part_size"]
+
+
+def choose_part_size(size_hint: int, part_size: int) -> int:
+    """``part_size``, grown (in whole MiB) so ``size_hint`` bytes fit in ``MAX_PARTS`` parts."""
+    # Leave headroom for archive overhead and an imprecise hint.
+    needed = math.ceil(size_hint * 1.05 / (MAX_PARTS - 100)) if size_hint > 0 else 0
+    if needed > part_size:
+        part_size = math.ceil(needed / MiB) * MiB
+    return min(part_size, MAX_PART_SIZE)
+
+
+class _BufferPool:
+    """At most ``count`` buffers of ``size`` bytes, created lazily and reused."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self._free: list[bytearray] = []
+        self._created = 0
+        self._count = count
+        self._cond = threading.Condition()
+
+    def acquire(self, check: Callable[[], None]) -> bytearray:
+        with self._cond:
+            while not self._free and self._created >= self._count:
+                self._cond.wait(0.5)
+                check()
+            if self._free:
+                return self._free.pop()
+            self._created += 1
+        return bytearray(self.size)
+
+    def release(self, buf: bytearray) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+class ObjectSink:
+    """File-like target for ``torch.save`` that streams into a multipart upload."""
+
+    def __init__(
+        self,
+        store: Store,
+        key: str,
+        options: TransferOptions,
+        *,
+        size_hint: int = 0,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.key = key
+        self.options = options
+        self.part_size = choose_part_size(size_hint, options.part_size)
+        self._pool = _BufferPool(options.write_concurrency, self.part_size)
+        self._budget = get_scheduler().set_budget(options.max_bytes_in_flight)
+        prefix = key.rpartition("/")[0]
+        self._group = TransferGroup(options, options.write_concurrency, prefix=prefix)
+        self._buf: bytearray | None = None
+        self._fill = 0
+        self._offset = 0  # bytes handed to parts so far
+        self._parts: list[UploadedPart] = []
+        self._parts_lock = threading.Lock()
+        self._upload: MultipartUpload | None = None
+        self._next_part = 1
+        self._on_progress = on_progress
+        self._closed = False
+        self.bytes_written = 0
+        #: The failure that stopped writing; torch.save may wrap it, save() re-raises it.
+        self.error: BaseException | None = None
+
+    # -- file protocol used by torch.save ------------------------------------------------
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self.error is not None:
+            # torch.save writes its end-of-archive record while unwinding; swallow it.
+            return len(memoryview(data).cast("B"))
+        if self._closed:
+            raise ValueError("write to a closed checkpoint sink")
+        try:
+            return self._write(data)
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        pos = 0
+        while pos < total:
+            if self._buf is None:
+                self._buf = self._acquire_buffer()
+                self._fill = 0
+            n = min(total - pos, len(self._buf) - self._fill)
+            self._buf[self._fill : self._fill + n] = view[pos : pos + n]
+            self._fill += n
+            pos += n
+            if self._fill == len(self._buf):
+                self._flush_part()
+        self.bytes_written += total
+        return total
+
+    def flush(self) -> None:
+        """Parts leave on their own schedule; there is nothing to flush early."""
+
+    def tell(self) -> int:
+        return self.bytes_written
+
+    # -- parts -----------------------------------------------------------------------------
+    def _acquire_buffer(self) -> bytearray:
+        # The part size was grown from the size hint; only a far larger stream gets here.
+        if self._next_part > MAX_PARTS:
+            raise StorageError(
+                f"{self.store.url(self.key)}: the archive needs more than {MAX_PARTS} parts of "
+                f"{self.part_size} bytes; pass a larger part_size"
+            )
+        buf = self._pool.acquire(self._group.raise_if_failed)
+        self._budget.acquire(len(buf), self._group.cancel_event)
+        return buf
+
+    def _release_buffer(self, buf: bytearray) -> None:
+        self._budget.release(len(buf))
+        self._pool.release(buf)
+
+    def _flush_part(self) -> None:
+        buf, size, offset = self._buf, self._fill, self._offset
+        assert buf is not None
+        self._buf = None
+        self._offset += size
+        if self._upload is None:
+            self._upload = call_with_retries(
+                lambda: self.store.create_multipart(self.key),
+                self.options,
+                f"create multipart upload {self.store.url(self.key)}",
+            )
+        upload = self._upload
+        number = self._next_part
+        self._next_part += 1
+
+        def send() -> None:
+            part = self.store.upload_part(upload, number, memoryview(buf)[:size], offset)
+            with self._parts_lock:
+                self._parts.append(part)
+            if self._on_progress is not None:
+                self._on_progress(size)
+
+        self._group.submit(
+            send,
+            f"upload part {number} of {self.store.url(self.key)}",
+            on_done=lambda: self._release_buffer(buf),
+        )
+
+    # -- commit / abort --------------------------------------------------------------------
+    def commit(self) -> int:
+        """Store the last bytes and make the object visible; returns its size."""
+        self._closed = True
+        url = self.store.url(self.key)
+        if self._upload is None:
+            data = memoryview(self._buf)[: self._fill] if self._buf is not None else b""
+            call_with_retries(lambda: self.store.put(self.key, data), self.options, f"put {url}")
+            if self._buf is not None:
+                self._release_buffer(self._buf)
+                self._buf = None
+            if self._on_progress is not None:
+                self._on_progress(self._fill)
+            return self.bytes_written
+        if self._buf is not None and self._fill:
+            self._flush_part()
+        elif self._buf is not None:
+            self._release_buffer(self._buf)
+            self._buf = None
+        self._group.wait()
+        parts = sorted(self._parts, key=lambda p: p.number)
+        upload = self._upload
+        call_with_retries(
+            lambda: self.store.complete_multipart(upload, parts),
+            self.options,
+            f"complete multipart upload {url}",
+        )
+        return self.bytes_written
+
+    def abort(self) -> None:
+        """Discard everything stored so far; safe to call more than once."""
+        self._closed = True
+        self._group.cancel()
+        if self._buf is not None:
+            self._release_buffer(self._buf)
+            self._buf = None
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            call_with_retries(
+                lambda: self.store.abort_multipart(upload),
+                self.options,
+                f"abort multipart upload {self.store.url(self.key)}",
+            )

@@ -1,0 +1,136 @@
+"""Typed errors raised by cloudckpt.
+
+Every error derives from :class:`CloudCkptError` and, where one fits, from the
+builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``,
+``ValueError``...), so ``except FileNotFoundError`` keeps working::
+
+    CloudCkptError
+    ├── ConfigError (ValueError)                  bad option or storage option
+    │   └── InvalidURLError                       malformed or unsupported URL
+    ├── NotFoundError (FileNotFoundError)         object or key is missing
+    │   └── BucketNotFoundError                   bucket/container is missing
+    ├── AlreadyExistsError (FileExistsError)      conditional create lost
+    ├── MissingKeyError (KeyError)                a requested top-level key is absent
+    ├── NotAnObjectError (IsADirectoryError)      URL names a directory/prefix
+    ├── CredentialsError (PermissionError)        missing or rejected credentials
+    ├── AccessDeniedError (PermissionError)       credentials lack permission
+    ├── StorageError (OSError)                    the store failed a request
+    │   ├── TransientError                        worth retrying (throttled, 5xx, reset)
+    │   └── RetriesExhaustedError                 transient faults outlasted retries
+    ├── SerializationError (TypeError)
+    │   └── UnpicklableError                      state holds a closure/lambda/handle
+    ├── CorruptCheckpointError (ValueError)       bytes on storage are not a checkpoint
+    │   └── ChecksumError                         a record's CRC-32 does not match
+    └── UnsafeCheckpointError (pickle.UnpicklingError)
+                                                  weights_only refused a global
+
+Messages name the URL or the key path involved and never contain credentials.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+__all__ = [
+    "AccessDeniedError",
+    "AlreadyExistsError",
+    "BucketNotFoundError",
+    "ChecksumError",
+    "CloudCkptError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "CredentialsError",
+    "InvalidURLError",
+    "MissingKeyError",
+    "NotAnObjectError",
+    "NotFoundError",
+    "RetriesExhaustedError",
+    "SerializationError",
+    "StorageError",
+    "TransientError",
+    "UnpicklableError",
+    "UnsafeCheckpointError",
+]
+
+
+class CloudCkptError(Exception):
+    """Base class of every error cloudckpt raises on purpose."""
+
+
+class ConfigError(CloudCkptError, ValueError):
+    """An option, storage option or profile is invalid."""
+
+
+class InvalidURLError(ConfigError):
+    """A URL is malformed or uses a scheme cloudckpt does not support."""
+
+
+class NotFoundError(CloudCkptError, FileNotFoundError):
+    """The object (or key) at a URL does not exist."""
+
+
+class BucketNotFoundError(NotFoundError):
+    """The bucket or container named in a URL does not exist."""
+
+
+class AlreadyExistsError(CloudCkptError, FileExistsError):
+    """A create-only write found an object already in place."""
+
+
+class MissingKeyError(CloudCkptError, KeyError):
+    """``load(..., keys=[...])`` asked for a top-level key the checkpoint does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class NotAnObjectError(CloudCkptError, IsADirectoryError):
+    """A URL that should name one object names a directory or prefix."""
+
+
+class CredentialsError(CloudCkptError, PermissionError):
+    """Credentials are missing, malformed, or were rejected by the store."""
+
+
+class AccessDeniedError(CloudCkptError, PermissionError):
+    """The store refused the request for lack of permission."""
+
+
+class StorageError(CloudCkptError, OSError):
+    """The store failed a request in a way that is not one of the cases above."""
+
+
+class TransientError(StorageError):
+    """A fault worth retrying: throttling, 5xx, timeout, reset, truncated body.
+
+    The scheduler retries these; one that outlasts the retry budget is re-raised
+    as :class:`RetriesExhaustedError`.
+    """
+
+
+class RetriesExhaustedError(StorageError):
+    """A transient fault (throttling, 5xx, timeout, reset) outlasted the retry budget."""
+
+
+class SerializationError(CloudCkptError, TypeError):
+    """The object given to ``save`` cannot be written as a checkpoint."""
+
+
+class UnpicklableError(SerializationError):
+    """Part of the state cannot be pickled; ``path`` names where it sits."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CorruptCheckpointError(CloudCkptError, ValueError):
+    """The bytes on storage are not a readable checkpoint."""
+
+
+class ChecksumError(CorruptCheckpointError):
+    """A record's stored checksum does not match its bytes."""
+
+
+class UnsafeCheckpointError(CloudCkptError, pickle.UnpicklingError):
+    """``weights_only`` loading met a global it does not allow."""

@@ -1,0 +1,75 @@
+"""Walking a state for its tensors: sizes for part planning, storages for partial loads."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["iter_tensors", "referenced_storages", "storage_bytes"]
+
+_MAX_DEPTH = 200
+
+
+def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside plain containers and object attributes (a cheap, best-effort walk)."""
+    if _depth > _MAX_DEPTH:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v, _depth + 1)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            yield from iter_tensors(v, _depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for v in vars(obj).values():
+            yield from iter_tensors(v, _depth + 1)
+
+
+def storage_bytes(obj: Any) -> int:
+    """Bytes of the distinct storages reachable from ``obj``: the archive's payload size."""
+    seen: set[int] = set()
+    total = 0
+    for t in iter_tensors(obj):
+        if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        ident = storage._cdata
+        if ident not in seen:
+            seen.add(ident)
+            total += storage.nbytes()
+    return total
+
+
+class _StorageScan(pickle.Pickler):
+    """Pickles into nowhere, recording which storages the object references."""
+
+    def __init__(self, wanted: dict[int, str]) -> None:
+        super().__init__(io.BytesIO(), protocol=2)
+        self.wanted = wanted
+        self.found: set[str] = set()
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.storage.TypedStorage):
+            obj = obj._untyped_storage
+        if isinstance(obj, torch.UntypedStorage):
+            key = self.wanted.get(obj._cdata)
+            if key is not None:
+                self.found.add(key)
+            return "s"
+        return None
+
+
+def referenced_storages(obj: Any, storages: dict[int, str]) -> set[str]:
+    """Which of ``storages`` (``_cdata`` -> record key) ``obj`` references, as pickle sees it."""
+    scan = _StorageScan(storages)
+    scan.dump(obj)
+    return scan.found

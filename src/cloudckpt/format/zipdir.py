@@ -1,0 +1,188 @@
+"""Reading a zip archive's directory from its tail, as ``torch.save`` archives are zips.
+
+A ``torch.save`` archive is an uncompressed zip whose records are laid out back to
+back. :func:`parse_directory` reads the end-of-central-directory record (zip64 too)
+and every central directory entry from bytes fetched off the end of the object, and
+locates each record's data from the spacing between consecutive local headers. The
+reader fetches each record together with its local header and checks that header, so
+a wrong guess about the layout is caught, never read as data.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from ..errors import CorruptCheckpointError
+
+__all__ = ["LOCAL_HEADER_SIZE", "Directory", "Entry", "check_local_header", "parse_directory"]
+
+_EOCD = b"PK\x05\x06"
+_ZIP64_LOCATOR = b"PK\x06\x07"
+_ZIP64_EOCD = b"PK\x06\x06"
+_CENTRAL = b"PK\x01\x02"
+_LOCAL = b"PK\x03\x04"
+_EOCD_SIZE = 22
+_ZIP64_LOCATOR_SIZE = 20
+_CENTRAL_SIZE = 46
+LOCAL_HEADER_SIZE = 30
+_MAX_COMMENT = 0xFFFF
+#: Bytes from the end that always contain the EOCD (and zip64 locator) records.
+TAIL_PROBE = _EOCD_SIZE + _MAX_COMMENT + _ZIP64_LOCATOR_SIZE + 56
+
+
+@dataclass
+class Entry:
+    """One record: where its local header and data are, and its checksum."""
+
+    name: str
+    header_offset: int
+    size: int
+    compressed_size: int
+    crc32: int
+    method: int
+    flags: int
+    local_header_size: int = 0  # filled by parse_directory
+
+    @property
+    def data_offset(self) -> int:
+        return self.header_offset + self.local_header_size
+
+    @property
+    def end(self) -> int:
+        return self.data_offset + self.compressed_size
+
+
+@dataclass
+class Directory:
+    entries: dict[str, Entry]
+    cd_offset: int
+    cd_size: int
+
+
+class _NeedMore(Exception):
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+
+def _eocd(tail: bytes, tail_start: int, url: str) -> tuple[int, int, int]:
+    """(entry count, central directory size, central directory offset)."""
+    pos = tail.rfind(_EOCD, max(0, len(tail) - _EOCD_SIZE - _MAX_COMMENT))
+    if pos < 0 or pos + _EOCD_SIZE > len(tail):
+        raise CorruptCheckpointError(f"{url} is not a zip archive (no end-of-directory record)")
+    (_, _, _, _, count, cd_size, cd_offset, _) = struct.unpack_from("<4sHHHHIIH", tail, pos)
+    if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+        loc = pos - _ZIP64_LOCATOR_SIZE
+        if loc < 0 or tail[loc : loc + 4] != _ZIP64_LOCATOR:
+            raise CorruptCheckpointError(f"{url}: zip64 locator missing")
+        (_, _, z64_offset, _) = struct.unpack_from("<4sIQI", tail, loc)
+        rel = z64_offset - tail_start
+        if rel < 0:
+            raise _NeedMore(z64_offset)
+        if tail[rel : rel + 4] != _ZIP64_EOCD or rel + 56 > len(tail):
+            raise CorruptCheckpointError(f"{url}: zip64 end-of-directory record missing")
+        (_, _, _, _, _, _, _, count, cd_size, cd_offset) = struct.unpack_from(
+            "<4sQHHIIQQQQ", tail, rel
+        )
+    return count, cd_size, cd_offset
+
+
+def parse_directory(tail: bytes, tail_start: int, object_size: int, url: str) -> Directory:
+    """Parse the central directory from ``tail`` (the object's bytes from ``tail_start``).
+
+    Raises ``_NeedMore(start)`` when ``tail`` does not reach back far enough; the caller
+    fetches from ``start`` and calls again.
+    """
+    count, cd_size, cd_offset = _eocd(tail, tail_start, url)
+    if cd_offset + cd_size > object_size:
+        raise CorruptCheckpointError(f"{url}: central directory lies past the end (truncated?)")
+    rel = cd_offset - tail_start
+    if rel < 0:
+        raise _NeedMore(cd_offset)
+    entries: dict[str, Entry] = {}
+    pos = rel
+    for _ in range(count):
+        if tail[pos : pos + 4] != _CENTRAL or pos + _CENTRAL_SIZE > len(tail):
+            raise CorruptCheckpointError(f"{url}: damaged central directory entry at {pos}")
+        (
+            _,
+            _,
+            _,
+            flags,
+            method,
+            _,
+            _,
+            crc,
+            csize,
+            usize,
+            name_len,
+            extra_len,
+            comment_len,
+            _,
+            _,
+            _,
+            offset,
+        ) = struct.unpack_from("<4sHHHHHHIIIHHHHHII", tail, pos)
+        name_start = pos + _CENTRAL_SIZE
+        name = tail[name_start : name_start + name_len].decode("utf-8", "replace")
+        extra = tail[name_start + name_len : name_start + name_len + extra_len]
+        if 0xFFFFFFFF in (csize, usize, offset):
+            usize, csize, offset = _zip64_extra(extra, usize, csize, offset, url, name)
+        entries[name] = Entry(name, offset, usize, csize, crc, method, flags)
+        pos = name_start + name_len + extra_len + comment_len
+    _infer_local_headers(entries, cd_offset, url)
+    return Directory(entries=entries, cd_offset=cd_offset, cd_size=cd_size)
+
+
+def _zip64_extra(
+    extra: bytes, usize: int, csize: int, offset: int, url: str, name: str
+) -> tuple[int, int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 0x0001:
+            fields = extra[pos + 4 : pos + 4 + size]
+            values = list(struct.unpack_from(f"<{len(fields) // 8}Q", fields))
+            if usize == 0xFFFFFFFF:
+                usize = values.pop(0)
+            if csize == 0xFFFFFFFF:
+                csize = values.pop(0)
+            if offset == 0xFFFFFFFF:
+                offset = values.pop(0)
+            return usize, csize, offset
+        pos += 4 + size
+    raise CorruptCheckpointError(f"{url}: record {name!r} lacks its zip64 sizes")
+
+
+def _infer_local_headers(entries: dict[str, Entry], cd_offset: int, url: str) -> None:
+    """Each local header spans from its offset to the data that ends at the next header."""
+    ordered = sorted(entries.values(), key=lambda e: e.header_offset)
+    for entry, nxt in zip(ordered, [*ordered[1:], None], strict=True):
+        following = nxt.header_offset if nxt is not None else cd_offset
+        size = following - entry.header_offset - entry.compressed_size
+        minimum = LOCAL_HEADER_SIZE + len(entry.name.encode())
+        if entry.flags & 0x08 or size < minimum or size > minimum + 0xFFFF:
+            entry.local_header_size = -1  # unknown: the reader fetches the header first
+        else:
+            entry.local_header_size = size
+
+
+def check_local_header(header: bytes | memoryview, entry: Entry, url: str) -> None:
+    """Verify that ``header`` is ``entry``'s local header and that its size was right."""
+    header = bytes(header)
+    if len(header) < LOCAL_HEADER_SIZE or header[:4] != _LOCAL:
+        raise CorruptCheckpointError(f"{url}: record {entry.name!r} has no local header")
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    name = header[LOCAL_HEADER_SIZE : LOCAL_HEADER_SIZE + name_len].decode("utf-8", "replace")
+    if name != entry.name or LOCAL_HEADER_SIZE + name_len + extra_len != entry.local_header_size:
+        raise CorruptCheckpointError(
+            f"{url}: local header of record {entry.name!r} does not match the directory"
+        )
+
+
+def local_header_size(header: bytes) -> int:
+    """Size of a local header from its first 30 bytes."""
+    if header[:4] != _LOCAL:
+        raise CorruptCheckpointError("missing local header")
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    return LOCAL_HEADER_SIZE + name_len + extra_len

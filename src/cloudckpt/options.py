@@ -1,0 +1,124 @@
+"""Transfer knobs: one frozen dataclass, process-wide defaults, per-call overrides.
+
+Precedence: arguments of a call > :func:`configure` (process defaults) > built-in
+defaults. The built-in defaults fit S3 and match what NeMo users configure: 64 MiB
+parts, 10 concurrent writes, 15 concurrent reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["MiB", "TransferOptions", "configure", "get_defaults", "resolve_options"]
+
+MiB = 1024 * 1024
+
+#: S3's multipart limits (also used for the filesystem so behaviour is identical).
+MIN_PART_SIZE = 5 * MiB
+MAX_PART_SIZE = 5 * 1024 * MiB
+MAX_PARTS = 10_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferOptions:
+    """How a transfer uses the store; every field can be set per call or per process."""
+
+    #: Size of one multipart part on save (grown automatically past 10,000 parts).
+    part_size: int = 64 * MiB
+    #: Parts uploaded concurrently by one save; also the number of part buffers.
+    write_concurrency: int = 10
+    #: Ranged reads in flight for one load.
+    read_concurrency: int = 15
+    #: Largest byte range fetched by one read request (large records are split).
+    read_chunk_size: int = 32 * MiB
+    #: Process-wide cap on bytes held in write buffers; ``None`` means no cap
+    #: beyond each save's own ``write_concurrency * part_size``.
+    max_bytes_in_flight: int | None = None
+    #: Requests per second per key prefix (token bucket); ``None`` disables it.
+    requests_per_second: float | None = None
+    #: Attempts per request, the first included.
+    max_attempts: int = 10
+    #: First retry delay in seconds; doubles each attempt (full jitter).
+    backoff_base: float = 0.2
+    #: Longest delay between two attempts, in seconds.
+    backoff_max: float = 20.0
+    #: Seconds to establish a connection.
+    connect_timeout: float = 10.0
+    #: Seconds without progress on a request before it is abandoned and retried.
+    request_timeout: float = 120.0
+    #: Show a progress bar on stderr.
+    progress: bool = False
+    #: Backend settings: endpoint, credentials, region (see docs/configuration.md).
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "part_size",
+            "write_concurrency",
+            "read_concurrency",
+            "read_chunk_size",
+            "max_attempts",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"option {name}={value!r} must be a positive integer")
+        if self.part_size < MIN_PART_SIZE:
+            raise ConfigError(
+                f"option part_size={self.part_size} is below the S3 minimum of "
+                f"{MIN_PART_SIZE} bytes (5 MiB)"
+            )
+        if self.part_size > MAX_PART_SIZE:
+            raise ConfigError(f"option part_size={self.part_size} is above the 5 GiB maximum")
+        if self.max_bytes_in_flight is not None and self.max_bytes_in_flight < 1:
+            raise ConfigError("option max_bytes_in_flight must be positive or None")
+        if self.requests_per_second is not None and self.requests_per_second <= 0:
+            raise ConfigError("option requests_per_second must be positive or None")
+        for name in ("backoff_base", "backoff_max", "connect_timeout", "request_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"option {name} must be positive")
+        if not isinstance(self.storage_options, Mapping):
+            raise ConfigError("option storage_options must be a mapping")
+
+    def replace(self, **changes: Any) -> TransferOptions:
+        """Return a copy with ``changes`` applied (unknown names raise ConfigError)."""
+        _check_names(changes)
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TransferOptions))
+_lock = threading.Lock()
+_defaults = TransferOptions()
+
+
+def _check_names(changes: Mapping[str, Any]) -> None:
+    unknown = sorted(set(changes) - _FIELDS)
+    if unknown:
+        valid = ", ".join(sorted(_FIELDS))
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; valid options are {valid}")
+
+
+def configure(**changes: Any) -> TransferOptions:
+    """Set process-wide defaults for every later call; returns the new defaults."""
+    global _defaults
+    with _lock:
+        _defaults = _defaults.replace(**changes)
+        return _defaults
+
+
+def get_defaults() -> TransferOptions:
+    """The process-wide defaults currently in force."""
+    return _defaults
+
+
+def resolve_options(options: TransferOptions | None = None, **overrides: Any) -> TransferOptions:
+    """Merge a call's ``options`` object and keyword overrides over the process defaults."""
+    base = options if options is not None else _defaults
+    if not isinstance(base, TransferOptions):
+        raise ConfigError(f"options must be a TransferOptions, not {type(base).__name__}")
+    return base.replace(**overrides) if overrides else base

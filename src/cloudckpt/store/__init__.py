@@ -1,0 +1,105 @@
+"""Backends behind one :class:`Store` interface, chosen by URL scheme.
+
+``open_url(url)`` returns the store and the key inside it. Stores are cached per
+process (and per set of storage options) so connections are reused across calls.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from ..errors import InvalidURLError
+from ..options import TransferOptions
+from .base import MultipartUpload, ObjectInfo, Store, UploadedPart, check_key, join_key
+
+__all__ = [
+    "SUPPORTED_SCHEMES",
+    "MultipartUpload",
+    "ObjectInfo",
+    "Store",
+    "UploadedPart",
+    "check_key",
+    "join_key",
+    "open_url",
+    "split_url",
+]
+
+SUPPORTED_SCHEMES = ("file", "s3")
+
+_cache: dict[tuple[Any, ...], Store] = {}
+_cache_lock = threading.Lock()
+
+
+def split_url(url: str | os.PathLike[str]) -> tuple[str, str, str]:
+    """``(scheme, bucket, key)`` of a URL; plain paths become ``("file", "", abs_path)``."""
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url:
+        raise InvalidURLError(f"expected a URL or path string, got {url!r}")
+    if "://" not in url:
+        return "file", "", os.path.abspath(os.path.expanduser(url))
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidURLError(f"file URLs must be local (file:///path): {url}")
+        return "file", "", os.path.abspath(unquote(parts.path))
+    if scheme in ("s3", "s3a"):
+        if not parts.netloc:
+            raise InvalidURLError(f"missing bucket name in {url} (expected s3://bucket/key)")
+        if parts.query or parts.fragment:
+            raise InvalidURLError(f"unexpected query or fragment in {url}")
+        return "s3", parts.netloc, parts.path.lstrip("/")
+    raise InvalidURLError(
+        f"unsupported URL scheme {scheme!r} in {url}; supported: "
+        + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
+        + " and plain paths"
+    )
+
+
+def _freeze(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, repr(v)) for k, v in options.items()))
+
+
+def open_url(url: str | os.PathLike[str], options: TransferOptions) -> tuple[Store, str]:
+    """The (cached) store serving ``url`` and the key of ``url`` inside it."""
+    scheme, bucket, key = split_url(url)
+    storage_options = options.storage_options
+    if scheme == "file":
+        from .local import LocalStore
+
+        if storage_options:
+            from ..errors import ConfigError
+
+            given = ", ".join(sorted(storage_options))
+            raise ConfigError(f"the filesystem takes no storage options (got {given})")
+        store_key: tuple[Any, ...] = (os.getpid(), "file")
+        with _cache_lock:
+            store = _cache.get(store_key)
+            if store is None:
+                store = _cache[store_key] = LocalStore("/")
+        return store, key.lstrip("/")
+    store_key = (
+        os.getpid(),
+        scheme,
+        bucket,
+        _freeze(storage_options),
+        options.connect_timeout,
+        options.request_timeout,
+    )
+    with _cache_lock:
+        store = _cache.get(store_key)
+        if store is None:
+            from .s3 import S3Store
+
+            store = _cache[store_key] = S3Store(
+                bucket,
+                storage_options,
+                connect_timeout=options.connect_timeout,
+                read_timeout=options.request_timeout,
+            )
+    return store, key

@@ -1,0 +1,245 @@
+"""Local or shared filesystem backend: temp file + fsync + rename, like an object store.
+
+A multipart upload is a hidden temp file beside the target (``.NAME.cloudckpt-ID.part``)
+that parts are written into at their offsets; completing it fsyncs the file, renames
+it into place and fsyncs the directory, so a reader sees the whole object or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    CorruptCheckpointError,
+    NotAnObjectError,
+    NotFoundError,
+    StorageError,
+)
+from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+
+__all__ = ["LocalStore"]
+
+_TMP_MARK = ".cloudckpt-"
+_TMP_SUFFIX = ".part"
+
+
+class LocalStore(Store):
+    """Objects are files under ``root``; keys are paths relative to it."""
+
+    def __init__(self, root: str | os.PathLike[str] = "/") -> None:
+        self.root = Path(root).resolve()
+        self.root_url = "file://" + str(self.root).rstrip("/") + "/"
+        self._fds_lock = threading.Lock()
+
+    def url(self, key: str) -> str:
+        return self.root_url + key
+
+    def _path(self, key: str) -> Path:
+        check_key(key, self.root_url)
+        return self.root / key
+
+    def _oserror(self, exc: OSError, key: str) -> Exception:
+        url = self.url(key)
+        if exc.errno == errno.ENOENT:
+            return NotFoundError(f"no such object: {url}")
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return AccessDeniedError(f"permission denied: {url} ({exc.strerror})")
+        if exc.errno == errno.EISDIR:
+            return NotAnObjectError(f"{url} is a directory, not a checkpoint object")
+        return StorageError(f"filesystem error on {url}: {exc.strerror or exc}")
+
+    # -- reads ---------------------------------------------------------------------------
+    def head(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        try:
+            st = path.stat()
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+        if path.is_dir():
+            raise NotAnObjectError(f"{self.url(key)} is a directory, not a checkpoint object")
+        return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        buf = bytearray(end - start)
+        self.read_into(key, start, [memoryview(buf)])
+        return bytes(buf)
+
+    def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+        try:
+            pending = [b for b in buffers if len(b)]
+            offset = start
+            while pending:
+                n = os.preadv(fd, pending, offset)
+                if n == 0:
+                    raise CorruptCheckpointError(
+                        f"{self.url(key)} ends at byte {offset}, before the range being read"
+                    )
+                offset += n
+                while pending and n >= len(pending[0]):
+                    n -= len(pending[0])
+                    pending.pop(0)
+                if n:
+                    pending[0] = pending[0][n:]
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+        finally:
+            os.close(fd)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        # Walk only the directory the prefix lives in, not the whole root.
+        base_dir = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        if not base_dir.is_dir():
+            return
+        found: list[ObjectInfo] = []
+        for dirpath, _dirs, files in os.walk(base_dir):
+            for name in files:
+                if _TMP_MARK in name and name.endswith(_TMP_SUFFIX):
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    with contextlib.suppress(FileNotFoundError):
+                        st = full.stat()
+                        found.append(ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime))
+        yield from sorted(found, key=lambda o: o.key)
+
+    # -- writes --------------------------------------------------------------------------
+    def _temp_for(self, path: Path) -> Path:
+        return path.with_name(f".{path.name}{_TMP_MARK}{uuid.uuid4().hex}{_TMP_SUFFIX}")
+
+    def _publish(self, tmp: Path, path: Path, key: str, if_none_match: bool) -> None:
+        """Move a fully written, fsynced temp file into place and fsync the directory."""
+        try:
+            if if_none_match:
+                try:
+                    os.link(tmp, path)  # atomic create-if-absent
+                except FileExistsError:
+                    raise AlreadyExistsError(f"{self.url(key)} already exists") from None
+                finally:
+                    tmp.unlink(missing_ok=True)
+            else:
+                if path.is_dir():
+                    raise NotAnObjectError(f"{self.url(key)} is a directory")
+                os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._oserror(exc, key) from None
+
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
+        path = self._path(key)
+        tmp = self._temp_for(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._oserror(exc, key) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._publish(tmp, path, key, if_none_match)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+
+    # -- multipart -----------------------------------------------------------------------
+    def create_multipart(self, key: str) -> MultipartUpload:
+        path = self._path(key)
+        tmp = self._temp_for(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+        return MultipartUpload(key=key, upload_id=tmp.name, backend=[fd, tmp])
+
+    def upload_part(
+        self, upload: MultipartUpload, number: int, data: Buffer, offset: int
+    ) -> UploadedPart:
+        fd = upload.backend[0]
+        view = memoryview(data).cast("B")
+        try:
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], offset + written)
+        except OSError as exc:
+            raise self._oserror(exc, upload.key) from None
+        return UploadedPart(number=number, etag=str(number), size=len(view))
+
+    def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+        fd, tmp = upload.backend
+        expected = sum(p.size for p in parts)
+        try:
+            os.ftruncate(fd, expected)
+            os.fsync(fd)
+        except OSError as exc:
+            self.abort_multipart(upload)
+            raise self._oserror(exc, upload.key) from None
+        self._close_fd(upload)
+        self._publish(tmp, self._path(upload.key), upload.key, if_none_match=False)
+
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        if upload.backend is not None:
+            self._close_fd(upload)
+            Path(upload.backend[1]).unlink(missing_ok=True)
+        else:  # found by list_multipart
+            (self.root / upload.key).parent.joinpath(upload.upload_id).unlink(missing_ok=True)
+
+    def _close_fd(self, upload: MultipartUpload) -> None:
+        with self._fds_lock:
+            fd = upload.backend[0]
+            if fd is not None:
+                upload.backend[0] = None
+                os.close(fd)
+
+    def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
+        base_dir = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        if not base_dir.is_dir():
+            return
+        for dirpath, _dirs, files in os.walk(base_dir):
+            for name in files:
+                if not (name.startswith(".") and _TMP_MARK in name and name.endswith(_TMP_SUFFIX)):
+                    continue
+                target = name[1 : name.index(_TMP_MARK)]
+                key = (Path(dirpath) / target).relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    with contextlib.suppress(FileNotFoundError):
+                        mtime = (Path(dirpath) / name).stat().st_mtime
+                        yield MultipartUpload(key=key, upload_id=name, initiated=mtime)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable; some filesystems refuse fsync on directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,368 @@
+"""S3 and S3-compatible stores through botocore's low-level client.
+
+Why botocore and how it is configured is in docs/transport.md. In short: we need the
+raw multipart calls (and listing of open uploads for gc), our own retry scheduler
+(botocore's retries are switched off), no payload hashing (each record carries its
+own CRC-32 inside the archive), and reads that land straight in tensor memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import botocore.session
+from botocore import UNSIGNED
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+    ResponseStreamingError,
+)
+
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    BucketNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    CredentialsError,
+    NotFoundError,
+    StorageError,
+    TransientError,
+)
+from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+
+__all__ = ["S3_OPTIONS", "S3Store"]
+
+#: Storage options the S3 backend understands (anything else is a ConfigError).
+S3_OPTIONS = frozenset(
+    {
+        "endpoint_url",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "region_name",
+        "profile_name",
+        "anonymous",
+        "addressing_style",
+        "verify",
+    }
+)
+
+_CREDENTIAL_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AuthorizationHeaderMalformed",
+        "InvalidSecurity",
+    }
+)
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+    }
+)
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class S3Store(Store):
+    """One bucket on S3 or an S3-compatible server."""
+
+    def __init__(
+        self,
+        bucket: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        max_connections: int = 64,
+    ) -> None:
+        opts = dict(storage_options or {})
+        unknown = sorted(set(opts) - S3_OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"unknown S3 storage option(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(sorted(S3_OPTIONS))}"
+            )
+        self.bucket = bucket
+        self.root_url = f"s3://{bucket}"
+        endpoint = (
+            opts.get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or (os.environ.get("AWS_ENDPOINT_URL"))
+        )
+        try:
+            session = botocore.session.Session(profile=opts.get("profile_name"))
+            region = (
+                opts.get("region_name")
+                or os.environ.get("AWS_REGION")
+                or session.get_config_variable("region")
+                or "us-east-1"
+            )
+        except ProfileNotFound as exc:
+            raise CredentialsError(f"AWS profile for {self.root_url} not found: {exc}") from None
+        config = Config(
+            s3={
+                "addressing_style": opts.get("addressing_style")
+                or ("path" if endpoint else "auto"),
+                "payload_signing_enabled": False,
+            },
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            retries={"total_max_attempts": 1},  # the scheduler retries, not botocore
+            max_pool_connections=max_connections,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            tcp_keepalive=True,
+            # Validation rejects memoryview bodies; urllib3 sends them with one sendall and
+            # no copy. Every call's parameters are built here, so nothing is lost.
+            parameter_validation=False,
+            signature_version=UNSIGNED if opts.get("anonymous") else None,
+        )
+        self._client = session.create_client(
+            "s3",
+            region_name=region,
+            endpoint_url=endpoint,
+            aws_access_key_id=opts.get("aws_access_key_id"),
+            aws_secret_access_key=opts.get("aws_secret_access_key"),
+            aws_session_token=opts.get("aws_session_token"),
+            verify=opts.get("verify"),
+            config=config,
+        )
+
+    # -- error mapping -------------------------------------------------------------------
+    def _error(self, exc: Exception, key: str | None, op: str) -> Exception:
+        """Translate a botocore failure into a typed error naming the URL (never secrets)."""
+        url = self.url(key) if key is not None else self.root_url
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return CredentialsError(
+                f"no usable AWS credentials for {url}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options"
+            )
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            message = err.get("Message") or code
+            if code == "NoSuchBucket":
+                return BucketNotFoundError(f"bucket does not exist: {self.root_url} (for {url})")
+            if code in ("NoSuchKey", "NotFound") or (status == 404 and code in ("404", "")):
+                return NotFoundError(f"no such object: {url}")
+            if code in _CREDENTIAL_CODES:
+                return CredentialsError(f"credentials rejected for {url}: {code}")
+            if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
+                return AccessDeniedError(f"access denied: {op} {url} ({code or status})")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+                return AlreadyExistsError(f"{url} already exists")
+            if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS:
+                return TransientError(f"{op} {url}: {code or status} {message}")
+            if code == "InvalidRange" or status == 416:
+                return CorruptCheckpointError(f"{url} is shorter than the range being read")
+            return StorageError(f"{op} {url} failed: {code or status}: {message}")
+        if isinstance(
+            exc, (HTTPClientError, ResponseStreamingError, ConnectionError, TimeoutError)
+        ):
+            return TransientError(f"{op} {url}: {type(exc).__name__}: {exc}")
+        if isinstance(exc, BotoCoreError):
+            return StorageError(f"{op} {url} failed: {exc}")
+        return exc
+
+    def _call(self, op: str, key: str | None, **kwargs: Any) -> Any:
+        try:
+            return getattr(self._client, op)(Bucket=self.bucket, **kwargs)
+        except Exception as exc:
+            mapped = self._error(exc, key, op)
+            if mapped is exc:
+                raise
+            raise mapped from None
+
+    # -- reads ---------------------------------------------------------------------------
+    def head(self, key: str) -> ObjectInfo:
+        check_key(key, self.root_url)
+        resp = self._call("head_object", key, Key=key)
+        mtime = resp.get("LastModified")
+        return ObjectInfo(
+            key=key,
+            size=int(resp["ContentLength"]),
+            mtime=mtime.timestamp() if mtime is not None else None,
+            etag=resp.get("ETag"),
+        )
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        buf = bytearray(end - start)
+        self.read_into(key, start, [memoryview(buf)])
+        return bytes(buf)
+
+    def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+        check_key(key, self.root_url)
+        length = sum(len(b) for b in buffers)
+        if length == 0:
+            return
+        resp = self._call("get_object", key, Key=key, Range=f"bytes={start}-{start + length - 1}")
+        body = resp["Body"]
+        try:
+            got = int(resp.get("ContentLength", -1))
+            skip = 0
+            if got != length:
+                # Some servers ignore the range and send the whole object with a 200 and no
+                # Content-Range; take our slice of it. Anything else is a short answer.
+                if not resp.get("ContentRange") and got >= start + length:
+                    skip = start
+                else:
+                    raise CorruptCheckpointError(
+                        f"{self.url(key)}: asked for {length} bytes at {start}, got {got}"
+                    )
+            _read_body_into(body, skip, buffers, self.url(key))
+        except (HTTPClientError, ResponseStreamingError, ConnectionError, TimeoutError) as exc:
+            body.close()
+            raise TransientError(f"reading {self.url(key)}: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            body.close()
+            raise
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            resp = self._call("list_objects_v2", prefix, **kwargs)
+            for item in resp.get("Contents", ()):
+                mtime = item.get("LastModified")
+                yield ObjectInfo(
+                    key=item["Key"],
+                    size=int(item["Size"]),
+                    mtime=mtime.timestamp() if mtime is not None else None,
+                    etag=item.get("ETag"),
+                )
+            if not resp.get("IsTruncated"):
+                return
+            token = resp.get("NextContinuationToken")
+
+    # -- writes --------------------------------------------------------------------------
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
+        check_key(key, self.root_url)
+        extra = {"IfNoneMatch": "*"} if if_none_match else {}
+        self._call("put_object", key, Key=key, Body=_body(data), **extra)
+
+    def delete(self, key: str) -> None:
+        check_key(key, self.root_url)
+        self._call("delete_object", key, Key=key)
+
+    def create_multipart(self, key: str) -> MultipartUpload:
+        check_key(key, self.root_url)
+        resp = self._call("create_multipart_upload", key, Key=key)
+        return MultipartUpload(key=key, upload_id=resp["UploadId"])
+
+    def upload_part(
+        self, upload: MultipartUpload, number: int, data: Buffer, offset: int
+    ) -> UploadedPart:
+        resp = self._call(
+            "upload_part",
+            upload.key,
+            Key=upload.key,
+            UploadId=upload.upload_id,
+            PartNumber=number,
+            Body=_body(data),
+        )
+        return UploadedPart(number=number, etag=resp["ETag"], size=len(memoryview(data)))
+
+    def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+        self._call(
+            "complete_multipart_upload",
+            upload.key,
+            Key=upload.key,
+            UploadId=upload.upload_id,
+            MultipartUpload={"Parts": [{"ETag": p.etag, "PartNumber": p.number} for p in parts]},
+        )
+
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        # A 404 means the upload is already gone, which is what we wanted.
+        with contextlib.suppress(NotFoundError):
+            self._call(
+                "abort_multipart_upload", upload.key, Key=upload.key, UploadId=upload.upload_id
+            )
+
+    def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
+        kwargs: dict[str, Any] = {"Prefix": prefix}
+        while True:
+            resp = self._call("list_multipart_uploads", prefix, **kwargs)
+            for item in resp.get("Uploads", ()):
+                initiated = item.get("Initiated")
+                yield MultipartUpload(
+                    key=item["Key"],
+                    upload_id=item["UploadId"],
+                    initiated=initiated.timestamp() if initiated is not None else None,
+                )
+            if not resp.get("IsTruncated"):
+                return
+            kwargs["KeyMarker"] = resp.get("NextKeyMarker")
+            kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _body(data: Buffer) -> bytes | bytearray | memoryview:
+    """A request body botocore sends with one ``sendall`` and no copy."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _read_body_into(body: Any, skip: int, buffers: Sequence[memoryview], url: str) -> None:
+    """Read a response body into ``buffers`` without an intermediate copy where possible.
+
+    urllib3's own ``readinto`` reads into a temporary and copies; for an identity-encoded
+    body we read from the underlying ``http.client`` response, which fills our memory
+    straight from the socket. Other encodings take the copying path.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    encoding = (getattr(raw, "headers", None) or {}).get("content-encoding", "identity")
+    direct = fp is not None and hasattr(fp, "readinto") and encoding in ("identity", "")
+    if skip:
+        _discard(body, skip, url)
+    for buf in buffers:
+        view = buf.cast("B") if buf.format != "B" else buf
+        filled = 0
+        while filled < len(view):
+            if direct and fp is not None:
+                n = fp.readinto(view[filled:])
+            else:
+                chunk = body.read(len(view) - filled)
+                n = len(chunk)
+                view[filled : filled + n] = chunk
+            if not n:
+                raise TransientError(f"reading {url}: connection closed mid-body")
+            filled += n
+    if skip:
+        body.close()  # the rest of a whole-object answer is not wanted: drop the connection
+    elif direct and raw is not None:
+        # The body was read to its end: hand the connection back to the pool.
+        raw.release_conn()
+
+
+def _discard(body: Any, n: int, url: str) -> None:
+    while n:
+        chunk = body.read(min(n, 1 << 20))
+        if not chunk:
+            raise TransientError(f"reading {url}: connection closed mid-body")
+        n -= len(chunk)

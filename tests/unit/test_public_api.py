@@ -1,0 +1,66 @@
+"""The public surface is deliberate: pin it, and keep the layers importing downward."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import cloudckpt
+
+SRC = pathlib.Path(cloudckpt.__file__).parent
+
+
+def test_all_is_sorted_and_pinned():
+    assert list(cloudckpt.__all__) == sorted(cloudckpt.__all__)
+    assert set(cloudckpt.__all__) == {
+        "SaveResult",
+        "TransferOptions",
+        "__version__",
+        "configure",
+        "errors",
+        "get_defaults",
+        "load",
+        "save",
+    }
+    for name in cloudckpt.__all__:
+        assert hasattr(cloudckpt, name)
+
+
+# Each layer may import only itself and the layers listed (plus the shared leaf modules).
+LEAVES = {"errors", "options"}
+ALLOWED = {
+    "store": {"store"},
+    "format": {"format"},
+    "engine": {"engine", "store", "format"},
+}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level >= 1 and node.module:
+            parts = path.relative_to(SRC).parts
+            base = parts[: len(parts) - node.level]
+            target = (*base, *node.module.split("."))
+            found.add(target[0])
+        elif isinstance(node, ast.ImportFrom) and node.level >= 2 and not node.module:
+            found.add("")
+    return found
+
+
+def test_layers_only_import_downward():
+    for layer, allowed in ALLOWED.items():
+        for path in (SRC / layer).rglob("*.py"):
+            bad = _imports(path) - allowed - LEAVES - {""}
+            assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+
+
+def test_errors_subclass_builtins():
+    from cloudckpt import errors
+
+    assert issubclass(errors.NotFoundError, FileNotFoundError)
+    assert issubclass(errors.CredentialsError, PermissionError)
+    assert issubclass(errors.ConfigError, ValueError)
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), errors.CloudCkptError)
