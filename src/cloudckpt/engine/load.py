@@ -53,6 +53,8 @@ __all__ = ["load"]
 
 #: First tail read: the EOCD records plus room for a directory of ~5,000 records.
 _TAIL_READ = 512 * 1024
+#: Bytes between two records (data descriptors, padding) still read as one request.
+_MAX_GAP = 4096
 
 
 def _storage_view(storage: torch.UntypedStorage) -> memoryview:
@@ -104,7 +106,8 @@ class _Fetcher:
         for rec in batch:
             e = rec.entry
             total = e.local_header_size + e.size
-            if run and (e.header_offset != run_end or run_size + total > chunk):
+            gap = e.header_offset - run_end  # data descriptors sit between records
+            if run and (not 0 <= gap <= _MAX_GAP or run_size + gap + total > chunk):
                 self._submit_run(run)
                 run, run_size = [], 0
             if total > chunk:
@@ -114,16 +117,21 @@ class _Fetcher:
                 self._submit_split(rec, chunk)
                 continue
             run.append(rec)
+            run_size += total + (e.header_offset - run_end if len(run) > 1 else 0)
             run_end = e.end
-            run_size += total
         if run:
             self._submit_run(run)
 
     def _submit_run(self, run: list[_Record]) -> None:
         buffers: list[memoryview] = []
+        previous_end = run[0].entry.header_offset
         for rec in run:
             rec.pending += 1
+            gap = rec.entry.header_offset - previous_end
+            if gap:
+                buffers.append(memoryview(bytearray(gap)))
             buffers += [rec.header, rec.dest]
+            previous_end = rec.entry.end
         start = run[0].entry.header_offset
         self._submit(start, buffers, run, sum(r.entry.size for r in run))
 

@@ -8,9 +8,11 @@ is an explicit opt-in to full pickle for trusted files.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import struct
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,16 +39,30 @@ def _text(value: Any) -> str:
     return value.decode("ascii") if isinstance(value, bytes) else str(value)
 
 
+_dtypes: dict[Any, torch.dtype | None] = {torch.UntypedStorage: torch.uint8}
+
+
+def _storage_dtype(storage_type: Any) -> torch.dtype | None:
+    """The element type of a storage class (legacy classes warn on ``.dtype``; ask once)."""
+    try:
+        return _dtypes[storage_type]
+    except (KeyError, TypeError):
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = getattr(storage_type, "dtype", None)
+    found = found if isinstance(found, torch.dtype) else None
+    with contextlib.suppress(TypeError):  # unhashable: not a storage class anyway
+        _dtypes[storage_type] = found
+    return found
+
+
 def parse_persistent_id(saved_id: Any, url: str) -> StorageRef:
     """Decode ``('storage', storage_type, key, location, numel)``."""
     if not isinstance(saved_id, tuple) or len(saved_id) != 5 or _text(saved_id[0]) != "storage":
         raise CorruptCheckpointError(f"{url}: unexpected persistent id {saved_id!r} in data.pkl")
     _, storage_type, key, location, numel = saved_id
-    found = (
-        torch.uint8
-        if storage_type is torch.UntypedStorage
-        else getattr(storage_type, "dtype", None)
-    )
+    found = _storage_dtype(storage_type)
     if not isinstance(found, torch.dtype):
         raise CorruptCheckpointError(f"{url}: unknown storage type {storage_type!r}")
     dtype: torch.dtype = found

@@ -42,7 +42,8 @@ class Entry:
     crc32: int
     method: int
     flags: int
-    local_header_size: int = 0  # filled by parse_directory
+    zip64: bool = False  # the directory entry carried zip64 values
+    local_header_size: int = 0  # filled by parse_directory; -1 means unknown
 
     @property
     def data_offset(self) -> int:
@@ -126,9 +127,10 @@ def parse_directory(tail: bytes, tail_start: int, object_size: int, url: str) ->
         name_start = pos + _CENTRAL_SIZE
         name = tail[name_start : name_start + name_len].decode("utf-8", "replace")
         extra = tail[name_start + name_len : name_start + name_len + extra_len]
-        if 0xFFFFFFFF in (csize, usize, offset):
+        zip64 = 0xFFFFFFFF in (csize, usize, offset)
+        if zip64:
             usize, csize, offset = _zip64_extra(extra, usize, csize, offset, url, name)
-        entries[name] = Entry(name, offset, usize, csize, crc, method, flags)
+        entries[name] = Entry(name, offset, usize, csize, crc, method, flags, zip64)
         pos = name_start + name_len + extra_len + comment_len
     _infer_local_headers(entries, cd_offset, url)
     return Directory(entries=entries, cd_offset=cd_offset, cd_size=cd_size)
@@ -155,13 +157,20 @@ def _zip64_extra(
 
 
 def _infer_local_headers(entries: dict[str, Entry], cd_offset: int, url: str) -> None:
-    """Each local header spans from its offset to the data that ends at the next header."""
+    """Each local header spans from its offset to the data that ends at the next header.
+
+    Records written by a streaming zip writer (torch's, flag bit 3) are followed by a
+    data descriptor: 16 bytes with its signature, 24 when the entry is zip64 (the
+    layout torch's writer uses). Anything that does not fit is marked unknown and the
+    reader fetches that local header before planning its reads.
+    """
     ordered = sorted(entries.values(), key=lambda e: e.header_offset)
     for entry, nxt in zip(ordered, [*ordered[1:], None], strict=True):
         following = nxt.header_offset if nxt is not None else cd_offset
-        size = following - entry.header_offset - entry.compressed_size
+        descriptor = (24 if entry.zip64 else 16) if entry.flags & 0x08 else 0
+        size = following - entry.header_offset - entry.compressed_size - descriptor
         minimum = LOCAL_HEADER_SIZE + len(entry.name.encode())
-        if entry.flags & 0x08 or size < minimum or size > minimum + 0xFFFF:
+        if size < minimum or size > minimum + 0xFFFF:
             entry.local_header_size = -1  # unknown: the reader fetches the header first
         else:
             entry.local_header_size = size

@@ -166,6 +166,8 @@ class S3Store(Store):
                 return BucketNotFoundError(f"bucket does not exist: {self.root_url} (for {url})")
             if code in ("NoSuchKey", "NotFound") or (status == 404 and code in ("404", "")):
                 return NotFoundError(f"no such object: {url}")
+            if code == "NoSuchUpload":
+                return NotFoundError(f"no such multipart upload: {op} {url}")
             if code in _CREDENTIAL_CODES:
                 return CredentialsError(f"credentials rejected for {url}: {code}")
             if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
@@ -197,7 +199,13 @@ class S3Store(Store):
     # -- reads ---------------------------------------------------------------------------
     def head(self, key: str) -> ObjectInfo:
         check_key(key, self.root_url)
-        resp = self._call("head_object", key, Key=key)
+        try:
+            resp = self._call("head_object", key, Key=key)
+        except AccessDeniedError:
+            # A HEAD answer has no body, so a bare 403 cannot say whether the credentials
+            # were rejected or lack permission; a one-byte GET returns the error code.
+            self._call("get_object", key, Key=key, Range="bytes=0-0")["Body"].close()
+            raise
         mtime = resp.get("LastModified")
         return ObjectInfo(
             key=key,
@@ -304,7 +312,10 @@ class S3Store(Store):
     def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
         kwargs: dict[str, Any] = {"Prefix": prefix}
         while True:
-            resp = self._call("list_multipart_uploads", prefix, **kwargs)
+            try:
+                resp = self._call("list_multipart_uploads", prefix, **kwargs)
+            except NotFoundError:
+                return  # rclone answers NoSuchUpload when there are none
             for item in resp.get("Uploads", ()):
                 initiated = item.get("Initiated")
                 yield MultipartUpload(
