@@ -28,6 +28,8 @@ from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, chec
 __all__ = ["LocalStore"]
 
 _TMP_MARK = ".cloudckpt-"
+#: Most buffers one preadv call takes (the kernel refuses more with EINVAL).
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _TMP_SUFFIX = ".part"
 
 
@@ -80,19 +82,20 @@ class LocalStore(Store):
             raise self._oserror(exc, key) from None
         try:
             pending = [b for b in buffers if len(b)]
+            first = 0  # pending[first:] still needs filling
             offset = start
-            while pending:
-                n = os.preadv(fd, pending, offset)
+            while first < len(pending):
+                n = os.preadv(fd, pending[first : first + _IOV_MAX], offset)
                 if n == 0:
                     raise CorruptCheckpointError(
                         f"{self.url(key)} ends at byte {offset}, before the range being read"
                     )
                 offset += n
-                while pending and n >= len(pending[0]):
-                    n -= len(pending[0])
-                    pending.pop(0)
+                while first < len(pending) and n >= len(pending[first]):
+                    n -= len(pending[first])
+                    first += 1
                 if n:
-                    pending[0] = pending[0][n:]
+                    pending[first] = pending[first][n:]
         except OSError as exc:
             raise self._oserror(exc, key) from None
         finally:
