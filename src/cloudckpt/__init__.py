@@ -10,6 +10,7 @@ See docs/ for the store URLs, transfer options and the commit guarantees.
 from __future__ import annotations
 
 from . import errors
+from .engine.async_save import SaveHandle, async_save, wait_all
 from .engine.load import load
 from .engine.save import SaveResult, save
 from .options import TransferOptions, configure, get_defaults
@@ -17,12 +18,15 @@ from .options import TransferOptions, configure, get_defaults
 __version__ = "0.1.0"
 
 __all__ = [
+    "SaveHandle",
     "SaveResult",
     "TransferOptions",
     "__version__",
+    "async_save",
     "configure",
     "errors",
     "get_defaults",
     "load",
     "save",
+    "wait_all",
 ]

@@ -13,14 +13,17 @@ SRC = pathlib.Path(cloudckpt.__file__).parent
 def test_all_is_sorted_and_pinned():
     assert list(cloudckpt.__all__) == sorted(cloudckpt.__all__)
     assert set(cloudckpt.__all__) == {
+        "SaveHandle",
         "SaveResult",
         "TransferOptions",
         "__version__",
+        "async_save",
         "configure",
         "errors",
         "get_defaults",
         "load",
         "save",
+        "wait_all",
     }
     for name in cloudckpt.__all__:
         assert hasattr(cloudckpt, name)
@@ -32,6 +35,7 @@ ALLOWED = {
     "store": {"store"},
     "format": {"format"},
     "engine": {"engine", "store", "format"},
+    "lightning": {"lightning", "engine", "store", "format"},
 }
 
 

@@ -15,11 +15,11 @@ from ..errors import SerializationError, UnpicklableError
 from ..format.picklability import find_unpicklable
 from ..format.tensors import storage_bytes
 from ..options import TransferOptions, resolve_options
-from ..store import open_url
+from ..store import Store, open_url
 from .progress import progress_bar
 from .sink import ObjectSink
 
-__all__ = ["SaveResult", "save"]
+__all__ = ["SaveResult", "save", "write_object"]
 
 log = logging.getLogger("cloudckpt")
 
@@ -56,23 +56,14 @@ def _unpicklable_error(obj: Any, exc: BaseException, url: str) -> SerializationE
     )
 
 
-def save(
-    obj: Any,
-    url: str | os.PathLike[str],
-    *,
-    options: TransferOptions | None = None,
-    **overrides: Any,
+def write_object(
+    obj: Any, store: Store, key: str, opts: TransferOptions, *, size_hint: int | None = None
 ) -> SaveResult:
-    """Write ``obj`` as a standard ``torch.save`` archive at ``url``; visible only once complete.
-
-    ``overrides`` are :class:`~cloudckpt.TransferOptions` fields for this call (e.g.
-    ``part_size``, ``write_concurrency``, ``storage_options``).
-    """
-    opts = resolve_options(options, **overrides)
-    store, key = open_url(url, opts)
+    """Stream ``torch.save(obj)`` to ``key``; commit on success, abort on any failure."""
     target = store.url(key)
     started = time.perf_counter()
-    size_hint = storage_bytes(obj)
+    if size_hint is None:
+        size_hint = storage_bytes(obj)
     with progress_bar(f"save {key.rsplit('/', 1)[-1]}", size_hint, opts.progress) as advance:
         sink = ObjectSink(store, key, opts, size_hint=size_hint, on_progress=advance)
         try:
@@ -92,3 +83,20 @@ def save(
                     raise typed from exc
             raise
     return SaveResult(url=target, size=size, seconds=time.perf_counter() - started)
+
+
+def save(
+    obj: Any,
+    url: str | os.PathLike[str],
+    *,
+    options: TransferOptions | None = None,
+    **overrides: Any,
+) -> SaveResult:
+    """Write ``obj`` as a standard ``torch.save`` archive at ``url``; visible only once complete.
+
+    ``overrides`` are :class:`~cloudckpt.TransferOptions` fields for this call (e.g.
+    ``part_size``, ``write_concurrency``, ``storage_options``).
+    """
+    opts = resolve_options(options, **overrides)
+    store, key = open_url(url, opts)
+    return write_object(obj, store, key, opts)

@@ -25,6 +25,9 @@ from botocore.exceptions import (
     ProfileNotFound,
     ResponseStreamingError,
 )
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
+)
 
 from ..errors import (
     AccessDeniedError,
@@ -81,6 +84,14 @@ _TRANSIENT_CODES = frozenset(
     }
 )
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: Connection refused/reset, timeouts, bodies cut short: retried by the scheduler.
+_TRANSIENT_EXCEPTIONS = (
+    HTTPClientError,
+    BotoConnectionError,
+    ResponseStreamingError,
+    ConnectionError,
+    TimeoutError,
+)
 
 
 class S3Store(Store):
@@ -179,9 +190,7 @@ class S3Store(Store):
             if code == "InvalidRange" or status == 416:
                 return CorruptCheckpointError(f"{url} is shorter than the range being read")
             return StorageError(f"{op} {url} failed: {code or status}: {message}")
-        if isinstance(
-            exc, (HTTPClientError, ResponseStreamingError, ConnectionError, TimeoutError)
-        ):
+        if isinstance(exc, _TRANSIENT_EXCEPTIONS):
             return TransientError(f"{op} {url}: {type(exc).__name__}: {exc}")
         if isinstance(exc, BotoCoreError):
             return StorageError(f"{op} {url} failed: {exc}")
@@ -239,7 +248,7 @@ class S3Store(Store):
                         f"{self.url(key)}: asked for {length} bytes at {start}, got {got}"
                     )
             _read_body_into(body, skip, buffers, self.url(key))
-        except (HTTPClientError, ResponseStreamingError, ConnectionError, TimeoutError) as exc:
+        except _TRANSIENT_EXCEPTIONS as exc:
             body.close()
             raise TransientError(f"reading {self.url(key)}: {type(exc).__name__}: {exc}") from None
         except BaseException:

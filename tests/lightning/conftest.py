@@ -1,0 +1,5 @@
+"""Lightning tests need the ``lightning`` package."""
+
+import pytest
+
+pytest.importorskip("lightning")
