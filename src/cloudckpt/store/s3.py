@@ -240,12 +240,21 @@ class S3Store(Store):
             skip = 0
             if got != length:
                 # Some servers ignore the range and send the whole object with a 200 and no
-                # Content-Range; take our slice of it. Anything else is a short answer.
-                if not resp.get("ContentRange") and got >= start + length:
+                # Content-Range; take our slice of it. An object that ends before the range
+                # is corrupt (truncated); any other short answer is a glitch worth a retry.
+                total = _content_range_total(resp.get("ContentRange"))
+                size = total if total is not None else got
+                if total is None and got >= start + length:
                     skip = start
-                else:
+                elif size < start + length:
                     raise CorruptCheckpointError(
-                        f"{self.url(key)}: asked for {length} bytes at {start}, got {got}"
+                        f"{self.url(key)} ends at byte {size}, "
+                        f"before the range {start}-{start + length - 1} being read"
+                    )
+                else:
+                    raise TransientError(
+                        f"reading {self.url(key)}: asked for {length} bytes at {start}, "
+                        f"the answer holds {got}"
                     )
             _read_body_into(body, skip, buffers, self.url(key))
         except _TRANSIENT_EXCEPTIONS as exc:
@@ -303,13 +312,27 @@ class S3Store(Store):
         return UploadedPart(number=number, etag=resp["ETag"], size=len(memoryview(data)))
 
     def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
-        self._call(
-            "complete_multipart_upload",
-            upload.key,
-            Key=upload.key,
-            UploadId=upload.upload_id,
-            MultipartUpload={"Parts": [{"ETag": p.etag, "PartNumber": p.number} for p in parts]},
-        )
+        try:
+            self._call(
+                "complete_multipart_upload",
+                upload.key,
+                Key=upload.key,
+                UploadId=upload.upload_id,
+                MultipartUpload={
+                    "Parts": [{"ETag": p.etag, "PartNumber": p.number} for p in parts]
+                },
+            )
+        except NotFoundError:
+            # A retry after a lost answer: the first attempt completed the upload, so the
+            # upload id is gone. Accept it when the object is there with the right size.
+            size = sum(p.size for p in parts)
+            try:
+                found = self.head(upload.key).size
+            except NotFoundError:
+                found = -1
+            if found != size:
+                raise
+            upload.backend = "completed-on-earlier-attempt"
 
     def abort_multipart(self, upload: MultipartUpload) -> None:
         # A 404 means the upload is already gone, which is what we wanted.
@@ -339,6 +362,14 @@ class S3Store(Store):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _content_range_total(value: str | None) -> int | None:
+    """The object size in a ``Content-Range: bytes a-b/total`` header, if given."""
+    if not value or "/" not in value:
+        return None
+    total = value.rsplit("/", 1)[1].strip()
+    return int(total) if total.isdigit() else None
 
 
 def _body(data: Buffer) -> bytes | bytearray | memoryview:

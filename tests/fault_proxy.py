@@ -1,0 +1,218 @@
+"""An HTTP proxy on 127.0.0.1 that sits in front of a real S3 server and breaks things.
+
+    with FaultProxy(upstream="http://127.0.0.1:9000", rate=0.1, seed=1) as proxy:
+        cloudckpt.save(state, url, storage_options={..., "endpoint_url": proxy.url})
+
+Faults are chosen per request, by rate (seeded) or by request number (``schedule``),
+among the requests ``match(method, target)`` accepts (all by default):
+
+| kind            | what the client sees                                              | upstream |
+|-----------------|-------------------------------------------------------------------|----------|
+| ``slowdown``    | 503 with an S3 ``SlowDown`` error body                            | untouched |
+| ``internal``    | 500 with an S3 ``InternalError`` error body                       | untouched |
+| ``reset``       | the connection closes before any response                         | untouched |
+| ``reset_after`` | the request is applied upstream, then the connection closes       | applied |
+| ``truncate``    | headers with the full Content-Length, half the body, then a close | applied |
+| ``short``       | a Content-Length smaller than the body it stands for, then close  | applied |
+| ``slow``        | no answer for ``slow_seconds`` (past the client's timeout)        | untouched |
+
+Request loops are bounded: the proxy serves at most ``max_requests`` requests and stops
+with the context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import random
+import socket
+import socketserver
+import threading
+from collections import Counter
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+KINDS = ("slowdown", "internal", "reset", "reset_after", "truncate", "short", "slow")
+_ERROR_BODY = (
+    '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+    "<Message>injected by the test fault proxy</Message></Error>"
+)
+
+
+class FaultProxy:
+    """Forward HTTP/1.1 requests to ``upstream``, injecting faults on the way back."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        rate: float = 0.0,
+        kinds: tuple[str, ...] = KINDS,
+        schedule: dict[int, str] | None = None,
+        seed: int = 0,
+        slow_seconds: float = 3.0,
+        max_requests: int = 100_000,
+        match: Callable[[str, str], bool] | None = None,
+    ) -> None:
+        unknown = set(kinds) - set(KINDS) | set((schedule or {}).values()) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}")
+        parts = urlsplit(upstream)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.rate = rate
+        self.kinds = kinds
+        self.schedule = dict(schedule or {})
+        self.slow_seconds = slow_seconds
+        self.max_requests = max_requests
+        self.match = match
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.injected: Counter[str] = Counter()
+        self.enabled = True
+        self._server: socketserver.ThreadingTCPServer | None = None
+        self._stop = threading.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def __enter__(self) -> FaultProxy:
+        proxy = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                proxy._serve(self.request)
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    # -- fault choice ------------------------------------------------------------------
+    def _choose(self, method: str, target: str) -> str | None:
+        with self._lock:
+            self.requests += 1
+            n = self.requests
+            if n > self.max_requests:
+                raise RuntimeError("fault proxy request budget exhausted")
+            if not self.enabled or (self.match is not None and not self.match(method, target)):
+                return None
+            kind = self.schedule.get(n)
+            if kind is None and self.rate and self._rng.random() < self.rate:
+                kind = self._rng.choice(self.kinds)
+            if kind is not None:
+                self.injected[kind] += 1
+            return kind
+
+    # -- one client connection -----------------------------------------------------------
+    def _serve(self, sock: socket.socket) -> None:
+        reader = sock.makefile("rb")
+        try:
+            while not self._stop.is_set():
+                request = _read_request(reader, sock)
+                if request is None:
+                    return
+                method, target, headers, body = request
+                kind = self._choose(method, target)
+                if kind in ("slowdown", "internal"):
+                    status, code = (
+                        (503, "SlowDown") if kind == "slowdown" else (500, "InternalError")
+                    )
+                    payload = _ERROR_BODY.format(code=code).encode()
+                    _send(sock, status, [("Content-Type", "application/xml")], payload)
+                    continue
+                if kind == "reset":
+                    _reset(sock)
+                    return
+                if kind == "slow":
+                    self._stop.wait(self.slow_seconds)
+                    _reset(sock)
+                    return
+                status, resp_headers, resp_body = self._forward(method, target, headers, body)
+                if kind == "reset_after":
+                    _reset(sock)
+                    return
+                if kind in ("truncate", "short") and len(resp_body) >= 2:
+                    half = len(resp_body) // 2
+                    if kind == "short":  # claim fewer bytes than the answer really has
+                        _send(sock, status, resp_headers, resp_body[:half])
+                    else:
+                        _send(sock, status, resp_headers, resp_body[:half], length=len(resp_body))
+                    _reset(sock)
+                    return
+                _send(sock, status, resp_headers, resp_body)
+        except (ConnectionError, OSError):
+            return
+        finally:
+            reader.close()
+
+    def _forward(
+        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+            for k, v in headers:
+                if k.lower() not in ("expect", "connection"):
+                    conn.putheader(k, v)
+            conn.endheaders(body if body else None)
+            resp = conn.getresponse()
+            data = resp.read()
+            drop = ("connection", "transfer-encoding")
+            if method != "HEAD":  # a HEAD answer's Content-Length describes the object
+                drop += ("content-length",)
+            out = [(k, v) for k, v in resp.getheaders() if k.lower() not in drop]
+            return resp.status, out, data
+        finally:
+            conn.close()
+
+
+def _read_request(reader, sock: socket.socket):
+    line = reader.readline(65537)
+    if not line:
+        return None
+    method, target, _ = line.decode("latin-1").split(" ", 2)
+    headers: list[tuple[str, str]] = []
+    for _ in range(200):
+        h = reader.readline(65537)
+        if h in (b"\r\n", b"\n", b""):
+            break
+        k, v = h.decode("latin-1").split(":", 1)
+        headers.append((k.strip(), v.strip()))
+    lookup = {k.lower(): v for k, v in headers}
+    if lookup.get("expect", "").lower() == "100-continue":
+        sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+    length = int(lookup.get("content-length", "0") or 0)
+    body = reader.read(length) if length else b""
+    return method, target, headers, body
+
+
+def _send(
+    sock: socket.socket, status: int, headers, body: bytes, length: int | None = None
+) -> None:
+    reason = http.client.responses.get(status, "Unknown")
+    lines = [f"HTTP/1.1 {status} {reason}"]
+    lines += [f"{k}: {v}" for k, v in headers]
+    if not any(k.lower() == "content-length" for k, _ in headers):
+        lines.append(f"Content-Length: {len(body) if length is None else length}")
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close abruptly (RST rather than FIN), as a dropped connection looks to a client."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()
+
+
+__all__ = ["KINDS", "FaultProxy"]

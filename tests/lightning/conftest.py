@@ -1,5 +1,0 @@
-"""Lightning tests need the ``lightning`` package."""
-
-import pytest
-
-pytest.importorskip("lightning")
