@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudckpt-installed
 URL    ?=
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test test-compat lint clean
 
 venv: $(STAMP)
 
@@ -20,6 +20,13 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# The Lightning tests again against the oldest Lightning we support (2.4).
+LIGHTNING_MIN ?= 2.4.0
+test-compat: venv
+	test -d .cache/lightning-$(LIGHTNING_MIN) || $(BIN)/python -m pip install -q --no-deps \
+		--target .cache/lightning-$(LIGHTNING_MIN) lightning==$(LIGHTNING_MIN)
+	PYTHONPATH=.cache/lightning-$(LIGHTNING_MIN) $(BIN)/python -m pytest -q tests/lightning
 
 lint: venv
 	$(BIN)/ruff check
