@@ -4,16 +4,23 @@
     cloudckpt.save(model.state_dict(), "s3://bucket/run1/step-100.pt")
     state = cloudckpt.load("s3://bucket/run1/step-100.pt", map_location="cpu")
 
-See docs/ for the store URLs, transfer options and the commit guarantees.
+See docs/ for the store URLs, transfer options and the commit guarantees. Names that
+need torch are imported on first use, so ``import cloudckpt`` (and the command line)
+start fast.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import errors
-from .engine.async_save import SaveHandle, async_save, wait_all
-from .engine.load import load
-from .engine.save import SaveResult, save
 from .options import TransferOptions, configure, get_defaults
+
+if TYPE_CHECKING:
+    from .engine.async_save import SaveHandle, async_save, wait_all
+    from .engine.load import load
+    from .engine.save import SaveResult, save
 
 __version__ = "0.1.0"
 
@@ -30,3 +37,25 @@ __all__ = [
     "save",
     "wait_all",
 ]
+
+_LAZY = {
+    "SaveHandle": ".engine.async_save",
+    "async_save": ".engine.async_save",
+    "wait_all": ".engine.async_save",
+    "load": ".engine.load",
+    "SaveResult": ".engine.save",
+    "save": ".engine.save",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cloudckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

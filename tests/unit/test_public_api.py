@@ -68,3 +68,12 @@ def test_errors_subclass_builtins():
     assert issubclass(errors.ConfigError, ValueError)
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.CloudCkptError)
+
+
+def test_import_is_light():
+    """`import cloudckpt` (and so the command line) must not pull in torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, cloudckpt; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

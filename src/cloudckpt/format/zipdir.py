@@ -132,6 +132,11 @@ def parse_directory(tail: bytes, tail_start: int, object_size: int, url: str) ->
             usize, csize, offset = _zip64_extra(extra, usize, csize, offset, url, name)
         entries[name] = Entry(name, offset, usize, csize, crc, method, flags, zip64)
         pos = name_start + name_len + extra_len + comment_len
+    for entry in entries.values():
+        if entry.header_offset + LOCAL_HEADER_SIZE + entry.compressed_size > cd_offset:
+            raise CorruptCheckpointError(
+                f"{url}: record {entry.name!r} claims bytes past the end of the archive"
+            )
     _infer_local_headers(entries, cd_offset, url)
     return Directory(entries=entries, cd_offset=cd_offset, cd_size=cd_size)
 
