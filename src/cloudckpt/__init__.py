@@ -19,12 +19,15 @@ from .options import TransferOptions, configure, get_defaults
 
 if TYPE_CHECKING:
     from .engine.async_save import SaveHandle, async_save, wait_all
+    from .manager import CheckpointInfo, CheckpointManager
     from .engine.load import load
     from .engine.save import SaveResult, save
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointInfo",
+    "CheckpointManager",
     "SaveHandle",
     "SaveResult",
     "TransferOptions",
@@ -39,6 +42,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "CheckpointInfo": ".manager",
+    "CheckpointManager": ".manager",
     "SaveHandle": ".engine.async_save",
     "async_save": ".engine.async_save",
     "wait_all": ".engine.async_save",

@@ -13,6 +13,8 @@ SRC = pathlib.Path(cloudckpt.__file__).parent
 def test_all_is_sorted_and_pinned():
     assert list(cloudckpt.__all__) == sorted(cloudckpt.__all__)
     assert set(cloudckpt.__all__) == {
+        "CheckpointInfo",
+        "CheckpointManager",
         "SaveHandle",
         "SaveResult",
         "TransferOptions",
@@ -36,6 +38,9 @@ ALLOWED = {
     "format": {"format"},
     "engine": {"engine", "store", "format"},
     "lightning": {"lightning", "engine", "store", "format"},
+    "dcp": {"dcp", "engine", "store", "format"},
+    "manager": {"manager", "dcp", "engine", "store", "format"},
+    "cli": {"cli", "manager", "dcp", "engine", "store", "format"},
 }
 
 

@@ -11,14 +11,13 @@ entries reference are fetched.
 from __future__ import annotations
 
 import ctypes
-import functools
 import io
 import os
 import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,24 +34,17 @@ from ..errors import (
 from ..format.tensors import referenced_storages
 from ..format.unpickle import StorageRef, parse_persistent_id, unpickle
 from ..format.zipdir import (
-    LOCAL_HEADER_SIZE,
-    TAIL_PROBE,
-    Directory,
     Entry,
-    _NeedMore,
     check_local_header,
-    local_header_size,
-    parse_directory,
 )
 from ..options import TransferOptions, resolve_options
 from ..store import ObjectInfo, Store, open_url
+from .directory import read_directory
 from .progress import progress_bar
 from .scheduler import TransferGroup, call_with_retries
 
 __all__ = ["load"]
 
-#: First tail read: the EOCD records plus room for a directory of ~5,000 records.
-_TAIL_READ = 512 * 1024
 #: Bytes between two records (data descriptors, padding) still read as one request.
 _MAX_GAP = 4096
 
@@ -199,41 +191,6 @@ def _head(store: Store, key: str, options: TransferOptions) -> ObjectInfo:
         raise
 
 
-def _read_directory(
-    store: Store, key: str, size: int, options: TransferOptions
-) -> tuple[Directory, bytes, int]:
-    url = store.url(key)
-    start = max(0, size - max(_TAIL_READ, TAIL_PROBE))
-    tail = call_with_retries(lambda: store.get_range(key, start, size), options, f"read {url}")
-    while True:
-        try:
-            return parse_directory(tail, start, size, url), tail, start
-        except _NeedMore as more:
-            if more.start >= start or more.start < 0:
-                raise CorruptCheckpointError(f"{url}: damaged zip directory") from None
-            lo, hi = more.start, start
-            head = call_with_retries(
-                functools.partial(store.get_range, key, lo, hi), options, f"read {url}"
-            )
-            tail, start = head + tail, lo
-
-
-def _resolve_unknown_headers(
-    store: Store, key: str, entries: Iterable[Entry], options: TransferOptions
-) -> None:
-    url = store.url(key)
-    for e in entries:
-        if e.local_header_size < 0:
-            fixed = call_with_retries(
-                functools.partial(
-                    store.get_range, key, e.header_offset, e.header_offset + LOCAL_HEADER_SIZE
-                ),
-                options,
-                f"read {url}",
-            )
-            e.local_header_size = local_header_size(fixed)
-
-
 def _fallback_torch_load(
     store: Store,
     key: str,
@@ -288,13 +245,14 @@ def load(
     if info.size == 0:
         raise CorruptCheckpointError(f"{target} is empty")
     try:
-        directory, tail, tail_start = _read_directory(store, key, info.size, opts)
+        found = read_directory(store, key, info.size, opts)
     except CorruptCheckpointError:
         if info.size < 8 or store.get_range(key, 0, 2) == b"PK":
             raise
         result = _fallback_torch_load(store, key, info.size, opts, map_location, weights_only)
         return _select(result, keys, target) if keys is not None else result
-    entries = directory.entries
+    entries = found.directory.entries
+    tail, tail_start = found.tail, found.tail_start
     pkl_names = [n for n in entries if n.endswith("data.pkl") and n.count("/") == 1]
     if len(pkl_names) != 1:
         raise CorruptCheckpointError(f"{target} is a zip archive but not a torch checkpoint")
@@ -302,7 +260,6 @@ def load(
     if any(e.method != 0 for e in entries.values()):
         result = _fallback_torch_load(store, key, info.size, opts, map_location, weights_only)
         return _select(result, keys, target) if keys is not None else result
-    _resolve_unknown_headers(store, key, entries.values(), opts)
 
     started = time.perf_counter()
     payload = sum(e.size for n, e in entries.items() if n.startswith(prefix + "data/"))

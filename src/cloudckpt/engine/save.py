@@ -51,7 +51,8 @@ def _unpicklable_error(obj: Any, exc: BaseException, url: str) -> SerializationE
         "A checkpoint can hold tensors, containers, numbers, strings and importable "
         "classes, but not local functions, lambdas, open files or locks. Resolve "
         "factories into tensors before saving, or save sharded state dicts (e.g. "
-        "Megatron's) with torch.distributed.checkpoint.",
+        "Megatron's) with torch.distributed.checkpoint and cloudckpt.dcp.CloudStorageWriter "
+        "(docs/dcp.md).",
         path=path,
     )
 

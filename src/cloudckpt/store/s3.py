@@ -220,7 +220,7 @@ class S3Store(Store):
             key=key,
             size=int(resp["ContentLength"]),
             mtime=mtime.timestamp() if mtime is not None else None,
-            etag=resp.get("ETag"),
+            etag=_etag(resp.get("ETag")),
         )
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
@@ -277,7 +277,7 @@ class S3Store(Store):
                     key=item["Key"],
                     size=int(item["Size"]),
                     mtime=mtime.timestamp() if mtime is not None else None,
-                    etag=item.get("ETag"),
+                    etag=_etag(item.get("ETag")),
                 )
             if not resp.get("IsTruncated"):
                 return
@@ -362,6 +362,11 @@ class S3Store(Store):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _etag(value: str | None) -> str | None:
+    """ETags without their quotes (servers differ: rclone quotes them in HEAD, not in LIST)."""
+    return value.strip('"') if value else value
 
 
 def _content_range_total(value: str | None) -> int | None:

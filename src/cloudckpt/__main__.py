@@ -1,0 +1,9 @@
+"""``python -m cloudckpt``: the command line (see ``cloudckpt --help``)."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,182 @@
+"""Looking inside a ``torch.save`` archive on storage without downloading its tensors.
+
+``describe`` reads the zip directory (one ranged read of the tail) and ``data.pkl``,
+then unpickles it onto the ``meta`` device: names, dtypes, shapes and bytes of every
+tensor, for the cost of a few KiB. ``verify_archive`` streams every record and checks
+its CRC-32 against the directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine.directory import read_directory
+from ..engine.scheduler import TransferGroup, call_with_retries
+from ..errors import ChecksumError, CorruptCheckpointError
+from ..format.unpickle import parse_persistent_id, unpickle
+from ..format.zipdir import (
+    Directory,
+    Entry,
+    check_local_header,
+)
+from ..options import TransferOptions
+from ..store import Store
+
+__all__ = ["ArchiveInfo", "TensorInfo", "describe", "verify_archive"]
+
+#: Largest range one verify request reads (bounds memory: read_concurrency of these).
+_VERIFY_CHUNK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    device: str
+
+
+@dataclass
+class ArchiveInfo:
+    """What ``info`` reports about one archive."""
+
+    url: str
+    size: int
+    format: str
+    records: int
+    top_level_keys: list[str] | None = None
+    top_level_type: str = ""
+    tensors: list[TensorInfo] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _pkl_entry(directory: Directory, url: str) -> tuple[str, Entry]:
+    names = [n for n in directory.entries if n.endswith("data.pkl") and n.count("/") == 1]
+    if len(names) != 1:
+        raise CorruptCheckpointError(f"{url} is a zip archive but not a torch checkpoint")
+    return names[0][: -len("data.pkl")], directory.entries[names[0]]
+
+
+def _walk(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    if depth > 100:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]", depth + 1)
+
+
+def describe(
+    store: Store, key: str, options: TransferOptions, *, weights_only: bool = True
+) -> ArchiveInfo:
+    """Names, dtypes, shapes and bytes of the tensors in the archive at ``key``."""
+    url = store.url(key)
+    size = call_with_retries(lambda: store.head(key), options, f"head {url}").size
+    directory = read_directory(store, key, size, options).directory
+    fmt = "torch zip archive" + (
+        " (zip64)" if any(e.zip64 for e in directory.entries.values()) else ""
+    )
+    info = ArchiveInfo(url=url, size=size, format=fmt, records=len(directory.entries))
+    _, entry = _pkl_entry(directory, url)
+    if entry.method != 0:
+        info.note = "data.pkl is compressed; tensor listing skipped"
+        return info
+    data = call_with_retries(
+        functools.partial(store.get_range, key, entry.data_offset, entry.end), options, url
+    )
+
+    def persistent_load(saved_id: Any) -> Any:
+        ref = parse_persistent_id(saved_id, url)
+        storage = torch.UntypedStorage(ref.nbytes, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=ref.dtype, _internal=True)
+
+    result = unpickle(data, persistent_load, weights_only=weights_only, url=url)
+    info.top_level_type = type(result).__name__
+    if isinstance(result, dict):
+        info.top_level_keys = [str(k) for k in result]
+    for path, t in _walk(result, ""):
+        info.tensors.append(
+            TensorInfo(
+                path=path or "<root>",
+                dtype=str(t.dtype).removeprefix("torch."),
+                shape=tuple(t.shape),
+                nbytes=t.numel() * t.element_size(),
+                device="",
+            )
+        )
+    return info
+
+
+def verify_archive(
+    store: Store,
+    key: str,
+    options: TransferOptions,
+    *,
+    expected_size: int | None = None,
+    advance: Callable[[int], None] = lambda n: None,
+) -> int:
+    """Check every record's local header and CRC-32; returns the bytes checked.
+
+    Raises ChecksumError naming the first bad record, CorruptCheckpointError for a
+    damaged or truncated archive (or a size different from ``expected_size``).
+    """
+    url = store.url(key)
+    size = call_with_retries(lambda: store.head(key), options, f"head {url}").size
+    if expected_size is not None and size != expected_size:
+        raise CorruptCheckpointError(
+            f"{url} holds {size} bytes, but its checkpoint marker recorded {expected_size}"
+        )
+    directory = read_directory(store, key, size, options).directory
+    group = TransferGroup(options, min(options.read_concurrency, 8), prefix=key.rpartition("/")[0])
+    lock = threading.Lock()
+    total = 0
+
+    def check(e: Entry) -> None:
+        nonlocal total
+        header = store.get_range(key, e.header_offset, e.data_offset)
+        check_local_header(header, e, url)
+        crc = 0
+        inflate = zlib.decompressobj(-15) if e.method == 8 else None
+        if e.method not in (0, 8):
+            raise CorruptCheckpointError(f"{url}: record {e.name!r} uses compression {e.method}")
+        pos = e.data_offset
+        while pos < e.end:
+            n = min(_VERIFY_CHUNK, e.end - pos)
+            chunk = store.get_range(key, pos, pos + n)
+            crc = zlib.crc32(inflate.decompress(chunk) if inflate else chunk, crc)
+            pos += n
+            advance(n)
+        if inflate is not None:
+            crc = zlib.crc32(inflate.flush(), crc)
+        if crc != e.crc32:
+            raise ChecksumError(
+                f"{url}: record {e.name!r} fails its CRC-32 check "
+                f"(stored {e.crc32:08x}, read {crc:08x}): the object is corrupted"
+            )
+        with lock:
+            total += e.compressed_size
+
+    for e in sorted(directory.entries.values(), key=lambda e: e.header_offset):
+        group.submit(functools.partial(check, e), f"verify {url} record {e.name}")
+    try:
+        group.wait()
+    except BaseException:
+        group.cancel()
+        raise
+    return total

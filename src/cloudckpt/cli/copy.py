@@ -1,0 +1,301 @@
+"""``cloudckpt cp``: copy one object between any two stores, resumable after a failure.
+
+Every copy is store to store (a local path is the filesystem store):
+
+* To the filesystem, chunks are written into ``DST.cloudckpt-partial`` at their offsets
+  and a journal beside it (``DST.cloudckpt-partial.json``) records the chunks that are
+  on disk (fsynced before being recorded). A rerun of the same copy skips them; the
+  file is renamed into place when complete.
+* To an object store, an object over one part goes up as a multipart upload and a
+  journal in the state directory records its upload id and finished parts. A rerun
+  finds the upload still open (``list_multipart``) and sends only the missing parts.
+
+A journal is only reused when the source's size and ETag (or mtime) are unchanged.
+Abandoned uploads are aborted by ``cloudckpt gc`` or by the bucket's lifecycle rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..engine.scheduler import TransferGroup, call_with_retries
+from ..errors import NotFoundError
+from ..options import MAX_PARTS, TransferOptions
+from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart
+from ..store.local import LocalStore
+
+__all__ = ["CopyResult", "copy_object", "default_state_dir"]
+
+PARTIAL_SUFFIX = ".cloudckpt-partial"
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    src: str
+    dst: str
+    size: int
+    seconds: float
+    #: Bytes a previous, interrupted run had already copied (0 for a fresh copy).
+    resumed_bytes: int
+
+
+def default_state_dir() -> Path:
+    """Where upload journals live: ``$CLOUDCKPT_STATE_DIR`` or ``~/.cache/cloudckpt/cp``."""
+    env = os.environ.get("CLOUDCKPT_STATE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cloudckpt" / "cp"
+
+
+def _datasync(fd: int) -> None:
+    """Make written chunk bytes durable before the journal says they are there."""
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
+def _identity(info: ObjectInfo) -> str:
+    return f"{info.size}:{info.etag or ''}:{info.mtime or ''}"
+
+
+def _write_json(path: Path, body: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(body, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            body = json.load(f)
+        return body if isinstance(body, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def copy_object(
+    src: Store,
+    src_key: str,
+    dst: Store,
+    dst_key: str,
+    options: TransferOptions,
+    *,
+    state_dir: Path | None = None,
+    advance: Callable[[int], None] = lambda n: None,
+    on_size: Callable[[int], None] = lambda n: None,
+) -> CopyResult:
+    """Copy ``src_key`` to ``dst_key``, continuing an interrupted copy of the same source."""
+    started = time.perf_counter()
+    src_url = src.url(src_key)
+    info = call_with_retries(lambda: src.head(src_key), options, f"head {src_url}")
+    on_size(info.size)
+    if isinstance(dst, LocalStore):
+        resumed = _download(src, info, dst, dst_key, options, advance)
+    else:
+        resumed = _upload(src, info, dst, dst_key, options, state_dir, advance)
+    return CopyResult(
+        src=src_url,
+        dst=dst.url(dst_key),
+        size=info.size,
+        seconds=time.perf_counter() - started,
+        resumed_bytes=resumed,
+    )
+
+
+# -- to the filesystem ---------------------------------------------------------------------
+
+
+def _download(
+    src: Store,
+    info: ObjectInfo,
+    dst: LocalStore,
+    dst_key: str,
+    options: TransferOptions,
+    advance: Callable[[int], None],
+) -> int:
+    path = dst.root / dst_key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    journal_path = path.with_name(path.name + PARTIAL_SUFFIX + ".json")
+    chunk = options.read_chunk_size
+    count = max(1, -(-info.size // chunk))
+    identity = _identity(info)
+    journal = _read_json(journal_path)
+    done: set[int] = set()
+    if (
+        journal is not None
+        and journal.get("identity") == identity
+        and journal.get("chunk") == chunk
+        and partial.exists()
+    ):
+        done = {int(i) for i in journal.get("done", [])}
+    else:
+        partial.unlink(missing_ok=True)
+    resumed = sum(min(chunk, info.size - i * chunk) for i in done)
+    advance(resumed)
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = threading.Lock()
+    try:
+        os.ftruncate(fd, info.size)
+
+        def fetch(i: int) -> None:
+            start = i * chunk
+            n = min(chunk, info.size - start)
+            buf = bytearray(n)
+            src.read_into(info.key, start, [memoryview(buf)])
+            view = memoryview(buf)
+            written = 0
+            while written < n:
+                written += os.pwrite(fd, view[written:], start + written)
+            _datasync(fd)
+            with lock:
+                done.add(i)
+                _write_json(
+                    journal_path,
+                    {
+                        "source": src.url(info.key),
+                        "identity": identity,
+                        "chunk": chunk,
+                        "done": sorted(done),
+                    },
+                )
+            advance(n)
+
+        group = TransferGroup(options, options.read_concurrency, prefix=info.key.rpartition("/")[0])
+        if info.size:
+            for i in range(count):
+                if i not in done:
+                    group.submit(functools.partial(fetch, i), f"read {src.url(info.key)} #{i}")
+        try:
+            group.wait()
+        except BaseException:
+            group.cancel()
+            raise
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
+    journal_path.unlink(missing_ok=True)
+    return resumed
+
+
+# -- to an object store --------------------------------------------------------------------
+
+
+def _upload(
+    src: Store,
+    info: ObjectInfo,
+    dst: Store,
+    dst_key: str,
+    options: TransferOptions,
+    state_dir: Path | None,
+    advance: Callable[[int], None],
+) -> int:
+    dst_url = dst.url(dst_key)
+    part_size = options.part_size
+    while -(-info.size // part_size) > MAX_PARTS:
+        part_size *= 2
+    if info.size <= part_size:
+        data = call_with_retries(
+            lambda: src.get_range(info.key, 0, info.size) if info.size else b"",
+            options,
+            f"read {src.url(info.key)}",
+        )
+        call_with_retries(lambda: dst.put(dst_key, data), options, f"put {dst_url}")
+        advance(info.size)
+        return 0
+
+    state_dir = state_dir or default_state_dir()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tag = hashlib.sha256(f"{src.url(info.key)}\n{dst_url}".encode()).hexdigest()[:32]
+    journal_path = state_dir / f"upload-{tag}.json"
+    identity = _identity(info)
+    journal = _read_json(journal_path)
+    upload: MultipartUpload | None = None
+    parts: dict[int, UploadedPart] = {}
+    if (
+        journal is not None
+        and journal.get("identity") == identity
+        and journal.get("part_size") == part_size
+    ):
+        open_ids = {
+            u.upload_id
+            for u in call_with_retries(
+                lambda: list(dst.list_multipart(dst_key)), options, f"list uploads {dst_url}"
+            )
+            if u.key == dst_key
+        }
+        if journal.get("upload_id") in open_ids:
+            upload = MultipartUpload(key=dst_key, upload_id=str(journal["upload_id"]))
+            parts = {
+                int(n): UploadedPart(int(n), str(etag), int(size))
+                for n, (etag, size) in journal.get("parts", {}).items()
+            }
+    if upload is None:
+        upload = call_with_retries(
+            lambda: dst.create_multipart(dst_key), options, f"create upload {dst_url}"
+        )
+        parts = {}
+    resumed = sum(p.size for p in parts.values())
+    advance(resumed)
+    lock = threading.Lock()
+
+    def save_journal() -> None:
+        _write_json(
+            journal_path,
+            {
+                "source": src.url(info.key),
+                "destination": dst_url,
+                "identity": identity,
+                "part_size": part_size,
+                "upload_id": upload.upload_id,
+                "parts": {str(p.number): [p.etag, p.size] for p in parts.values()},
+            },
+        )
+
+    save_journal()
+    count = -(-info.size // part_size)
+
+    def send(number: int) -> None:
+        start = (number - 1) * part_size
+        n = min(part_size, info.size - start)
+        buf = bytearray(n)
+        src.read_into(info.key, start, [memoryview(buf)])
+        part = dst.upload_part(upload, number, buf, start)
+        with lock:
+            parts[number] = part
+            save_journal()
+        advance(n)
+
+    group = TransferGroup(options, options.write_concurrency, prefix=dst_key.rpartition("/")[0])
+    for number in range(1, count + 1):
+        if number not in parts:
+            group.submit(functools.partial(send, number), f"copy part {number} to {dst_url}")
+    try:
+        group.wait()
+    except BaseException:
+        group.cancel()
+        raise  # the journal and the open upload stay for the next run
+    ordered = [parts[n] for n in range(1, count + 1)]
+    try:
+        call_with_retries(
+            lambda: dst.complete_multipart(upload, ordered), options, f"complete {dst_url}"
+        )
+    except NotFoundError:
+        journal_path.unlink(missing_ok=True)  # the upload vanished; start over next time
+        raise
+    with contextlib.suppress(OSError):
+        journal_path.unlink()
+    return resumed

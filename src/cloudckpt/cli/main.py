@@ -1,0 +1,290 @@
+"""``cloudckpt`` argument parsing, options and exit codes; the commands live in commands.py."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import (
+    AccessDeniedError,
+    CloudCkptError,
+    ConfigError,
+    CorruptCheckpointError,
+    CredentialsError,
+    NotFoundError,
+)
+from ..options import MiB, resolve_options
+from .commands import COMMANDS
+from .output import Printer
+
+__all__ = ["EXIT_CODES", "build_parser", "main"]
+
+EXIT_CODES = {
+    0: "success",
+    1: "error (storage failure, conflict, anything else)",
+    2: "usage error (bad arguments, bad URL or option)",
+    3: "not found (object, prefix, bucket or committed checkpoint)",
+    4: "verification failed (checksum mismatch, corrupted or truncated data)",
+    5: "credentials missing or rejected, or access denied",
+    130: "interrupted",
+}
+
+_EPILOG = """\
+URLs: s3://bucket/prefix, file:///abs/path or a plain path. S3 credentials and endpoint
+come from the usual AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
+AWS_REGION, AWS_ENDPOINT_URL) or the flags below.
+
+examples:
+  cloudckpt ls s3://bucket/run1              the run's checkpoints: step, time, size, metrics
+  cloudckpt latest s3://bucket/run1          URL of the newest committed checkpoint
+  cloudckpt info s3://bucket/run1/step-000000300
+  cloudckpt cp s3://bucket/run1/step-000000300/state.pt ./state.pt
+  cloudckpt verify s3://bucket/run1          every checksum of every committed checkpoint
+  cloudckpt gc s3://bucket/run1 --dry-run    what a failed save left behind
+  cloudckpt bench s3://bucket/scratch        throughput, latency, suggested settings
+
+exit codes:
+""" + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_CODES.items())
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"``, ``"8M"``, ``"1048576"`` -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8MiB, 512KiB, 1048576)")
+    scale = 1024 ** "_kmgt".index(m.group(2).lower() or "_")
+    return int(float(m.group(1)) * scale)
+
+
+def parse_duration(text: str) -> float:
+    """``"1h"``, ``"30m"``, ``"45s"``, ``"2d"``, ``"0"`` -> seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 1h, 30m, 90s, 0)")
+    unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2).lower()]
+    return float(m.group(1)) * unit
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,4,8, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers like 1,4,8, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("output and connection")
+    g.add_argument("--json", action="store_true", help="print one JSON document for scripts")
+    g.add_argument("--endpoint-url", help="S3-compatible endpoint (else AWS_ENDPOINT_URL)")
+    g.add_argument("--region", help="S3 region (else AWS_REGION, default us-east-1)")
+    g.add_argument("--profile", help="AWS profile name (else AWS_PROFILE)")
+    g.add_argument("--anonymous", action="store_true", help="unsigned requests (public buckets)")
+    g.add_argument("-v", "--verbose", action="store_true", help="log requests and retries")
+
+    parser = argparse.ArgumentParser(
+        prog="cloudckpt",
+        description="Inspect, copy, verify and clean up PyTorch checkpoints on object "
+        "storage and filesystems.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"cloudckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            parents=[common],
+            help=help,
+            description=description,
+            epilog=_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    p = add(
+        "ls",
+        "list a run's checkpoints, or the objects under a prefix",
+        "A run root (a prefix holding step-N/ checkpoints) lists its committed "
+        "checkpoints with step, time, size and metrics, and any uncommitted leftovers. "
+        "A checkpoint prefix lists its files; anything else lists objects.",
+    )
+    p.add_argument("url", help="run root, checkpoint prefix, prefix or object")
+
+    p = add(
+        "info",
+        "tensors, dtypes, shapes, bytes and top-level keys of a checkpoint",
+        "Reads the archive's directory and data.pkl only (a few KiB), never the tensors. "
+        "A checkpoint prefix also shows its marker (step, metrics, metadata); a run root "
+        "shows its latest checkpoint.",
+    )
+    p.add_argument("url", help="checkpoint object, checkpoint prefix or run root")
+    p.add_argument(
+        "--unsafe",
+        action="store_true",
+        help="unpickle with full pickle (only for checkpoints you trust)",
+    )
+
+    p = add(
+        "cp",
+        "copy one object: upload, download or bucket to bucket (resumable)",
+        "Copies SRC to DST with parallel ranged reads and multipart uploads. If the copy "
+        "fails or is interrupted, run the same command again: finished chunks and parts "
+        "are kept (a .cloudckpt-partial file for downloads, an open multipart upload "
+        "for uploads) and only the rest is transferred.",
+    )
+    p.add_argument("src", help="source object URL or path")
+    p.add_argument(
+        "dst", help="destination URL or path (ending in / or a directory: keep the name)"
+    )
+    p.add_argument("--part-size", type=parse_size, help="multipart part size (default 64MiB)")
+    p.add_argument("--concurrency", type=int, help="parts/ranges in flight (default 10/15)")
+    p.add_argument("--state-dir", help="where upload journals live (default ~/.cache/cloudckpt/cp)")
+    _progress_flags(p)
+
+    p = add(
+        "verify",
+        "check every checksum of a checkpoint, a run, or an object",
+        "Checks each file's size (and ETag) against the commit marker and every "
+        "record's CRC-32 in torch archives. Exit code 4 if anything fails.",
+    )
+    p.add_argument("url", help="object, checkpoint prefix or run root")
+    _progress_flags(p)
+
+    p = add(
+        "rm",
+        "delete an object, a checkpoint (marker first), or a prefix with -r",
+        "Deleting a checkpoint removes its commit marker first, so it never looks "
+        "committed while its files go.",
+    )
+    p.add_argument("url")
+    p.add_argument("-r", "--recursive", action="store_true", help="delete a whole prefix")
+
+    p = add(
+        "latest",
+        "print the URL of the newest committed checkpoint of a run",
+        "Prints the step prefix of the highest committed step; exit code 3 if none.",
+    )
+    p.add_argument("root", help="run root (the prefix holding step-N/ checkpoints)")
+
+    p = add(
+        "gc",
+        "remove uncommitted leftovers and stale multipart uploads of a run",
+        "Removes step-N/ prefixes without a commit marker whose newest object is older "
+        "than the grace period, and aborts multipart uploads opened before it.",
+    )
+    p.add_argument("root", help="run root")
+    p.add_argument(
+        "--grace",
+        type=parse_duration,
+        default=3600.0,
+        help="leave anything younger than this alone (default 1h; e.g. 30m, 0)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="only show what would be removed")
+
+    p = add(
+        "bench",
+        "measure throughput and latency against a store; suggest settings",
+        "Writes and reads a test object under URL/.cloudckpt-bench-<id>/ (deleted "
+        "afterwards) at several concurrencies, times small requests, and suggests "
+        "part_size, write_concurrency and read_concurrency.",
+    )
+    p.add_argument("url", help="a prefix you may write to")
+    p.add_argument("--size", type=parse_size, default=32 * MiB, help="test object size (32MiB)")
+    p.add_argument(
+        "--part-size",
+        dest="bench_part_size",
+        type=parse_size,
+        default=8 * MiB,
+        help="part and range size (default 8MiB)",
+    )
+    p.add_argument(
+        "--concurrency", type=_ints, default=[1, 4, 8], help="concurrencies to try, e.g. 1,4,8"
+    )
+    p.add_argument("--requests", type=int, default=20, help="small round trips for latency")
+    return parser
+
+
+def _progress_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="show a progress bar on stderr (default: when stderr is a terminal)",
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _options(args: argparse.Namespace) -> Any:
+    storage: dict[str, Any] = {}
+    if args.endpoint_url:
+        storage["endpoint_url"] = args.endpoint_url
+    if args.region:
+        storage["region_name"] = args.region
+    if args.profile:
+        storage["profile_name"] = args.profile
+    if args.anonymous:
+        storage["anonymous"] = True
+    overrides: dict[str, Any] = {}
+    if storage:
+        overrides["storage_options"] = storage
+    if getattr(args, "part_size", None):
+        overrides["part_size"] = args.part_size
+    if getattr(args, "concurrency", None) and args.command == "cp":
+        overrides["write_concurrency"] = overrides["read_concurrency"] = args.concurrency
+    return resolve_options(None, **overrides)
+
+
+def _exit_code(exc: BaseException) -> int:
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    if isinstance(exc, ConfigError):
+        return 2
+    if isinstance(exc, NotFoundError):
+        return 3
+    if isinstance(exc, CorruptCheckpointError):
+        return 4
+    if isinstance(exc, (CredentialsError, AccessDeniedError)):
+        return 5
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``cloudckpt`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) and usage errors (2)
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+    printer = Printer(args.json)
+    try:
+        return COMMANDS[args.command](args, _options(args), printer)
+    except (CloudCkptError, OSError, KeyboardInterrupt) as exc:
+        code = _exit_code(exc)
+        message = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
+        if args.json:
+            printer.json({"error": message, "type": type(exc).__name__, "exit_code": code})
+        printer.note(f"cloudckpt {args.command}: {message}")
+        return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Printing for the command line: rich tables for people, JSON for scripts, bars on stderr."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["Printer", "human_bytes", "human_time", "progress"]
+
+
+def human_bytes(n: int | float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def human_time(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    dt = datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc)
+    return dt.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class Printer:
+    """Writes either human output (rich) or one JSON document to stdout."""
+
+    def __init__(self, json_mode: bool) -> None:
+        self.json_mode = json_mode
+        from rich.console import Console
+
+        self.out = Console(highlight=False, soft_wrap=True)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def json(self, body: Any) -> None:
+        sys.stdout.write(json.dumps(body, indent=2, sort_keys=True, default=str) + "\n")
+        sys.stdout.flush()
+
+    def line(self, text: str = "") -> None:
+        if not self.json_mode:
+            self.out.print(text, markup=False)
+
+    def note(self, text: str) -> None:
+        """A remark on stderr (also in JSON mode, where stdout stays machine-readable)."""
+        self.err.print(text, markup=False)
+
+    def table(self, columns: list[str], rows: list[list[str]], title: str | None = None) -> None:
+        if self.json_mode:
+            return
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left", box=None, pad_edge=False)
+        for i, c in enumerate(columns):
+            table.add_column(c, justify="right" if i == 0 or c in ("size", "bytes") else "left")
+        for r in rows:
+            table.add_row(*r)
+        self.out.print(table)
+
+
+@contextlib.contextmanager
+def progress(
+    description: str, enabled: bool
+) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
+    """Yield ``(advance(n), set_total(n))``; a bar on stderr when ``enabled``."""
+    if not enabled:
+        yield (lambda n: None), (lambda n: None)
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    lock = threading.Lock()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def advance(n: int) -> None:
+            with lock:
+                bar.advance(task, n)
+
+        def set_total(n: int) -> None:
+            with lock:
+                bar.update(task, total=n)
+
+        yield advance, set_total

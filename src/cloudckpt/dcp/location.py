@@ -1,0 +1,100 @@
+"""Where a DCP checkpoint lives: its URL, transfer options, and a store opened on demand.
+
+Writers and readers are pickled by ``dcp.async_save`` in process mode and sent to a
+fresh process, so they hold only the URL and the options; the store (and its HTTP
+client) is opened lazily in the process that uses it and never pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import BucketNotFoundError, NotFoundError
+from ..options import TransferOptions
+from ..store import Store, join_key, open_url, split_url
+
+__all__ = ["CheckpointLocation", "LocatedCheckpoint", "url_string"]
+
+
+def url_string(url: str | os.PathLike[str]) -> str:
+    """The URL as a string, checked (unsupported schemes raise InvalidURLError)."""
+    text = os.fspath(url)
+    split_url(text)
+    return text
+
+
+class CheckpointLocation:
+    """A checkpoint prefix: ``relative`` names inside it map to store keys and URLs."""
+
+    def __init__(self, url: str | os.PathLike[str], options: TransferOptions) -> None:
+        self.url = url_string(url)
+        self.options = options
+        self._opened: tuple[Store, str] | None = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_opened"] = None  # never ship a client to another process
+        return state
+
+    def _open(self) -> tuple[Store, str]:
+        if self._opened is None or self._pid != os.getpid():
+            store, key = open_url(self.url, self.options)
+            self._opened, self._pid = (store, key.rstrip("/")), os.getpid()
+        return self._opened
+
+    @property
+    def store(self) -> Store:
+        """The store holding the checkpoint, opened on first use in this process."""
+        return self._open()[0]
+
+    @property
+    def prefix(self) -> str:
+        """Store key of the checkpoint's prefix (requests are rate-limited per prefix)."""
+        return self._open()[1]
+
+    def key(self, relative: str) -> str:
+        """Store key of ``relative`` (refusing names that escape the prefix)."""
+        return join_key(self._open()[1], relative, self.url)
+
+    def url_of(self, relative: str) -> str:
+        """User-facing URL of ``relative``."""
+        return self.store.url(self.key(relative))
+
+    def exists(self, relative: str) -> bool:
+        """Whether ``relative`` is an object (a HEAD; retried by the caller if needed)."""
+        try:
+            self.store.head(self.key(relative))
+        except BucketNotFoundError:
+            raise
+        except NotFoundError:
+            return False
+        return True
+
+
+class LocatedCheckpoint:
+    """Identity shared by the writer and the reader: the URL DCP calls checkpoint_id."""
+
+    location: CheckpointLocation
+
+    @property
+    def url(self) -> str:
+        """The checkpoint's URL (its prefix)."""
+        return self.location.url
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The URL, as DCP names a checkpoint."""
+        return self.location.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """True for any URL or path cloudckpt supports."""
+        from ..errors import InvalidURLError
+
+        try:
+            url_string(checkpoint_id)
+        except (InvalidURLError, TypeError):
+            return False
+        return True

@@ -1,0 +1,337 @@
+"""``CloudStorageWriter``: torch.distributed.checkpoint's StorageWriter for every cloudckpt store.
+
+DCP calls it in this order (from ``dcp.save`` / ``dcp.async_save``)::
+
+    0) all ranks    reset(checkpoint_id)          when a checkpoint_id is passed
+    1) all ranks    set_up_storage_writer(is_coordinator, rank=...)
+    2) all ranks    prepare_local_plan(plan)
+    3) coordinator  prepare_global_plan(plans)    removes a previous .metadata (or refuses)
+    4) all ranks    write_data(plan, planner)     streams the rank's data objects
+    5) coordinator  finish(metadata, results)     writes .metadata, only after every
+                                                  rank's write_data returned its results
+
+Each data object is streamed with :class:`~cloudckpt.engine.sink.ObjectSink`: its
+parts go through the I/O scheduler (bounded write concurrency and bytes in flight),
+and it becomes visible only when complete. A rank that fails aborts its uploads and
+DCP never calls ``finish``, so no ``.metadata`` appears.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..engine.scheduler import Cancelled, call_with_retries
+from ..engine.sink import ObjectSink
+from ..errors import AlreadyExistsError, ConfigError
+from ..options import TransferOptions, resolve_options
+from .archive import SavedTensor
+from .layout import (
+    DATA_SUFFIX,
+    WHOLE_LIMIT,
+    StorageInfo,
+    data_prefix,
+    item_nbytes,
+    layout_name,
+    metadata_name,
+    split_items,
+)
+from .location import CheckpointLocation, LocatedCheckpoint
+
+__all__ = ["CloudStorageWriter"]
+
+log = logging.getLogger("cloudckpt")
+
+#: What FileSystemWriter of current torch stamps into Metadata.version.
+_DCP_VERSION = "1.0.0"
+#: Per-item allowance for the zip records around a tensor's bytes in its archive.
+_ARCHIVE_OVERHEAD = 4096
+
+
+def _cpu_tensor(data: Any) -> torch.Tensor:
+    """A CPU tensor holding exactly the item's elements (no larger shared storage)."""
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    elif tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """What a rank reports for one item: DCP's storage info, and for a large tensor
+    where its bytes sit in the archive (for the layout index). Split in ``finish``."""
+
+    info: Any
+    saved: SavedTensor | None = None
+
+
+class _Tap:
+    """Forwards ``torch.save``'s writes, noting where the write of ``watch`` bytes began
+    (torch writes a storage record's bytes in one call)."""
+
+    def __init__(self, sink: ObjectSink, watch: int) -> None:
+        self.sink = sink
+        self.watch = watch
+        self.found: int | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if self.found is None and view.nbytes == self.watch:
+            self.found = self.sink.tell()
+        return self.sink.write(view)
+
+    def flush(self) -> None:
+        """Nothing to flush: the sink uploads parts on its own schedule."""
+
+
+class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
+    """Writes a DCP checkpoint under ``url`` (``s3://bucket/ckpt/step-100``, a path, ...).
+
+    ``files_per_rank`` data objects are written concurrently by each rank (each one
+    uploading ``write_concurrency`` parts at once); ``prefix_fanout`` spreads ranks'
+    objects over that many sub-prefixes; ``overwrite=False`` refuses a URL that
+    already holds a committed checkpoint. Other keyword arguments are
+    :class:`~cloudckpt.TransferOptions` fields (``part_size``, ``storage_options``...).
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        files_per_rank: int = 1,
+        prefix_fanout: int = 1,
+        overwrite: bool = True,
+        options: TransferOptions | None = None,
+        **overrides: Any,
+    ) -> None:
+        super().__init__()
+        for name, value in (("files_per_rank", files_per_rank), ("prefix_fanout", prefix_fanout)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        self.location = CheckpointLocation(url, resolve_options(options, **overrides))
+        self.files_per_rank = files_per_rank
+        self.prefix_fanout = prefix_fanout
+        self.overwrite = overwrite
+        self.save_id = uuid.uuid4().hex
+        self.rank: int | None = None
+        self.is_coordinator = False
+        self.use_collectives = True
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save, at ``checkpoint_id`` when given."""
+        if checkpoint_id:
+            self.location = CheckpointLocation(checkpoint_id, self.location.options)
+        self.save_id = uuid.uuid4().hex
+
+    def storage_meta(self) -> Any:
+        """Checkpoint and save ids recorded in the metadata (torch >= 2.4)."""
+        try:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+        except ImportError:  # pragma: no cover
+            return None
+        return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
+
+    # -- planning ------------------------------------------------------------------------
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Remember this instance's role (``rank`` and ``use_collectives`` on newer torch)."""
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _own_marker(self) -> str:
+        rank = None if self.use_collectives or self.rank is None else self.rank
+        return metadata_name(rank)
+
+    def _clear_marker(self, name: str) -> None:
+        """Remove a previous commit marker before any data is rewritten (or refuse)."""
+        opts = self.location.options
+        url = self.location.url_of(name)
+        if not call_with_retries(lambda: self.location.exists(name), opts, f"head {url}"):
+            return
+        if not self.overwrite:
+            raise AlreadyExistsError(
+                f"a committed checkpoint already exists at {self.url} ({url}); pass "
+                "overwrite=True or save to a new URL"
+            )
+        key = self.location.key(name)
+        call_with_retries(lambda: self.location.store.delete(key), opts, f"delete {url}")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Without collectives each rank names its own objects and clears its own marker."""
+        if not self.use_collectives and self.rank is not None:
+            self._clear_marker(self._own_marker())
+            return dataclasses.replace(
+                plan, storage_data=data_prefix(self.rank, self.prefix_fanout)
+            )
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: clear the old marker, then give each rank its object name prefix."""
+        self._clear_marker(metadata_name())
+        return [
+            dataclasses.replace(plan, storage_data=data_prefix(i, self.prefix_fanout))
+            if not isinstance(plan.storage_data, str)
+            else plan
+            for i, plan in enumerate(plans)
+        ]
+
+    # -- data ----------------------------------------------------------------------------
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Stream this rank's items into ``files_per_rank`` data objects, concurrently."""
+        prefix = plan.storage_data
+        if not isinstance(prefix, str):
+            prefix = data_prefix(self.rank or 0, self.prefix_fanout)
+        files = [
+            (f"{prefix}{n}{DATA_SUFFIX}", bucket)
+            for n, bucket in enumerate(split_items(plan.items, self.files_per_rank))
+        ]
+        cancel = threading.Event()
+        results: list[WriteResult] = []
+        if len(files) == 1:
+            results = self._write_object(files[0][0], files[0][1], planner, cancel)
+        elif files:
+            with ThreadPoolExecutor(len(files), thread_name_prefix="cloudckpt-dcp") as pool:
+                futures = [
+                    pool.submit(self._write_object, name, items, planner, cancel)
+                    for name, items in files
+                ]
+                errors: list[BaseException] = []
+                for f in futures:
+                    try:
+                        results += f.result()
+                    except BaseException as exc:
+                        cancel.set()
+                        errors.append(exc)
+                real = [e for e in errors if not isinstance(e, Cancelled)]
+                if errors:
+                    raise (real or errors)[0]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_object(
+        self,
+        relative: str,
+        items: Sequence[WriteItem],
+        planner: SavePlanner,
+        cancel: threading.Event,
+    ) -> list[WriteResult]:
+        """One data object: each item's bytes (tensors as ``torch.save`` archives) in turn."""
+        opts = self.location.options
+        store, key = self.location.store, self.location.key(relative)
+        size_hint = sum(item_nbytes(i) + _ARCHIVE_OVERHEAD for i in items)
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+        sink = ObjectSink(store, key, opts, size_hint=size_hint)
+        results: list[WriteResult] = []
+        try:
+            for item in ordered:
+                if cancel.is_set():
+                    raise Cancelled()
+                offset = sink.tell()
+                data = planner.resolve_data(item)
+                saved: SavedTensor | None = None
+                if item.type == WriteItemType.BYTE_IO:
+                    if not isinstance(data, io.BytesIO):
+                        raise TypeError(f"byte item {item.index.fqn} resolved to {type(data)}")
+                    sink.write(data.getbuffer())
+                else:
+                    tensor = _cpu_tensor(data)
+                    nbytes = tensor.numel() * tensor.element_size()
+                    tap = _Tap(sink, nbytes)
+                    torch.save(tensor, tap)  # type: ignore[arg-type]
+                    if nbytes > WHOLE_LIMIT and tap.found is not None:
+                        saved = SavedTensor(
+                            dtype=tensor.dtype,
+                            storage_offset=0,
+                            size=tuple(tensor.shape),
+                            stride=tuple(tensor.stride()),
+                            data_offset=tap.found - offset,
+                            record_size=nbytes,
+                        )
+                length = sink.tell() - offset
+                info = StorageInfo(relative, offset, length)
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_Written(info, saved),
+                    )
+                )
+            sink.commit()
+        except BaseException as exc:
+            try:
+                sink.abort()
+            except Exception as abort_exc:  # the original failure matters more
+                log.warning("aborting the upload of %s also failed: %s", key, abort_exc)
+            if sink.error is not None and sink.error is not exc:
+                raise sink.error from None  # torch.save wrapped our failure
+            raise
+        return results
+
+    # -- commit --------------------------------------------------------------------------
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator, after every rank's data committed: write ``.metadata`` (the marker)."""
+        storage_md: dict[Any, Any] = {}
+        archives: dict[str, Any] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                written = wr.storage_data
+                if isinstance(written, _Written):
+                    storage_md[wr.index] = written.info
+                    if written.saved is not None:
+                        where = f"{written.info.relative_path}@{written.info.offset}"
+                        archives[where] = written.saved.to_json()
+                else:  # a result from another writer: keep it as DCP gave it
+                    storage_md[wr.index] = written
+        metadata.storage_data = storage_md
+        if hasattr(metadata, "version"):
+            metadata.version = _DCP_VERSION
+        if hasattr(metadata, "storage_meta"):
+            metadata.storage_meta = self.storage_meta()
+        rank = None if self.use_collectives or self.rank is None else self.rank
+        opts = self.location.options
+        if archives:  # before the marker: a committed checkpoint always has its index
+            index = json.dumps({"format": 1, "save_id": self.save_id, "archives": archives})
+            name = layout_name(rank)
+            key, url = self.location.key(name), self.location.url_of(name)
+            data = index.encode()
+            store = self.location.store
+            call_with_retries(lambda: store.put(key, data), opts, f"put {url}")
+        payload = pickle.dumps(metadata)
+        name = self._own_marker()
+        store, key, url = self.location.store, self.location.key(name), self.location.url_of(name)
+        try:
+            call_with_retries(
+                lambda: store.put(key, payload, if_none_match=True),
+                self.location.options,
+                f"put {url}",
+            )
+        except AlreadyExistsError:
+            # Our own earlier attempt may have landed before its answer was lost.
+            existing = call_with_retries(lambda: store.get(key), self.location.options, url)
+            if existing != payload:
+                raise AlreadyExistsError(
+                    f"another save committed {url} while this one was writing; the data "
+                    f"objects under {self.url} may be mixed, save again to a new URL"
+                ) from None

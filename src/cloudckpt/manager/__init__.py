@@ -1,0 +1,33 @@
+"""Find, resume, prune and clean up checkpoints: :class:`CheckpointManager` and its parts.
+
+``marker`` (layout and the commit marker), ``retention`` (keep policies), ``gc``
+(deletes and garbage collection), ``payload`` (single object or DCP directory),
+``distributed`` (rank 0 lists, everyone gets the answer).
+"""
+
+from __future__ import annotations
+
+from .gc import GcReport, collect_garbage
+from .manager import CheckpointManager, ManagedSaveHandle
+from .marker import MARKER_NAME, CheckpointInfo, FileEntry, list_checkpoints, read_marker
+from .payload import DcpPayload, ObjectPayload, PayloadKind
+from .retention import KeepEveryNSteps, KeepLast, KeepTopK, RetentionPolicy
+
+__all__ = [
+    "MARKER_NAME",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "DcpPayload",
+    "FileEntry",
+    "GcReport",
+    "KeepEveryNSteps",
+    "KeepLast",
+    "KeepTopK",
+    "ManagedSaveHandle",
+    "ObjectPayload",
+    "PayloadKind",
+    "RetentionPolicy",
+    "collect_garbage",
+    "list_checkpoints",
+    "read_marker",
+]

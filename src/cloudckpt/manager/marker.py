@@ -1,0 +1,222 @@
+"""Checkpoint layout and the commit marker: the one answer to "is it committed?".
+
+A managed checkpoint is the prefix ``ROOT/step-000000123/``: its payload objects, then a
+small JSON marker ``ROOT/step-000000123/_CHECKPOINT.json`` written LAST (create-only
+where the store enforces it). A prefix without a marker is not a checkpoint, however
+many bytes it holds; every reader decides through :func:`read_marker` /
+:func:`list_checkpoints`, and deletion removes the marker FIRST.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.scheduler import TransferGroup, call_with_retries
+from ..errors import CorruptCheckpointError, NotFoundError
+from ..options import TransferOptions
+from ..store import ObjectInfo, Store
+
+__all__ = [
+    "MARKER_FORMAT",
+    "MARKER_NAME",
+    "CheckpointInfo",
+    "FileEntry",
+    "decode_marker",
+    "encode_marker",
+    "list_checkpoints",
+    "marker_key",
+    "parse_step",
+    "read_marker",
+    "root_prefix",
+    "step_dir",
+    "write_marker",
+]
+
+MARKER_NAME = "_CHECKPOINT.json"
+MARKER_FORMAT = "cloudckpt.checkpoint/1"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(step: int) -> str:
+    """The directory name of ``step``: ``step-000000123`` (sorts by step as text too)."""
+    return f"step-{step:09d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``step-N`` directory name, or None for anything else."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def root_prefix(root_key: str) -> str:
+    """The key prefix under which a root's checkpoints live (``""`` for a bucket root)."""
+    root_key = root_key.strip("/")
+    return root_key + "/" if root_key else ""
+
+
+def marker_key(root_key: str, step: int) -> str:
+    return f"{root_prefix(root_key)}{step_dir(step)}/{MARKER_NAME}"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One payload object of a checkpoint, relative to its step prefix."""
+
+    name: str
+    size: int
+    etag: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as its marker describes it."""
+
+    step: int
+    url: str  # the step prefix, ending in "/"
+    time: float
+    size: int
+    kind: str  # "object" (one torch.save archive) or "dcp" (a DCP directory)
+    files: tuple[FileEntry, ...] = ()
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    library_version: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly view (used by ``--json`` output)."""
+        return {
+            "step": self.step,
+            "url": self.url,
+            "time": self.time,
+            "size": self.size,
+            "kind": self.kind,
+            "files": [{"name": f.name, "size": f.size, "etag": f.etag} for f in self.files],
+            "metrics": {k: _float_out(v) for k, v in self.metrics.items()},
+            "metadata": dict(self.metadata),
+            "library_version": self.library_version,
+        }
+
+
+def _float_out(value: float) -> float | str:
+    """JSON has no NaN or infinities: write them as strings so any parser reads the marker."""
+    value = float(value)
+    return value if math.isfinite(value) else repr(value)  # 'nan', 'inf', '-inf'
+
+
+def _float_in(value: Any) -> float:
+    return float(value)  # float('nan') / float('inf') parse the strings above
+
+
+def encode_marker(info: CheckpointInfo) -> bytes:
+    body = info.as_dict()
+    del body["url"]  # where it lives is known from where it was read
+    body = {"format": MARKER_FORMAT, **body}
+    return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
+
+
+def decode_marker(data: bytes, url: str) -> CheckpointInfo:
+    """Parse a marker; anything malformed is a CorruptCheckpointError naming ``url``."""
+    try:
+        body = json.loads(data)
+        if not isinstance(body, dict) or body.get("format") != MARKER_FORMAT:
+            found = body.get("format") if isinstance(body, dict) else body
+            raise ValueError(f"format is {found!r}, expected {MARKER_FORMAT!r}")
+        return CheckpointInfo(
+            step=int(body["step"]),
+            url=url.rsplit("/", 1)[0] + "/",
+            time=float(body["time"]),
+            size=int(body["size"]),
+            kind=str(body["kind"]),
+            files=tuple(
+                FileEntry(str(f["name"]), int(f["size"]), f.get("etag")) for f in body["files"]
+            ),
+            metrics={str(k): _float_in(v) for k, v in body.get("metrics", {}).items()},
+            metadata=dict(body.get("metadata", {})),
+            library_version=str(body.get("library_version", "")),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{url} is not a valid checkpoint marker: {exc}") from exc
+
+
+def write_marker(store: Store, key: str, info: CheckpointInfo, options: TransferOptions) -> None:
+    """Commit a checkpoint: create its marker, create-only where the store enforces it.
+
+    Raises AlreadyExistsError when the marker is already there (on stores that check).
+    """
+    data = encode_marker(info)
+    url = store.url(key)
+    call_with_retries(
+        lambda: store.put(key, data, if_none_match=True), options, f"commit marker {url}"
+    )
+
+
+def read_marker(store: Store, key: str, options: TransferOptions) -> CheckpointInfo | None:
+    """The checkpoint committed by the marker at ``key``; None when there is no marker."""
+    url = store.url(key)
+    try:
+        data = call_with_retries(lambda: store.get(key), options, f"read marker {url}")
+    except NotFoundError:
+        return None
+    return decode_marker(data, url)
+
+
+def list_checkpoints(
+    store: Store,
+    root_key: str,
+    options: TransferOptions,
+    cache: dict[tuple[str, int], CheckpointInfo] | None = None,
+    listing: Sequence[ObjectInfo] | None = None,
+) -> list[CheckpointInfo]:
+    """Committed checkpoints under a root, oldest step first.
+
+    One listing of the root, then one GET per marker (in parallel; ``cache``, keyed by
+    marker key and size, skips markers already read since they never change). Payload
+    objects are never HEADed; ``listing`` reuses a listing of the root already made. A
+    marker that is unreadable, or names another step, is skipped: it proves no commit.
+    """
+    prefix = root_prefix(root_key)
+    found: list[tuple[str, int]] = []
+    if listing is None:
+        listing = call_with_retries(
+            lambda: list(store.list(prefix)), options, f"list {store.url(prefix)}"
+        )
+    for obj in listing:
+        rest = obj.key[len(prefix) :]
+        parts = rest.split("/")
+        if len(parts) == 2 and parts[1] == MARKER_NAME and parse_step(parts[0]) is not None:
+            found.append((obj.key, obj.size))
+    results: dict[str, CheckpointInfo] = {}
+    todo = []
+    for key, size in found:
+        hit = cache.get((key, size)) if cache is not None else None
+        if hit is not None:
+            results[key] = hit
+        else:
+            todo.append((key, size))
+    if todo:
+        group = TransferGroup(options, options.read_concurrency, prefix=prefix)
+
+        def fetch(key: str, size: int) -> None:
+            try:
+                # One ranged GET: the listing gave the size (markers never change).
+                info = decode_marker(store.get_range(key, 0, size), store.url(key))
+            except (NotFoundError, CorruptCheckpointError):
+                return  # deleted since the listing, or not a marker of ours
+            results[key] = info
+            if cache is not None:
+                cache[(key, size)] = info
+
+        for key, size in todo:
+            group.submit(functools.partial(fetch, key, size), f"read marker {store.url(key)}")
+        group.wait()
+    out = []
+    for key, _ in found:
+        info = results.get(key)
+        if info is not None and info.step == parse_step(key[len(prefix) :].split("/")[0]):
+            out.append(info)
+    return sorted(out, key=lambda c: c.step)

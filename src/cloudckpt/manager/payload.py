@@ -1,0 +1,124 @@
+"""What a managed checkpoint holds besides its marker: one object, or a DCP directory.
+
+A payload kind writes the bytes of one checkpoint under its step prefix and reads them
+back; it never writes the marker (the manager does, last, on rank 0). Call order on
+save: ``kind.save(...)`` on every rank (a kind decides which ranks write), then the
+manager lists the prefix and commits. On restore: ``kind.load(...)`` on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ..engine.load import load
+from ..engine.save import save
+from ..errors import ConfigError
+from ..options import TransferOptions
+from .distributed import on_rank0
+
+__all__ = ["DcpPayload", "ObjectPayload", "PayloadKind", "payload_kind"]
+
+
+class PayloadKind(Protocol):
+    """Writes and reads the payload of one checkpoint under ``prefix_url`` (ends in ``/``)."""
+
+    name: str
+
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None: ...
+
+    def load(
+        self,
+        prefix_url: str,
+        options: TransferOptions,
+        *,
+        map_location: Any,
+        weights_only: bool,
+        state: Any,
+    ) -> Any: ...
+
+
+class ObjectPayload:
+    """One ``torch.save`` archive (``state.pt``) written by rank 0 with cloudckpt.save.
+
+    In a distributed job the state is assumed replicated (DDP); only rank 0 writes it.
+    """
+
+    name = "object"
+
+    def __init__(self, filename: str = "state.pt") -> None:
+        if not filename or "/" in filename:
+            raise ConfigError(f"filename={filename!r} must be a plain object name")
+        self.filename = filename
+
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+        on_rank0(lambda: save(state, prefix_url + self.filename, options=options))
+
+    def load(
+        self,
+        prefix_url: str,
+        options: TransferOptions,
+        *,
+        map_location: Any,
+        weights_only: bool,
+        state: Any,
+    ) -> Any:
+        return load(
+            prefix_url + self.filename,
+            map_location=map_location,
+            weights_only=weights_only,
+            options=options,
+        )
+
+
+class DcpPayload:
+    """A ``torch.distributed.checkpoint`` directory written by every rank.
+
+    Uses ``cloudckpt.dcp.CloudStorageWriter`` / ``CloudStorageReader``; restoring loads
+    in place into ``state`` (DCP needs the target state dict to reshard into).
+    """
+
+    name = "dcp"
+
+    def _dcp(self) -> Any:
+        try:
+            from .. import dcp as cloud_dcp  # type: ignore[attr-defined]
+        except ImportError as exc:
+            raise ConfigError(
+                "kind='dcp' needs cloudckpt.dcp (CloudStorageWriter/CloudStorageReader), "
+                "which this installation lacks"
+            ) from exc
+        return cloud_dcp
+
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
+        dcp.save(state, storage_writer=writer)
+
+    def load(
+        self,
+        prefix_url: str,
+        options: TransferOptions,
+        *,
+        map_location: Any,
+        weights_only: bool,
+        state: Any,
+    ) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        if state is None:
+            raise ConfigError("restoring a DCP checkpoint needs state= (the state dict to fill)")
+        reader = self._dcp().CloudStorageReader(prefix_url, options=options)
+        dcp.load(state, storage_reader=reader)
+        return state
+
+
+def payload_kind(kind: str | PayloadKind, filename: str = "state.pt") -> PayloadKind:
+    """``"object"``, ``"dcp"`` or a ready :class:`PayloadKind`."""
+    if kind == "object":
+        return ObjectPayload(filename)
+    if kind == "dcp":
+        return DcpPayload()
+    if isinstance(kind, str):
+        raise ConfigError(f"kind={kind!r} must be 'object', 'dcp' or a PayloadKind")
+    return kind

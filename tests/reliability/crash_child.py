@@ -1,0 +1,58 @@
+"""A process that saves a checkpoint and SIGKILLs itself at a chosen point.
+
+    python crash_child.py URL STORAGE_OPTIONS_JSON save|async METHOD:N:before|after
+
+METHOD is a Store method (create_multipart, upload_part, complete_multipart, put);
+the process dies just before or just after its N-th call: the same as an external
+SIGKILL at that moment, but at a point the test chose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+import cloudckpt
+from cloudckpt.store.local import LocalStore
+from cloudckpt.store.s3 import S3Store
+
+
+def arm(method: str, n: int, when: str) -> None:
+    for cls in (LocalStore, S3Store):
+        real = getattr(cls, method)
+        calls = 0
+
+        def wrapper(self, *args, real=real, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == n and when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            result = real(self, *args, **kwargs)
+            if calls == n and when == "after":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        setattr(cls, method, wrapper)
+
+
+def new_state() -> dict:
+    return {f"t{i}": torch.full((1 << 20,), float(i + 100)) for i in range(3)}  # 12 MiB
+
+
+def main() -> None:
+    url, options, mode, point = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+    method, n, when = point.split(":")
+    arm(method, int(n), when)
+    opts = {"storage_options": options, "part_size": 5 << 20, "write_concurrency": 1}
+    if mode == "save":
+        cloudckpt.save(new_state(), url, **opts)
+    else:
+        cloudckpt.async_save(new_state(), url, **opts).result()
+
+
+if __name__ == "__main__":
+    main()
