@@ -19,9 +19,9 @@ from .options import TransferOptions, configure, get_defaults
 
 if TYPE_CHECKING:
     from .engine.async_save import SaveHandle, async_save, wait_all
-    from .manager import CheckpointInfo, CheckpointManager
     from .engine.load import load
     from .engine.save import SaveResult, save
+    from .manager import CheckpointInfo, CheckpointManager
 
 __version__ = "0.1.0"
 

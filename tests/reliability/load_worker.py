@@ -31,6 +31,7 @@ def main() -> None:
         f.write("5")  # reset the peak-RSS counter
     base = status("VmRSS")
     bad = 0
+    warm_peak = 0
     for i in range(count):
         g = torch.Generator().manual_seed(worker * 1000 + i)
         state = {"w": torch.randn(3 << 20, generator=g), "i": i, "worker": worker}  # 12 MiB
@@ -42,7 +43,10 @@ def main() -> None:
         out = cloudckpt.load(url, **opts)
         bad += not (torch.equal(out["w"], state["w"]) and out["i"] == i and out["worker"] == worker)
         del state, out  # one checkpoint's worth of memory at a time
-    print(json.dumps({"worker": worker, "bad": bad, "extra": status("VmHWM") - base}))
+        if i == 1:
+            warm_peak = status("VmHWM") - base  # after one sync and one async round
+    extra = status("VmHWM") - base
+    print(json.dumps({"worker": worker, "bad": bad, "extra": extra, "warm": warm_peak}))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,10 @@ def test_concurrent_processes_lose_nothing(rclone_server):
     assert all(r["bad"] == 0 for r in reports), reports
     keys = rclone_server.client().list_objects_v2(Bucket=bucket, MaxKeys=1000).get("Contents", [])
     assert len([k for k in keys if "ckpt-" in k["Key"]]) == procs * count
-    # Memory: a process's peak above its start stays within the 12 MiB state, its
-    # staging copy and its loaded copy, two 5 MiB part buffers, and 64 MiB of slack.
-    bound = 3 * (12 << 20) + 2 * (5 << 20) + (64 << 20)
-    assert max(r["extra"] for r in reports) <= bound, reports
+    # Memory does not grow with the number of checkpoints: the peak after all of them
+    # is the peak after the first two (one sync, one async) plus allocator noise, and
+    # stays within the 12 MiB state, its staging and loaded copies, two 5 MiB part
+    # buffers, and 96 MiB of slack (the allocator and thread stacks).
+    for r in reports:
+        assert r["extra"] - r["warm"] <= 24 << 20, r
+        assert r["extra"] <= 3 * (12 << 20) + 2 * (5 << 20) + (96 << 20), r

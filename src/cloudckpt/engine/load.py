@@ -49,12 +49,23 @@ __all__ = ["load"]
 _MAX_GAP = 4096
 
 
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.restype = ctypes.py_object
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200
+
+
 def _storage_view(storage: torch.UntypedStorage) -> memoryview:
-    """A writable view of a CPU storage's memory (no copy)."""
+    """A writable view of a CPU storage's memory (no copy; the caller keeps it alive).
+
+    Made by ``PyMemoryView_FromMemory`` rather than a ctypes array type: a new array
+    type per size would sit in reference cycles until the garbage collector runs.
+    """
     n = storage.nbytes()
     if n == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(storage.data_ptr())).cast("B")
+    view: memoryview = _memory_view(storage.data_ptr(), n, _PYBUF_WRITE)
+    return view
 
 
 class _Record:

@@ -238,6 +238,8 @@ class TransferGroup:
         with self._lock:
             futures = [f for f, _ in self._futures]
         futures_wait(futures)
+        with self._lock:  # done: drop them (their callbacks may point back at the caller)
+            self._futures = [f for f in self._futures if not f[0].done()]
         self.raise_if_failed()
 
     def cancel(self) -> None:
@@ -251,3 +253,5 @@ class TransferGroup:
                 if on_done is not None:
                     on_done()
         futures_wait([f for f, _ in futures])
+        with self._lock:
+            self._futures = [f for f in self._futures if not f[0].done()]
