@@ -19,6 +19,7 @@ demo: venv
 	$(BIN)/python examples/demo.py $(if $(URL),--url $(URL))
 
 test: venv
+	$(BIN)/python tests/servers.py install-azurite >/dev/null  # Azure emulator, from npm
 	$(BIN)/python -m pytest -q
 
 # The Lightning tests again against the oldest Lightning we support (2.4).

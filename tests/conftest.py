@@ -5,9 +5,13 @@ Fixtures
 ``moto_server`` (session)   -- a moto S3 server subprocess (:class:`servers.S3Server`).
 ``rclone_server`` (session) -- an ``rclone serve s3`` subprocess over a temp dir.
 ``s3_server`` (function, params ``moto``/``rclone``) -- one of the two above.
-``store_url`` (function, params ``file``/``moto``/``rclone``) -- a fresh, empty
-    :class:`StoreTarget`: a temp directory as ``file://`` URL, or a new bucket
-    as ``s3://<bucket>`` with the server's ``storage_options``.
+``gcs_server`` (session)    -- ``gcp-storage-emulator`` (:class:`servers.GCSServer`).
+``azure_server`` (session)  -- Azurite's blob service (:class:`servers.AzureServer`);
+    npm ``azurite`` is installed under ``.cache/node`` on first use.
+``store_url`` (function, params ``file``/``moto``/``rclone``/``gcs``/``azure``) -- a
+    fresh, empty :class:`StoreTarget`: a temp directory as ``file://`` URL, or a new
+    bucket as ``s3://``, ``gs://`` or ``az://<bucket>`` with the server's
+    ``storage_options``.
 
 Servers start lazily, i.e. only when a collected test actually needs them, and
 are stopped at the end of the session. Select a backend with ``-k``, e.g.
@@ -17,24 +21,34 @@ are stopped at the end of the session. Select a backend with ``-k``, e.g.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from servers import S3Server, launch, stop
+# StoreTarget and unique_bucket_name live in servers.py (import them from there: a
+# nested conftest.py can shadow this module's name); re-exported here for old imports.
+from servers import (
+    Emulator,
+    S3Server,
+    StoreTarget,
+    launch,
+    launch_emulator,
+    stop,
+    unique_bucket_name,
+)
+
+__all__ = ["StoreTarget", "unique_bucket_name"]
 
 # ------------------------------------------------------------- environment hygiene
 
 # AWS variables that must not leak in from the developer's shell: they could
 # point boto3/botocore at a real account, profile, endpoint or role.
 _AWS_ENV_PREFIXES = ("AWS_",)
-_EXTRA_ENV_TO_DROP = ("BOTO_CONFIG", "BOTO_PATH")
+_EXTRA_ENV_TO_DROP = ("BOTO_CONFIG", "BOTO_PATH", "STORAGE_EMULATOR_HOST", "API_ENDPOINT_OVERRIDE")
+# Google and Azure settings that could reach a real project or account.
+_CLOUD_ENV_PREFIXES = ("GOOGLE_", "CLOUDSDK_", "AZURE_", "GCE_")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,6 +61,9 @@ def _isolated_aws_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
       do not exist, so ``~/.aws/config`` and ``~/.aws/credentials`` are ignored;
     * ``AWS_EC2_METADATA_DISABLED=true`` stops botocore probing the instance
       metadata service for credentials;
+    * ``GOOGLE_*``, ``CLOUDSDK_*``, ``AZURE_*`` and ``STORAGE_EMULATOR_HOST`` are
+      removed too; gcloud's config dir points nowhere and ``NO_GCE_CHECK`` stops
+      google-auth probing the GCE metadata server;
     * 127.0.0.1 is added to ``NO_PROXY`` so a shell proxy is never used for
       the local servers.
 
@@ -56,12 +73,15 @@ def _isolated_aws_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     """
     mp = pytest.MonkeyPatch()
     for key in list(os.environ):
-        if key.startswith(_AWS_ENV_PREFIXES) or key in _EXTRA_ENV_TO_DROP:
+        if key.startswith(_AWS_ENV_PREFIXES + _CLOUD_ENV_PREFIXES) or key in _EXTRA_ENV_TO_DROP:
             mp.delenv(key)
     nowhere = tmp_path_factory.mktemp("aws-home") / "does-not-exist"
     mp.setenv("AWS_CONFIG_FILE", str(nowhere))
     mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(nowhere))
     mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # google-auth: no gcloud login file, no metadata-server probe.
+    mp.setenv("CLOUDSDK_CONFIG", str(nowhere))
+    mp.setenv("NO_GCE_CHECK", "True")
     for key in ("NO_PROXY", "no_proxy"):
         current = os.environ.get(key, "")
         mp.setenv(key, ",".join(filter(None, [current, "127.0.0.1", "localhost"])))
@@ -95,6 +115,26 @@ def rclone_server(_isolated_aws_env: None) -> Iterator[S3Server]:
     yield from _server("rclone")
 
 
+def _emulator(name: str) -> Iterator[Emulator]:
+    server = launch_emulator(name)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        stop(server, remove_workdir=server.running)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(_isolated_aws_env: None) -> Iterator[Emulator]:
+    """``gcp-storage-emulator`` (GCS JSON API, in memory) on a free 127.0.0.1 port."""
+    yield from _emulator("gcs")
+
+
+@pytest.fixture(scope="session")
+def azure_server(_isolated_aws_env: None) -> Iterator[Emulator]:
+    """Azurite's blob service (in memory) on a free 127.0.0.1 port."""
+    yield from _emulator("azure")
+
+
 @pytest.fixture(params=["moto", "rclone"])
 def s3_server(request: pytest.FixtureRequest) -> S3Server:
     """Each S3 server in turn; started on first use only."""
@@ -103,38 +143,10 @@ def s3_server(request: pytest.FixtureRequest) -> S3Server:
 
 # --------------------------------------------------------------------------- targets
 
-
-@dataclass(frozen=True)
-class StoreTarget:
-    """A fresh, empty place to store checkpoints.
-
-    ``name`` is ``"file"``, ``"moto"`` or ``"rclone"``; ``base_url`` is
-    ``file:///...`` or ``s3://<bucket>``; ``storage_options`` are the keyword
-    arguments to reach it (``{}`` for files). ``server`` is the S3 server for
-    the S3 targets (handy for inspecting the bucket with ``server.client()``).
-    """
-
-    name: str
-    base_url: str
-    storage_options: dict[str, Any]
-    server: S3Server | None = field(default=None, compare=False)
-
-    @property
-    def bucket(self) -> str | None:
-        """The bucket name of an ``s3://`` target, else None."""
-        return self.base_url.removeprefix("s3://") if self.server is not None else None
+_SCHEMES = {"moto": "s3", "rclone": "s3", "gcs": "gs", "azure": "az"}
 
 
-_bucket_counter = itertools.count(1)
-_SESSION_TAG = uuid.uuid4().hex[:8]  # distinguishes sessions sharing a server by hand
-
-
-def unique_bucket_name(prefix: str = "ckpt") -> str:
-    """A valid, unique S3 bucket name: lowercase letters, digits and hyphens, <= 63."""
-    return f"{prefix}-{_SESSION_TAG}-{next(_bucket_counter):05d}-{uuid.uuid4().hex[:6]}"
-
-
-@pytest.fixture(params=["file", "moto", "rclone"])
+@pytest.fixture(params=["file", "moto", "rclone", "gcs", "azure"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreTarget]:
     """A fresh storage target per test: a temp dir, or a new bucket on a server."""
     if request.param == "file":
@@ -143,9 +155,10 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreT
         yield StoreTarget("file", root.as_uri(), {})
         return
 
-    server: S3Server = request.getfixturevalue(f"{request.param}_server")
+    server: S3Server | Emulator = request.getfixturevalue(f"{request.param}_server")
     bucket = server.make_bucket(unique_bucket_name())
-    yield StoreTarget(request.param, f"s3://{bucket}", server.storage_options(), server)
-    # Free memory (moto) / disk (rclone) between tests; never fail a test over it.
+    scheme = _SCHEMES[request.param]
+    yield StoreTarget(request.param, f"{scheme}://{bucket}", server.storage_options(), server)
+    # Free memory (moto, emulators) / disk (rclone) between tests; never fail a test over it.
     with contextlib.suppress(Exception):
         server.remove_bucket(bucket)

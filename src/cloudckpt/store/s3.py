@@ -210,6 +210,10 @@ class S3Store(Store):
         check_key(key, self.root_url)
         try:
             resp = self._call("head_object", key, Key=key)
+        except NotFoundError:
+            # A HEAD 404 carries no error code: ask whether the bucket itself is missing.
+            self._call("list_objects_v2", key, Prefix=key, MaxKeys=1)
+            raise
         except AccessDeniedError:
             # A HEAD answer has no body, so a bare 403 cannot say whether the credentials
             # were rejected or lack permission; a one-byte GET returns the error code.
@@ -230,7 +234,7 @@ class S3Store(Store):
 
     def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
         check_key(key, self.root_url)
-        length = sum(len(b) for b in buffers)
+        length = sum(b.nbytes for b in buffers)
         if length == 0:
             return
         resp = self._call("get_object", key, Key=key, Range=f"bytes={start}-{start + length - 1}")

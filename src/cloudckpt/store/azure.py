@@ -1,0 +1,475 @@
+"""Azure Blob Storage through the ``azure-storage-blob`` SDK (block blobs).
+
+Shared-key and SAS signing are intricate and the SDK does them well, so this backend
+uses it, with the SDK's own retries switched off (the scheduler retries) and one
+pooled HTTP session sized for the configured concurrency.
+
+A multipart upload is a set of staged blocks (``Put Block``) made visible at once by
+``Put Block List``; the upload id is a random token folded into each block id. Nothing
+exists server-side before the first block, and the service discards uncommitted
+blocks after a week or at the blob's next commit. Every block and single put carries
+its MD5 (or CRC64, with the SDK's checksum extension) for the service to check.
+See docs/stores.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    BucketNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    CredentialsError,
+    NotFoundError,
+    StorageError,
+    TransientError,
+)
+from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+
+__all__ = ["AZURE_OPTIONS", "AzureStore"]
+
+#: Storage options the Azure backend understands (anything else is a ConfigError).
+AZURE_OPTIONS = frozenset(
+    {
+        "connection_string",
+        "account_name",
+        "account_key",
+        "sas_token",
+        "account_url",
+        "credential",
+        "anonymous",
+        "checksum",
+    }
+)
+
+_MAX_BLOCK = 4000 * 1024 * 1024  # the service's largest block
+_BLOCK_ID_DIGITS = 6  # block ids must all have the same length within a blob
+_CREDENTIAL_CODES = frozenset(
+    {"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"}
+)
+_TRANSIENT_CODES = frozenset(
+    {
+        "ServerBusy",
+        "OperationTimedOut",
+        "InternalError",
+        "TooManyRequests",
+        # The body arrived damaged: sending it again is the fix.
+        "Md5Mismatch",
+        "Crc64Mismatch",
+    }
+)
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+try:
+    import requests
+    from azure.core.exceptions import (
+        AzureError,
+        ClientAuthenticationError,
+        HttpResponseError,
+        ServiceRequestError,
+        ServiceResponseError,
+    )
+    from azure.core.pipeline.transport import RequestsTransport
+    from azure.storage.blob import BlobBlock, BlobServiceClient
+    from requests.adapters import HTTPAdapter
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    _IMPORT_ERROR: ImportError | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+
+class AzureStore(Store):
+    """One Azure Blob container (or one on Azurite)."""
+
+    def __init__(
+        self,
+        container: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        account: str | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        max_connections: int = 64,
+    ) -> None:
+        if _IMPORT_ERROR is not None:
+            raise ConfigError(
+                f"az:// URLs need the Azure extra ({_IMPORT_ERROR.name} is missing): "
+                "pip install 'cloudckpt[azure]'"
+            )
+        opts = dict(storage_options or {})
+        unknown = sorted(set(opts) - AZURE_OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"unknown Azure storage option(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(sorted(AZURE_OPTIONS))}"
+            )
+        checksum = opts.get("checksum", "md5")
+        if checksum not in ("md5", "crc64", "none"):
+            raise ConfigError(
+                f"Azure storage option checksum must be 'md5', 'crc64' or 'none': {checksum!r}"
+            )
+        if checksum == "crc64":
+            try:
+                import azure.storage.extensions.checksums  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "Azure checksum='crc64' needs the SDK's checksum extension: "
+                    "pip install 'azure-storage-blob[ext-checksums]'"
+                ) from None
+        # True is the SDK's long-standing spelling of MD5; "crc64" needs a recent SDK.
+        self._validate: str | bool = {"none": False, "md5": True}.get(checksum, checksum)
+        self.container = container
+        self.root_url = f"az://{container}"
+        session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=max_connections, max_retries=0)
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        transport = RequestsTransport(
+            session=session,
+            session_owner=True,
+            connection_timeout=connect_timeout,
+            read_timeout=read_timeout,
+        )
+        kwargs: dict[str, Any] = {
+            "transport": transport,
+            "retry_total": 0,  # the scheduler retries, not the SDK
+            "max_single_put_size": 256 * 1024 * 1024,
+            "max_single_get_size": 256 * 1024 * 1024,
+            "max_chunk_get_size": 64 * 1024 * 1024,
+        }
+        try:
+            self._service = self._client(opts, account, kwargs)
+        except ValueError as exc:  # malformed connection string, key or URL
+            raise ConfigError(f"invalid Azure settings for {self.root_url}: {exc}") from None
+        self._container = self._service.get_container_client(container)
+
+    def _client(
+        self, opts: Mapping[str, Any], account: str | None, kwargs: dict[str, Any]
+    ) -> BlobServiceClient:
+        """A service client from storage options, else the standard environment variables."""
+        env = os.environ
+        conn = opts.get("connection_string")
+        explicit = any(
+            k in opts for k in ("account_name", "account_key", "sas_token", "account_url")
+        )
+        if conn is None and not explicit and "credential" not in opts:
+            conn = env.get("AZURE_STORAGE_CONNECTION_STRING")
+        if conn:
+            return BlobServiceClient.from_connection_string(conn, **kwargs)
+        name = (
+            opts.get("account_name")
+            or account
+            or env.get("AZURE_STORAGE_ACCOUNT_NAME")
+            or env.get("AZURE_STORAGE_ACCOUNT")
+        )
+        url = opts.get("account_url") or (name and f"https://{name}.blob.core.windows.net")
+        if not url:
+            raise CredentialsError(
+                f"no Azure account for {self.root_url}: set AZURE_STORAGE_CONNECTION_STRING, "
+                "AZURE_STORAGE_ACCOUNT, or storage_options connection_string= / account_name="
+            )
+        # Each setting: storage options first, then the standard environment variable.
+        key = opts.get("account_key") or env.get("AZURE_STORAGE_KEY")
+        sas = opts.get("sas_token") or env.get("AZURE_STORAGE_SAS_TOKEN")
+        credential: Any
+        if opts.get("anonymous"):
+            credential = None
+        elif opts.get("credential") is not None:
+            credential = opts["credential"]
+        elif opts.get("account_key") or (key and not opts.get("sas_token")):
+            if not name:
+                raise ConfigError(f"an Azure account key needs account_name ({self.root_url})")
+            credential = {"account_name": name, "account_key": key}
+        elif sas:
+            credential = str(sas)
+        else:
+            credential = _default_credential()
+        return BlobServiceClient(account_url=str(url), credential=credential, **kwargs)
+
+    # -- error mapping ---------------------------------------------------------------------
+    def _error(self, exc: Exception, key: str | None, op: str) -> Exception:
+        where = self.url(key) if key is not None else self.root_url
+        if isinstance(exc, HttpResponseError):
+            raw = getattr(exc, "error_code", None) or ""
+            code = str(getattr(raw, "value", raw))  # a StorageErrorCode enum or a str
+            status = int(getattr(exc, "status_code", None) or 0)
+            if code == "ContainerNotFound":
+                return BucketNotFoundError(
+                    f"container does not exist: {self.root_url} (for {where})"
+                )
+            if code == "BlobNotFound" or (status == 404 and key is not None):
+                return NotFoundError(f"no such object: {where}")
+            if status == 404:
+                return BucketNotFoundError(f"container does not exist: {self.root_url}")
+            if code in _CREDENTIAL_CODES or isinstance(exc, ClientAuthenticationError):
+                return CredentialsError(f"credentials rejected for {where}: {code or status}")
+            if status == 403:
+                return AccessDeniedError(f"access denied: {op} {where} ({code or status})")
+            if code in ("BlobAlreadyExists", "ConditionNotMet") or status == 412:
+                return AlreadyExistsError(f"{where} already exists")
+            if code == "InvalidRange" or status == 416:
+                return CorruptCheckpointError(f"{where} is shorter than the range being read")
+            if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS:
+                return TransientError(f"{op} {where}: {code or status}")
+            return StorageError(f"{op} {where} failed: {code or status}")
+        if isinstance(exc, (ServiceRequestError, ServiceResponseError, ConnectionError)):
+            return TransientError(f"{op} {where}: {type(exc).__name__}")
+        if isinstance(exc, AzureError):
+            return StorageError(f"{op} {where} failed: {type(exc).__name__}")
+        return exc
+
+    def _call(self, op: str, key: str | None, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            mapped = self._error(exc, key, op)
+            if mapped is exc:
+                raise
+            raise mapped from None
+
+    def _blob(self, key: str) -> Any:
+        return self._container.get_blob_client(key)
+
+    # -- reads -----------------------------------------------------------------------------
+    def head(self, key: str) -> ObjectInfo:
+        check_key(key, self.root_url)
+        props = self._call("head", key, self._blob(key).get_blob_properties)
+        return _info(key, props)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        buf = bytearray(end - start)
+        self.read_into(key, start, [memoryview(buf)])
+        return bytes(buf)
+
+    def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+        check_key(key, self.root_url)
+        views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+        length = sum(len(v) for v in views)
+        if length == 0:
+            return
+        blob = self._blob(key)
+        stream = self._call(
+            "read", key, blob.download_blob, offset=start, length=length, max_concurrency=1
+        )
+        if stream.size != length:
+            raise CorruptCheckpointError(
+                f"{self.url(key)}: asked for {length} bytes at {start}, got {stream.size}"
+            )
+        sink = _ScatterWriter(views)
+        self._call("read", key, stream.readinto, sink)
+        if not sink.full:
+            raise TransientError(f"reading {self.url(key)}: connection closed mid-body")
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        pages = self._call("list", prefix, self._container.list_blobs, name_starts_with=prefix)
+        it = iter(pages)
+        while True:
+            props = self._call("list", prefix, next, it, None)
+            if props is None:
+                return
+            yield _info(props.name, props)
+
+    # -- writes ----------------------------------------------------------------------------
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
+        check_key(key, self.root_url)
+        view = _bytes_view(data)
+        self._call(
+            "put",
+            key,
+            self._blob(key).upload_blob,
+            _body(view),
+            length=view.nbytes,
+            overwrite=not if_none_match,
+            validate_content=self._validate or None,
+            max_concurrency=1,
+        )
+
+    def delete(self, key: str) -> None:
+        check_key(key, self.root_url)
+        with contextlib.suppress(NotFoundError):
+            self._call("delete", key, self._blob(key).delete_blob, delete_snapshots="include")
+
+    def create_multipart(self, key: str) -> MultipartUpload:
+        check_key(key, self.root_url)
+        # Nothing to create server-side: the id lives in the block ids.
+        return MultipartUpload(key=key, upload_id=uuid.uuid4().hex)
+
+    def upload_part(
+        self, upload: MultipartUpload, number: int, data: Buffer, offset: int
+    ) -> UploadedPart:
+        view = _bytes_view(data)
+        if view.nbytes > _MAX_BLOCK:
+            raise ConfigError(
+                f"part of {view.nbytes} bytes is above Azure's 4000 MiB block limit "
+                f"({self.url(upload.key)}): lower part_size"
+            )
+        block_id = _block_id(upload.upload_id, number)
+        self._call(
+            "upload part",
+            upload.key,
+            self._blob(upload.key).stage_block,
+            block_id,
+            _body(view),
+            length=view.nbytes,
+            validate_content=self._validate or None,
+        )
+        return UploadedPart(number=number, etag=block_id, size=view.nbytes)
+
+    def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+        blocks = [BlobBlock(block_id=p.etag) for p in sorted(parts, key=lambda p: p.number)]
+        self._call("complete", upload.key, self._blob(upload.key).commit_block_list, blocks)
+
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        """Discard staged blocks where the service allows it.
+
+        Azure has no call that drops uncommitted blocks. When no committed blob exists,
+        committing an empty list (only if none exists) and deleting that empty blob
+        (only if unchanged) drops them now; otherwise the service drops them at the
+        blob's next commit or after seven days.
+        """
+        blob = self._blob(upload.key)
+        try:
+            self._call(
+                "abort",
+                upload.key,
+                blob.commit_block_list,
+                [],
+                if_none_match="*",
+            )
+        except (AlreadyExistsError, StorageError):
+            return  # a committed blob is there: leave it alone
+        with contextlib.suppress(NotFoundError, AlreadyExistsError, StorageError):
+            props = self._call("abort", upload.key, blob.get_blob_properties)
+            if props.size == 0:
+                self._call(
+                    "abort",
+                    upload.key,
+                    blob.delete_blob,
+                    etag=props.etag,
+                    match_condition=_if_match(),
+                )
+
+    def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
+        """Uploads staged to keys that have no committed blob yet (the service lists those)."""
+        committed = {info.key for info in self.list(prefix)}
+        pages = self._call(
+            "list uploads",
+            prefix,
+            self._container.list_blobs,
+            name_starts_with=prefix,
+            include=["uncommittedblobs"],
+        )
+        candidates = [p.name for p in pages if p.name not in committed]
+        for key in candidates:
+            try:
+                _, uncommitted = self._call(
+                    "list uploads", key, self._blob(key).get_block_list, "uncommitted"
+                )
+            except NotFoundError:
+                continue
+            ids = {_upload_of(b.id) for b in uncommitted}
+            for upload_id in sorted(i for i in ids if i is not None):
+                yield MultipartUpload(key=key, upload_id=upload_id)
+
+    def close(self) -> None:
+        self._service.close()
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+class _ScatterWriter:
+    """A write-only stream that fills caller buffers in order (for the SDK's readinto)."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = list(views)
+        self._index = 0
+        self._filled = 0
+
+    @property
+    def full(self) -> bool:
+        return self._index >= len(self._views)
+
+    def write(self, data: Any) -> int:
+        src = memoryview(data).cast("B")
+        done = 0
+        while done < len(src):
+            if self.full:
+                raise CorruptCheckpointError("the store sent more bytes than were asked for")
+            view = self._views[self._index]
+            n = min(len(view) - self._filled, len(src) - done)
+            view[self._filled : self._filled + n] = src[done : done + n]
+            done += n
+            self._filled += n
+            if self._filled == len(view):
+                self._index += 1
+                self._filled = 0
+        while not self.full and len(self._views[self._index]) == 0:
+            self._index += 1
+        return done
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+
+def _default_credential() -> Any:
+    """azure-identity's DefaultAzureCredential when installed, else anonymous access."""
+    try:
+        from azure.identity import DefaultAzureCredential
+    except ImportError:
+        return None
+    return DefaultAzureCredential()
+
+
+def _if_match() -> Any:
+    from azure.core import MatchConditions
+
+    return MatchConditions.IfNotModified
+
+
+def _block_id(upload_id: str, number: int) -> str:
+    return f"{upload_id}-{number:0{_BLOCK_ID_DIGITS}d}"
+
+
+def _upload_of(block_id: str) -> str | None:
+    upload_id, sep, number = str(block_id).rpartition("-")
+    ok = sep and len(upload_id) == 32 and number.isdigit() and len(number) == _BLOCK_ID_DIGITS
+    return upload_id if ok else None
+
+
+def _info(key: str, props: Any) -> ObjectInfo:
+    modified = getattr(props, "last_modified", None)
+    return ObjectInfo(
+        key=key,
+        size=int(props.size or 0),
+        mtime=modified.timestamp() if modified is not None else None,
+        etag=(getattr(props, "etag", None) or "").strip('"') or None,  # unquoted, as S3's
+    )
+
+
+def _bytes_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _body(view: memoryview) -> bytes:
+    """The request body as ``bytes``: the SDK sends (and hashes) nothing else whole.
+
+    Other buffers (an iterable to the SDK) cost one copy here; ``bytes`` go as they are.
+    """
+    if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes:
+        return view.obj
+    return view.tobytes()

@@ -1,0 +1,513 @@
+"""Google Cloud Storage through its JSON API, with google-auth for credentials.
+
+Why not the ``google-cloud-storage`` SDK: its upload and download helpers copy every
+byte at least once, hash on their own schedule and retry on their own; the handful of
+JSON API calls a :class:`~cloudckpt.store.base.Store` needs is small, and going through
+google-auth's ``AuthorizedSession`` keeps credentials standard (``GOOGLE_APPLICATION_
+CREDENTIALS``, gcloud's application-default login, the metadata server) while bodies go
+to the socket straight from caller memory and ranged reads land straight in it.
+
+Multipart uploads are parallel part objects joined by ``compose`` (32 sources a call,
+composed in a tree beyond that); parts live under :data:`UPLOADS_PREFIX` in the same
+bucket until the upload completes or is aborted, which is also where
+``list_multipart`` finds abandoned ones for gc. Every upload sends its CRC32C and
+checks the one the service computed. See docs/stores.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote
+
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    BucketNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    CredentialsError,
+    NotFoundError,
+    StorageError,
+    TransientError,
+)
+from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+
+__all__ = ["GCS_OPTIONS", "UPLOADS_PREFIX", "GCSStore"]
+
+#: Storage options the GCS backend understands (anything else is a ConfigError).
+GCS_OPTIONS = frozenset(
+    {"endpoint_url", "project", "credentials_file", "anonymous", "checksum", "verify"}
+)
+
+#: Where the parts of open multipart uploads live; ``list`` never shows this prefix.
+UPLOADS_PREFIX = ".cloudckpt-uploads/"
+
+_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
+_DEFAULT_ENDPOINT = "https://storage.googleapis.com"
+_CRC_SLICE = 1 << 20
+_BOUNDARY = "cloudckpt-empty-object"
+_EMPTY_MULTIPART_BODY = (
+    f"--{_BOUNDARY}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{{}}\r\n"
+    f"--{_BOUNDARY}\r\nContent-Type: application/octet-stream\r\n\r\n\r\n--{_BOUNDARY}--\r\n"
+).encode()
+_COMPOSE_FANIN = 32  # the most sources one compose call accepts
+_MARKER = "upload"  # name of the empty object that records an open upload
+_PART = re.compile(r"part-(\d{5,})")
+_UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def _missing_extra(exc: ImportError) -> ConfigError:
+    return ConfigError(
+        f"gs:// URLs need the GCS extra ({exc.name} is missing): pip install 'cloudckpt[gcs]'"
+    )
+
+
+try:
+    import google_crc32c
+    import requests
+    from google.auth.credentials import AnonymousCredentials
+    from google.auth.exceptions import DefaultCredentialsError, GoogleAuthError, TransportError
+    from google.auth.transport.requests import AuthorizedSession
+    from requests.adapters import HTTPAdapter
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    _IMPORT_ERROR: ImportError | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+
+class GCSStore(Store):
+    """One Google Cloud Storage bucket (or one on an emulator)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        max_connections: int = 64,
+    ) -> None:
+        if _IMPORT_ERROR is not None:
+            raise _missing_extra(_IMPORT_ERROR)
+        opts = dict(storage_options or {})
+        unknown = sorted(set(opts) - GCS_OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"unknown GCS storage option(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(sorted(GCS_OPTIONS))}"
+            )
+        checksum = opts.get("checksum", "crc32c")
+        if checksum not in ("crc32c", "none"):
+            raise ConfigError(
+                f"GCS storage option checksum must be 'crc32c' or 'none': {checksum!r}"
+            )
+        self.bucket = bucket
+        self.root_url = f"gs://{bucket}"
+        self._crc = checksum == "crc32c"
+        self._timeout = (connect_timeout, read_timeout)
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if emulator and "://" not in emulator:
+            emulator = f"http://{emulator}"
+        endpoint = (opts.get("endpoint_url") or emulator or _DEFAULT_ENDPOINT).rstrip("/")
+        # An emulator takes no credentials; so does a public bucket read anonymously.
+        anonymous = bool(opts.get("anonymous")) or (
+            bool(emulator) and not opts.get("endpoint_url") and "credentials_file" not in opts
+        )
+        self._endpoint = endpoint
+        self._session = AuthorizedSession(self._credentials(opts, anonymous))
+        self._session.headers["Accept-Encoding"] = "identity"
+        if opts.get("verify") is not None:
+            self._session.verify = opts["verify"]
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=max_connections, max_retries=0)
+        self._session.mount("https://", adapter)
+        self._session.mount("http://", adapter)
+        b = quote(bucket, safe="")
+        self._bucket_api = f"{endpoint}/storage/v1/b/{b}"
+        self._upload_api = f"{endpoint}/upload/storage/v1/b/{b}/o"
+        self._download_api = f"{endpoint}/download/storage/v1/b/{b}/o"
+        self._bucket_seen = False
+
+    def _credentials(self, opts: Mapping[str, Any], anonymous: bool) -> Any:
+        """Credentials from storage options, else google-auth's standard search."""
+        import google.auth
+
+        if anonymous:
+            return AnonymousCredentials()
+        try:
+            if opts.get("credentials_file"):
+                return _credentials_from_file(os.fspath(opts["credentials_file"]))
+            else:
+                # GOOGLE_APPLICATION_CREDENTIALS, gcloud's ADC file, then the metadata server.
+                creds, _ = google.auth.default(scopes=_SCOPES)
+        except (DefaultCredentialsError, OSError, ValueError, KeyError) as exc:
+            raise CredentialsError(
+                f"no usable Google credentials for {self.root_url}: set "
+                "GOOGLE_APPLICATION_CREDENTIALS, run `gcloud auth application-default login`, "
+                "or pass storage_options credentials_file= (or anonymous=True for public "
+                f"buckets): {type(exc).__name__}"
+            ) from None
+        return creds
+
+    # -- requests and error mapping ---------------------------------------------------------
+    def _object_url(self, key: str) -> str:
+        return f"{self._bucket_api}/o/{quote(key, safe='')}"
+
+    def _request(
+        self, method: str, url: str, key: str | None, op: str, **kwargs: Any
+    ) -> requests.Response:
+        """One HTTP request; failures come back as typed errors naming the URL."""
+        kwargs.setdefault("timeout", self._timeout)
+        where = self.url(key) if key is not None else self.root_url
+        try:
+            resp = self._session.request(method, url, **kwargs)
+        except (requests.ConnectionError, requests.Timeout, TransportError) as exc:
+            raise TransientError(f"{op} {where}: {type(exc).__name__}") from None
+        except GoogleAuthError as exc:
+            raise CredentialsError(f"Google credentials failed for {where}: {exc}") from None
+        except requests.RequestException as exc:
+            raise StorageError(f"{op} {where} failed: {type(exc).__name__}: {exc}") from None
+        if resp.status_code < 300:
+            return resp
+        raise self._status_error(resp, key, op)
+
+    def _status_error(self, resp: requests.Response, key: str | None, op: str) -> Exception:
+        status = resp.status_code
+        where = self.url(key) if key is not None else self.root_url
+        try:
+            message = str(resp.json().get("error", {}).get("message", ""))
+        except ValueError:
+            message = resp.text[:200]
+        finally:
+            resp.close()
+        if status == 404:
+            if key is None or not self._bucket_exists():
+                return BucketNotFoundError(f"bucket does not exist: {self.root_url} (for {where})")
+            return NotFoundError(f"no such object: {where}")
+        if status == 401:
+            return CredentialsError(f"credentials rejected for {where} ({op}): {message}")
+        if status == 403:
+            return AccessDeniedError(f"access denied: {op} {where}: {message}")
+        if status == 412:
+            return AlreadyExistsError(f"{where} already exists")
+        if status == 416:
+            return CorruptCheckpointError(f"{where} is shorter than the range being read")
+        if status == 400 and ("CRC32C" in message or "MD5" in message):
+            # The service computed another checksum than we sent: damaged on the way.
+            return TransientError(f"{op} {where}: checksum mismatch: {message}")
+        if status in _TRANSIENT_STATUS:
+            return TransientError(f"{op} {where}: {status} {message}")
+        return StorageError(f"{op} {where} failed: {status}: {message}")
+
+    def _bucket_exists(self) -> bool:
+        """Tell a missing bucket from a missing object (asked only after a 404)."""
+        if self._bucket_seen:
+            return True
+        try:
+            resp = self._session.get(self._bucket_api, timeout=self._timeout)
+        except requests.RequestException:
+            return True  # cannot tell: report the object as missing
+        resp.close()
+        self._bucket_seen = resp.status_code != 404
+        return self._bucket_seen
+
+    # -- reads ----------------------------------------------------------------------------
+    def head(self, key: str) -> ObjectInfo:
+        check_key(key, self.root_url)
+        meta = self._request("GET", self._object_url(key), key, "head").json()
+        return _info(meta)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        buf = bytearray(end - start)
+        self.read_into(key, start, [memoryview(buf)])
+        return bytes(buf)
+
+    def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+        check_key(key, self.root_url)
+        length = sum(memoryview(b).nbytes for b in buffers)
+        if length == 0:
+            return
+        url = f"{self._download_api}/{quote(key, safe='')}?alt=media"
+        headers = {"Range": f"bytes={start}-{start + length - 1}"}
+        resp = self._request("GET", url, key, "read", headers=headers, stream=True)
+        try:
+            got = int(resp.headers.get("Content-Length", -1))
+            skip = 0
+            if got != length:
+                if resp.status_code == 200 and got >= start + length:
+                    skip = start  # the range was ignored: take our slice of the whole object
+                else:
+                    raise CorruptCheckpointError(
+                        f"{self.url(key)}: asked for {length} bytes at {start}, got {got}"
+                    )
+            read_response_into(resp.raw, skip, buffers, self.url(key))
+        except (requests.RequestException, ConnectionError, TimeoutError) as exc:
+            raise TransientError(f"reading {self.url(key)}: {type(exc).__name__}") from None
+        finally:
+            resp.close()
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        for meta in self._list_raw(prefix):
+            if not meta["name"].startswith(UPLOADS_PREFIX):
+                yield _info(meta)
+
+    def _list_raw(self, prefix: str) -> Iterator[dict[str, Any]]:
+        params: dict[str, str] = {"prefix": prefix}
+        for _page in range(1_000_000):
+            resp = self._request("GET", f"{self._bucket_api}/o", prefix, "list", params=params)
+            body = resp.json()
+            # The service returns names in lexicographic order; an emulator may not.
+            yield from sorted(body.get("items", ()), key=lambda m: m["name"])
+            token = body.get("nextPageToken")
+            if not token:
+                return
+            params["pageToken"] = token
+
+    # -- writes ---------------------------------------------------------------------------
+    def _upload(self, key: str, data: Buffer, *, if_none_match: bool) -> dict[str, Any]:
+        """One media upload with its CRC32C, checked against the service's own."""
+        view = _bytes_view(data)
+        params = {"uploadType": "media", "name": key}
+        if if_none_match:
+            params["ifGenerationMatch"] = "0"
+        headers = {"Content-Type": "application/octet-stream"}
+        crc = _crc32c(view) if self._crc else None
+        if crc is not None:
+            headers["X-Goog-Hash"] = f"crc32c={crc}"
+        body: Any = view
+        if not view.nbytes:
+            # An empty media upload trips some emulators; a multipart one (metadata plus
+            # empty data) means the same to the service and is tiny.
+            params["uploadType"] = "multipart"
+            headers["Content-Type"] = f"multipart/related; boundary={_BOUNDARY}"
+            body = _EMPTY_MULTIPART_BODY
+        resp = self._request(
+            "POST", self._upload_api, key, "put", params=params, data=body, headers=headers
+        )
+        meta: dict[str, Any] = resp.json()
+        if crc is not None and meta.get("crc32c") not in (None, crc):
+            # Damaged on the way: the service stored other bytes. Sending again fixes it.
+            raise TransientError(f"put {self.url(key)}: CRC32C mismatch after upload")
+        return meta
+
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
+        check_key(key, self.root_url)
+        self._upload(key, data, if_none_match=if_none_match)
+
+    def delete(self, key: str) -> None:
+        check_key(key, self.root_url)
+        with contextlib.suppress(NotFoundError):
+            self._request("DELETE", self._object_url(key), key, "delete").close()
+
+    def create_multipart(self, key: str) -> MultipartUpload:
+        check_key(key, self.root_url)
+        upload_id = uuid.uuid4().hex
+        self._upload(_upload_dir(key, upload_id) + _MARKER, b"", if_none_match=False)
+        return MultipartUpload(key=key, upload_id=upload_id, initiated=time.time())
+
+    def upload_part(
+        self, upload: MultipartUpload, number: int, data: Buffer, offset: int
+    ) -> UploadedPart:
+        name = _upload_dir(upload.key, upload.upload_id) + f"part-{number:05d}"
+        meta = self._upload(name, data, if_none_match=False)
+        size = _bytes_view(data).nbytes
+        return UploadedPart(number=number, etag=str(meta.get("generation", "")), size=size)
+
+    def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+        folder = _upload_dir(upload.key, upload.upload_id)
+        sources = [
+            {"name": folder + f"part-{p.number:05d}", "generation": p.etag}
+            for p in sorted(parts, key=lambda p: p.number)
+        ]
+        if not sources:  # an empty object: compose needs at least one source
+            self._upload(upload.key, b"", if_none_match=False)
+        else:
+            level = 0
+            while len(sources) > _COMPOSE_FANIN:
+                groups = [
+                    sources[i : i + _COMPOSE_FANIN] for i in range(0, len(sources), _COMPOSE_FANIN)
+                ]
+                sources = [
+                    self._compose(group, folder + f"tree-{level}-{i:05d}", upload.key)
+                    for i, group in enumerate(groups)
+                ]
+                level += 1
+            self._compose(sources, upload.key, upload.key)
+        # The object is committed; leftovers are only untidy (gc finds them), never an error.
+        with contextlib.suppress(StorageError):
+            self.abort_multipart(upload)
+
+    def _compose(self, sources: Sequence[dict[str, Any]], dest: str, key: str) -> dict[str, Any]:
+        body = {
+            "sourceObjects": [
+                {"name": s["name"], **_generation_precondition(s.get("generation"))}
+                for s in sources
+            ],
+            "destination": {"contentType": "application/octet-stream"},
+        }
+        try:
+            resp = self._request(
+                "POST", self._object_url(dest) + "/compose", key, "complete", json=body
+            )
+        except AlreadyExistsError:
+            raise StorageError(
+                f"complete {self.url(key)}: a part changed while the upload was open"
+            ) from None
+        except NotFoundError as exc:
+            if isinstance(exc, BucketNotFoundError):
+                raise
+            raise NotFoundError(
+                f"no such multipart upload (parts missing): {self.url(key)}"
+            ) from None
+        meta: dict[str, Any] = resp.json()
+        return {"name": dest, "generation": str(meta.get("generation", ""))}
+
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        folder = _upload_dir(upload.key, upload.upload_id)
+        for meta in list(self._list_raw(folder)):
+            self.delete(meta["name"])
+
+    def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
+        seen: dict[tuple[str, str], float | None] = {}
+        for meta in self._list_raw(UPLOADS_PREFIX + prefix):
+            parsed = _parse_upload_name(meta["name"])
+            if parsed is None:
+                continue
+            key, upload_id, leaf = parsed
+            if not key.startswith(prefix):
+                continue
+            slot = (key, upload_id)
+            if leaf == _MARKER or slot not in seen:  # the marker's time is the start
+                seen[slot] = _timestamp(meta.get("timeCreated"))
+        for (key, upload_id), initiated in sorted(seen.items()):
+            yield MultipartUpload(key=key, upload_id=upload_id, initiated=initiated)
+
+    def close(self) -> None:
+        self._session.close()
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _credentials_from_file(path: str) -> Any:
+    """Service-account or authorized-user credentials from a JSON key file.
+
+    Other kinds (workload identity federation...) go through
+    ``GOOGLE_APPLICATION_CREDENTIALS``, where google-auth vets them itself.
+    """
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        info = json.load(f)
+    kind = info.get("type") if isinstance(info, dict) else None
+    if kind == "service_account":
+        from google.oauth2 import service_account
+
+        return service_account.Credentials.from_service_account_info(info, scopes=_SCOPES)
+    if kind == "authorized_user":
+        from google.oauth2 import credentials
+
+        return credentials.Credentials.from_authorized_user_info(info, scopes=_SCOPES)
+    raise ValueError(
+        f"credentials_file of type {kind!r}: use GOOGLE_APPLICATION_CREDENTIALS for this kind"
+    )
+
+
+def _upload_dir(key: str, upload_id: str) -> str:
+    return f"{UPLOADS_PREFIX}{key}/{upload_id}/"
+
+
+def _parse_upload_name(name: str) -> tuple[str, str, str] | None:
+    """``(key, upload_id, leaf)`` of an object under :data:`UPLOADS_PREFIX`."""
+    rest = name[len(UPLOADS_PREFIX) :]
+    key, sep, tail = rest.rpartition("/")
+    key, sep2, upload_id = key.rpartition("/")
+    if not (sep and sep2 and key and _UPLOAD_ID.fullmatch(upload_id)):
+        return None
+    if tail != _MARKER and not _PART.fullmatch(tail) and not tail.startswith("tree-"):
+        return None
+    return key, upload_id, tail
+
+
+def _generation_precondition(generation: str | None) -> dict[str, Any]:
+    if not generation:
+        return {}
+    return {"generation": generation, "objectPreconditions": {"ifGenerationMatch": generation}}
+
+
+def _info(meta: Mapping[str, Any]) -> ObjectInfo:
+    return ObjectInfo(
+        key=meta["name"],
+        size=int(meta.get("size", 0)),
+        mtime=_timestamp(meta.get("updated")),
+        etag=meta.get("etag") or meta.get("md5Hash") or meta.get("crc32c"),
+    )
+
+
+def _timestamp(value: Any) -> float | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _bytes_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _crc32c(view: memoryview) -> str:
+    """The base64 big-endian CRC32C GCS reports for ``view``.
+
+    The C extension takes only immutable ``bytes``; other buffers go through it in
+    1 MiB slices, a copy that stays in cache and costs far less than the hashing.
+    """
+    if isinstance(view.obj, bytes) and view.nbytes == len(view.obj):
+        value = google_crc32c.value(view.obj)
+    else:
+        value = 0
+        for i in range(0, view.nbytes, _CRC_SLICE):
+            value = google_crc32c.extend(value, bytes(view[i : i + _CRC_SLICE]))
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def read_response_into(raw: Any, skip: int, buffers: Sequence[memoryview], url: str) -> None:
+    """Read a urllib3 response body into ``buffers``, from the socket where possible.
+
+    urllib3's own ``readinto`` reads into a temporary and copies; for an identity-encoded
+    body the underlying ``http.client`` response fills caller memory directly.
+    """
+    fp = getattr(raw, "_fp", None)
+    encoding = (getattr(raw, "headers", None) or {}).get("content-encoding", "identity")
+    direct = fp is not None and hasattr(fp, "readinto") and encoding in ("identity", "")
+    remaining = skip
+    while remaining:
+        chunk = raw.read(min(remaining, 1 << 20))
+        if not chunk:
+            raise TransientError(f"reading {url}: connection closed mid-body")
+        remaining -= len(chunk)
+    for buf in buffers:
+        view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        filled = 0
+        while filled < len(view):
+            if direct and fp is not None:
+                n = fp.readinto(view[filled:])
+            else:
+                chunk = raw.read(len(view) - filled)
+                n = len(chunk)
+                view[filled : filled + n] = chunk
+            if not n:
+                raise TransientError(f"reading {url}: connection closed mid-body")
+            filled += n
+    if not skip and direct and hasattr(raw, "release_conn"):
+        raw.release_conn()  # the body was read to its end: the connection can be reused
