@@ -20,7 +20,7 @@ demo: venv
 
 test: venv
 	$(BIN)/python tests/servers.py install-azurite >/dev/null  # Azure emulator, from npm
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The Lightning tests again against the oldest Lightning we support (2.4).
 LIGHTNING_MIN ?= 2.4.0

@@ -1,8 +1,8 @@
 """A process that saves a checkpoint and SIGKILLs itself at a chosen point.
 
-    python crash_child.py URL STORAGE_OPTIONS_JSON save|async METHOD:N:before|after
+    python crash_child.py URL STORAGE_OPTIONS_JSON save|async|dcp|retain METHOD:N:before|after
 
-METHOD is a Store method (create_multipart, upload_part, complete_multipart, put);
+METHOD is a Store method (create_multipart, upload_part, complete_multipart, put, delete);
 the process dies just before or just after its N-th call: the same as an external
 SIGKILL at that moment, but at a point the test chose.
 """
@@ -50,8 +50,17 @@ def main() -> None:
     opts = {"storage_options": options, "part_size": 5 << 20, "write_concurrency": 1}
     if mode == "save":
         cloudckpt.save(new_state(), url, **opts)
-    else:
+    elif mode == "async":
         cloudckpt.async_save(new_state(), url, **opts).result()
+    elif mode == "dcp":  # URL is the new checkpoint's prefix
+        import torch.distributed.checkpoint as dcp
+
+        from cloudckpt.dcp import CloudStorageWriter
+
+        dcp.save(new_state(), storage_writer=CloudStorageWriter(url, **opts), no_dist=True)
+    else:  # "retain": URL is a manager root holding step 1; step 2 commits, then prunes 1
+        manager = cloudckpt.CheckpointManager(url, keep_last=1, **opts)
+        manager.save(2, new_state())
 
 
 if __name__ == "__main__":

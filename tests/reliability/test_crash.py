@@ -69,3 +69,56 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(store_url, mode, poin
     cloudckpt.save(previous_state(), url, storage_options=store_url.storage_options)
     _kill_run(url, store_url.storage_options, mode, point)
     _check_after_kill(url, store_url.storage_options, committed_new)
+
+
+@pytest.mark.parametrize("point", ["upload_part:1:after", "complete_multipart:1:after"])
+def test_sigkill_during_dcp_save_leaves_no_metadata(store_url, point):
+    if store_url.name in ("gcs", "azure"):
+        pytest.skip("the kill points name S3 and filesystem calls")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
+    from cloudckpt.errors import NotFoundError
+
+    opts = store_url.storage_options
+    root = f"{store_url.base_url}/dcp"
+    dcp.save(
+        previous_state(),
+        storage_writer=CloudStorageWriter(f"{root}/step-1", storage_options=opts),
+        no_dist=True,
+    )
+    _kill_run(f"{root}/step-2", opts, "dcp", point)
+    # DCP wraps the reader's NotFoundError in its CheckpointException when loading alone.
+    with pytest.raises((NotFoundError, CheckpointException), match="no committed checkpoint"):
+        dcp.load(
+            previous_state(),
+            storage_reader=CloudStorageReader(f"{root}/step-2", storage_options=opts),
+            no_dist=True,
+        )
+    out = {k: torch.zeros_like(v) for k, v in previous_state().items()}
+    dcp.load(
+        out, storage_reader=CloudStorageReader(f"{root}/step-1", storage_options=opts), no_dist=True
+    )
+    assert float(out["t0"][0]) == 0.0
+    ropts = resolve_options(storage_options=opts)
+    store, key = open_url(root, ropts)
+    collect_garbage(store, key, ropts, grace_seconds=0)
+    assert list(store.list_multipart(key)) == []
+
+
+@pytest.mark.parametrize("point", ["delete:1:before", "delete:1:after", "delete:2:after"])
+def test_sigkill_during_retention_keeps_latest_committed(store_url, point):
+    if store_url.name in ("gcs", "azure"):
+        pytest.skip("the kill points name S3 and filesystem calls")
+    opts = store_url.storage_options
+    root = f"{store_url.base_url}/managed"
+    cloudckpt.CheckpointManager(root, keep_last=1, storage_options=opts).save(1, previous_state())
+    _kill_run(root, opts, "retain", point)  # step 2 committed, then killed while pruning 1
+    manager = cloudckpt.CheckpointManager(root, keep_last=1, storage_options=opts)
+    assert manager.latest().step == 2
+    assert float(manager.restore()["t0"][0]) == 100.0
+    assert [c.step for c in manager.list()] in ([2], [1, 2])
+    manager.gc(grace_seconds=0)
+    manager.apply_retention()
+    assert [c.step for c in manager.list()] == [2]
