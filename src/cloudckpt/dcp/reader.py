@@ -18,7 +18,6 @@ contiguous CPU tensor of the saved dtype (otherwise into a scratch buffer, copie
 
 from __future__ import annotations
 
-import ctypes
 import io
 import json
 import math
@@ -33,8 +32,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..engine.memview import writable_view
 from ..engine.scheduler import call_with_retries
-from ..errors import BucketNotFoundError, CorruptCheckpointError, NotFoundError
+from ..errors import (
+    BucketNotFoundError,
+    CorruptCheckpointError,
+    NotFoundError,
+    UnsafeCheckpointError,
+)
 from ..options import TransferOptions, resolve_options
 from .archive import SavedTensor, parse_archive, saved_from_json
 from .fetch import RangeFetcher
@@ -50,10 +55,7 @@ TAIL_PROBE = 8192
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
-    n = tensor.numel() * tensor.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(tensor.data_ptr())).cast("B")
+    return writable_view(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
 def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -84,6 +86,39 @@ class _Slice:
     target: torch.Tensor
     scratch: torch.Tensor | None = None  # bytes to copy from when not read in place
     saved: SavedTensor | None = None
+
+
+_METADATA_MODULES = frozenset({"torch.distributed.checkpoint.metadata"})
+_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and nothing else: no arbitrary globals, no code.
+
+    ``.metadata`` is a pickle; a plain ``pickle.load`` of a file from a bucket would run
+    whatever it names. Only DCP's metadata classes, dtypes and a few value types pass.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
+            "needs; refusing to load it"
+        )
 
 
 class CloudStorageReader(LocatedCheckpoint, StorageReader):
@@ -135,7 +170,9 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 "did not finish leaves none)"
             ) from None
         try:
-            metadata = pickle.loads(payload)
+            metadata = _MetadataUnpickler(io.BytesIO(payload)).load()
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(f"{url}: {exc}") from exc
         except Exception as exc:
             raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from exc
         if not isinstance(metadata, Metadata):

@@ -10,7 +10,6 @@ entries reference are fetched.
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import sys
@@ -40,6 +39,7 @@ from ..format.zipdir import (
 from ..options import TransferOptions, resolve_options
 from ..store import ObjectInfo, Store, open_url
 from .directory import read_directory
+from .memview import writable_view
 from .progress import progress_bar
 from .scheduler import TransferGroup, call_with_retries
 
@@ -49,23 +49,9 @@ __all__ = ["load"]
 _MAX_GAP = 4096
 
 
-_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
-_memory_view.restype = ctypes.py_object
-_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_PYBUF_WRITE = 0x200
-
-
 def _storage_view(storage: torch.UntypedStorage) -> memoryview:
-    """A writable view of a CPU storage's memory (no copy; the caller keeps it alive).
-
-    Made by ``PyMemoryView_FromMemory`` rather than a ctypes array type: a new array
-    type per size would sit in reference cycles until the garbage collector runs.
-    """
-    n = storage.nbytes()
-    if n == 0:
-        return memoryview(bytearray(0))
-    view: memoryview = _memory_view(storage.data_ptr(), n, _PYBUF_WRITE)
-    return view
+    """A writable view of a CPU storage's memory (no copy)."""
+    return writable_view(storage.data_ptr(), storage.nbytes())
 
 
 class _Record:

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.scheduler import TransferGroup, call_with_retries
-from ..errors import CorruptCheckpointError, NotFoundError
+from ..errors import CorruptCheckpointError, InvalidURLError, NotFoundError
 from ..options import TransferOptions
-from ..store import ObjectInfo, Store
+from ..store import ObjectInfo, Store, check_key
 
 __all__ = [
     "MARKER_FORMAT",
@@ -133,12 +133,15 @@ def decode_marker(data: bytes, url: str) -> CheckpointInfo:
             size=int(body["size"]),
             kind=str(body["kind"]),
             files=tuple(
-                FileEntry(str(f["name"]), int(f["size"]), f.get("etag")) for f in body["files"]
+                FileEntry(check_key(str(f["name"]), url), int(f["size"]), f.get("etag"))
+                for f in body["files"]
             ),
             metrics={str(k): _float_in(v) for k, v in body.get("metrics", {}).items()},
             metadata=dict(body.get("metadata", {})),
             library_version=str(body.get("library_version", "")),
         )
+    except InvalidURLError as exc:  # a file name that would leave the checkpoint's prefix
+        raise CorruptCheckpointError(f"{url} is not a valid checkpoint marker: {exc}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"{url} is not a valid checkpoint marker: {exc}") from exc
 

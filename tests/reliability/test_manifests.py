@@ -1,0 +1,60 @@
+"""Manifests from storage are data, never code or paths out of the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import cloudckpt
+from cloudckpt import errors
+from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned-by-metadata",))
+
+
+def test_dcp_metadata_cannot_run_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    url = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), no_dist=True)
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(errors.UnsafeCheckpointError, match="refusing to load it"):
+        CloudStorageReader(url).read_metadata()
+    # DCP reports a rank's failure as a CheckpointException (a BaseException) holding it.
+    with pytest.raises(BaseException, match="refusing to load it"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=CloudStorageReader(url), no_dist=True)
+    assert not (tmp_path / "pwned-by-metadata").exists()
+
+
+def test_dcp_metadata_paths_cannot_leave_the_checkpoint(tmp_path):
+    url = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), no_dist=True)
+    meta_path = tmp_path / "ckpt" / ".metadata"
+    metadata = pickle.loads(meta_path.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    meta_path.write_bytes(pickle.dumps(metadata))
+    (tmp_path / "outside.distcp").write_bytes(b"x" * 4096)
+    with pytest.raises(BaseException, match="unsafe object key"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=CloudStorageReader(url), no_dist=True)
+
+
+@pytest.mark.parametrize("name", ["../other/state.pt", "/etc/passwd", "a//b", "x/../../y"])
+def test_manager_markers_with_escaping_file_names_are_refused(tmp_path, name):
+    manager = cloudckpt.CheckpointManager(tmp_path / "run")
+    manager.save(1, {"w": torch.ones(2)})
+    marker = next((tmp_path / "run").rglob("_CHECKPOINT.json"))
+    body = json.loads(marker.read_text())
+    body["files"][0]["name"] = name
+    marker.write_text(json.dumps(body))
+    from cloudckpt.manager.marker import decode_marker
+
+    with pytest.raises(errors.CorruptCheckpointError, match="unsafe object key"):
+        decode_marker(marker.read_bytes(), marker.as_uri())
