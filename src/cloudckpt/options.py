@@ -116,9 +116,28 @@ def get_defaults() -> TransferOptions:
     return _defaults
 
 
-def resolve_options(options: TransferOptions | None = None, **overrides: Any) -> TransferOptions:
-    """Merge a call's ``options`` object and keyword overrides over the process defaults."""
+def resolve_options(
+    options: TransferOptions | None = None, *, url: Any = None, **overrides: Any
+) -> TransferOptions:
+    """Merge a call's ``options`` object and keyword overrides over the process defaults.
+
+    With ``url``, a profile it selects (cloudckpt.profiles) sits between the two: call
+    arguments win over the profile, the profile over ``configure()``.
+    """
     base = options if options is not None else _defaults
     if not isinstance(base, TransferOptions):
         raise ConfigError(f"options must be a TransferOptions, not {type(base).__name__}")
+    if url is not None and "://" in str(url):
+        from .profiles import find_profile
+
+        profile = find_profile(str(url))
+        if profile is not None:
+            if options is None and profile.transfer:
+                base = base.replace(**profile.transfer)
+            if options is None:  # the profile wins over configure()'s storage options
+                storage = {**base.storage_options, **profile.storage_options}
+            else:  # an explicit options object wins over the profile
+                storage = {**profile.storage_options, **base.storage_options}
+            storage.update(overrides.pop("storage_options", None) or {})
+            base = base.replace(storage_options=storage)
     return base.replace(**overrides) if overrides else base

@@ -138,7 +138,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         **overrides: Any,
     ) -> None:
         super().__init__()
-        self.location = CheckpointLocation(url, resolve_options(options, **overrides))
+        self.location = CheckpointLocation(url, resolve_options(options, url=url, **overrides))
         self.storage_data: dict[Any, Any] = {}
         self.rank: int | None = None
         self.use_collectives = True

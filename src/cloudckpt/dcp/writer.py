@@ -127,7 +127,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         for name, value in (("files_per_rank", files_per_rank), ("prefix_fanout", prefix_fanout)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        self.location = CheckpointLocation(url, resolve_options(options, **overrides))
+        self.location = CheckpointLocation(url, resolve_options(options, url=url, **overrides))
         self.files_per_rank = files_per_rank
         self.prefix_fanout = prefix_fanout
         self.overwrite = overwrite

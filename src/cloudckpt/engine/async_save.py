@@ -156,7 +156,7 @@ def async_save(
         raise ConfigError(f"max_in_flight={max_in_flight} must be at least 1")
     started = time.perf_counter()
     _raise_unreported()
-    opts = resolve_options(options, **overrides)
+    opts = resolve_options(options, url=url, **overrides)
     store, key = open_url(url, opts)
     target = store.url(key)
     # Room for this save: wait for the oldest ones beyond max_in_flight.

@@ -233,7 +233,7 @@ def load(
     Returns what ``torch.load`` returns for the same bytes. ``keys`` loads only those
     top-level entries of a dict checkpoint, fetching only the bytes they need.
     """
-    opts = resolve_options(options, **overrides)
+    opts = resolve_options(options, url=url, **overrides)
     if isinstance(keys, str):
         keys = [keys]
     store, key = open_url(url, opts)

@@ -98,6 +98,6 @@ def save(
     ``overrides`` are :class:`~cloudckpt.TransferOptions` fields for this call (e.g.
     ``part_size``, ``write_concurrency``, ``storage_options``).
     """
-    opts = resolve_options(options, **overrides)
+    opts = resolve_options(options, url=url, **overrides)
     store, key = open_url(url, opts)
     return write_object(obj, store, key, opts)

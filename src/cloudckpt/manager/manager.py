@@ -113,7 +113,7 @@ class CheckpointManager:
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
-        self.options = resolve_options(options, **overrides)
+        self.options = resolve_options(options, url=root_url, **overrides)
         store, key = open_url(root_url, self.options)
         self.store: Store = store
         self.root_key = key.strip("/")

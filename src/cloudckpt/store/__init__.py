@@ -28,6 +28,7 @@ __all__ = [
     "split_url",
 ]
 
+PROFILE_SCHEME = "profile://"
 SUPPORTED_SCHEMES = ("file", "s3", "gs", "az", "abfs")
 
 _cache: dict[tuple[Any, ...], Store] = {}
@@ -40,6 +41,8 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str, str]:
         url = os.fspath(url)
     if not isinstance(url, str) or not url:
         raise InvalidURLError(f"expected a URL or path string, got {url!r}")
+    if url.startswith(PROFILE_SCHEME):
+        url = str(_profile_for(url).rewrite(url))
     if "://" not in url:
         return "file", "", os.path.abspath(os.path.expanduser(url))
     parts = urlsplit(url)
@@ -82,9 +85,24 @@ def _freeze(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((k, repr(v)) for k, v in options.items()))
 
 
+def _profile_for(url: str) -> Any:
+    from ..profiles import find_profile
+
+    return find_profile(url)
+
+
 def open_url(url: str | os.PathLike[str], options: TransferOptions) -> tuple[Store, str]:
-    """The (cached) store serving ``url`` and the key of ``url`` inside it."""
+    """The (cached) store serving ``url`` and the key of ``url`` inside it.
+
+    A ``profile://NAME/...`` URL, or one under a profile's ``match`` prefix, takes the
+    profile's storage options under the call's own (see cloudckpt.profiles).
+    """
     scheme, bucket, key = split_url(url)
+    profile = _profile_for(url) if isinstance(url, str) and "://" in url else None
+    if profile is not None and profile.storage_options:
+        options = options.replace(
+            storage_options={**profile.storage_options, **options.storage_options}
+        )
     storage_options = options.storage_options
     if scheme == "file":
         from .local import LocalStore
