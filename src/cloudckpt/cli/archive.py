@@ -22,14 +22,17 @@ from ..engine.scheduler import TransferGroup, call_with_retries
 from ..errors import ChecksumError, CorruptCheckpointError
 from ..format.unpickle import parse_persistent_id, unpickle
 from ..format.zipdir import (
+    LOCAL_HEADER_SIZE,
     Directory,
     Entry,
     check_local_header,
+    local_header_size,
+    parse_directory,
 )
 from ..options import TransferOptions
 from ..store import Store
 
-__all__ = ["ArchiveInfo", "TensorInfo", "describe", "verify_archive"]
+__all__ = ["ArchiveInfo", "TensorInfo", "describe", "verify_archive", "verify_archive_bytes"]
 
 #: Largest range one verify request reads (bounds memory: read_concurrency of these).
 _VERIFY_CHUNK = 8 * 1024 * 1024
@@ -180,3 +183,23 @@ def verify_archive(
         group.cancel()
         raise
     return total
+
+
+def verify_archive_bytes(data: bytes, url: str) -> int:
+    """Check every record of an archive held in memory (a slice of a DCP data object)."""
+    directory = parse_directory(data, 0, len(data), url)
+    for e in directory.entries.values():
+        if e.local_header_size < 0:
+            e.local_header_size = local_header_size(
+                data[e.header_offset : e.header_offset + LOCAL_HEADER_SIZE]
+            )
+        check_local_header(data[e.header_offset : e.data_offset], e, url)
+        if e.method != 0:
+            raise CorruptCheckpointError(f"{url}: record {e.name!r} uses compression {e.method}")
+        crc = zlib.crc32(memoryview(data)[e.data_offset : e.end])
+        if crc != e.crc32:
+            raise ChecksumError(
+                f"{url}: record {e.name!r} fails its CRC-32 check "
+                f"(stored {e.crc32:08x}, read {crc:08x}): the object is corrupted"
+            )
+    return len(data)

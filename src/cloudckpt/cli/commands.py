@@ -28,10 +28,10 @@ from ..manager.marker import (
     root_prefix,
 )
 from ..options import TransferOptions
-from ..store import ObjectInfo, Store, split_url
+from ..store import ObjectInfo, Store, join_key, split_url
 from ..store import open_url as _open_url
 from ..store.local import LocalStore
-from .archive import describe, verify_archive
+from .archive import describe, verify_archive, verify_archive_bytes
 from .bench import run_bench
 from .copy import PARTIAL_SUFFIX, copy_object
 from .output import Printer, human_bytes, human_time, progress
@@ -311,6 +311,8 @@ def cmd_verify(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> i
     store_root = t.store.url("")
     # (url of what is checked, key, expected size, expected etag, check CRCs?)
     jobs: list[tuple[str, int | None, str | None, bool]] = []
+    # DCP data objects: key -> (offset, length) of each tensor archive inside them.
+    dcp_slices: dict[str, list[tuple[int, int]]] = {}
     if t.kind == "object":
         jobs.append((t.key, None, None, True))
     else:
@@ -321,6 +323,8 @@ def cmd_verify(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> i
             for f in c.files:
                 archive = f.name.endswith((".pt", ".pth", ".ckpt", ".bin"))
                 jobs.append((prefix + f.name, f.size, f.etag, archive))
+            if any(f.name == ".metadata" for f in c.files):
+                dcp_slices.update(_dcp_tensor_slices(t.store, prefix, opts))
     results: list[dict[str, Any]] = []
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
     with progress("verify", enabled and not p.json_mode) as (advance, _set_total):
@@ -336,6 +340,14 @@ def cmd_verify(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> i
                 entry["bytes"] = info.size
                 if archive:
                     entry["bytes"] = verify_archive(t.store, key, opts, advance=advance)
+                for offset, length in dcp_slices.get(key, ()):
+                    data = call_with_retries(
+                        functools.partial(t.store.get_range, key, offset, offset + length),
+                        opts,
+                        f"read {url}",
+                    )
+                    verify_archive_bytes(data, f"{url} bytes {offset}+{length}")
+                    advance(length)
             except (_Mismatch, NotFoundError, CloudCkptError) as exc:
                 if not isinstance(exc, (_Mismatch, NotFoundError)) and not _is_corrupt(exc):
                     raise
@@ -351,6 +363,27 @@ def cmd_verify(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> i
             p.line(f"{status:6} {r['url']}" + (f"  {r['error']}" if r["error"] else ""))
         p.line(f"{'all' if ok else 'NOT all'} {len(results)} object(s) verified")
     return EXIT_OK if ok else EXIT_VERIFY_FAILED
+
+
+def _dcp_tensor_slices(
+    store: Store, prefix: str, opts: TransferOptions
+) -> dict[str, list[tuple[int, int]]]:
+    """Where each tensor's ``torch.save`` archive sits in a DCP checkpoint's data objects."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..dcp.reader import decode_metadata
+
+    key = prefix + ".metadata"
+    url = store.url(key)
+    metadata = decode_metadata(
+        call_with_retries(functools.partial(store.get, key), opts, f"read {url}"), url
+    )
+    slices: dict[str, list[tuple[int, int]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
+            target = join_key(prefix.rstrip("/"), str(info.relative_path), url)
+            slices.setdefault(target, []).append((int(info.offset), int(info.length)))
+    return slices
 
 
 class _Mismatch(CloudCkptError):

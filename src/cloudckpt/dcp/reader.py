@@ -121,6 +121,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def decode_metadata(payload: bytes, url: str) -> Metadata:
+    """DCP's ``.metadata`` from its bytes, through the allow-list unpickler."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(payload)).load()
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"{url}: {exc}") from exc
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{url} holds {type(metadata).__name__}, not Metadata")
+    return metadata
+
+
 class CloudStorageReader(LocatedCheckpoint, StorageReader):
     """Reads a DCP checkpoint from ``url`` (any store cloudckpt supports).
 
@@ -169,15 +182,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 f"no committed checkpoint at {self.url}: {url} does not exist (a save that "
                 "did not finish leaves none)"
             ) from None
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(payload)).load()
-        except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(f"{url}: {exc}") from exc
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from exc
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(f"{url} holds {type(metadata).__name__}, not Metadata")
-        return metadata
+        return decode_metadata(payload, url)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
