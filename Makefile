@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudckpt-installed
 URL    ?=
 
-.PHONY: venv demo test test-compat lint clean
+.PHONY: venv demo test test-compat lint bench bench-quick clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,22 @@ test-compat: venv
 	test -d .cache/lightning-$(LIGHTNING_MIN) || $(BIN)/python -m pip install -q --no-deps \
 		--target .cache/lightning-$(LIGHTNING_MIN) lightning==$(LIGHTNING_MIN)
 	PYTHONPATH=.cache/lightning-$(LIGHTNING_MIN) $(BIN)/python -m pytest -q tests/lightning
+
+# Benchmarks against the peers (benchmarks/README.md). The peers' packages are
+# installed here, not in the test environment: s3fs pulls an aiobotocore that pins an
+# older botocore, so botocore is put back to the version the rest was tested with.
+BENCH_STAMP := $(VENV)/.cloudckpt-bench-installed
+$(BENCH_STAMP): $(STAMP)
+	v=$$($(BIN)/python -c "import botocore; print(botocore.__version__)"); \
+	$(BIN)/python -m pip install -q s3fs s3torchconnector multi-storage-client matplotlib && \
+	$(BIN)/python -m pip install -q "botocore==$$v"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/run.py
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/run.py --quick
 
 lint: venv
 	$(BIN)/ruff check

@@ -79,15 +79,18 @@ class _Fetcher:
         self.group = TransferGroup(options, options.read_concurrency, prefix=key.rpartition("/")[0])
         self._lock = threading.Lock()
         self._batch: list[_Record] = []
+        self._batch_bytes = 0
 
     def add(self, record: _Record) -> None:
         self._batch.append(record)
-        if sum(r.entry.size for r in self._batch) >= self.options.read_chunk_size:
+        self._batch_bytes += record.entry.size
+        if self._batch_bytes >= self.options.read_chunk_size:
             self.flush()
 
     def flush(self) -> None:
         """Submit the batched records, coalescing neighbours into one request."""
         batch, self._batch = sorted(self._batch, key=lambda r: r.entry.header_offset), []
+        self._batch_bytes = 0
         chunk = self.options.read_chunk_size
         run: list[_Record] = []
         run_end = -1

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Benchmark cloudckpt against a raw-transfer ceiling and its peers, in one run.
+
+    .venv/bin/python benchmarks/run.py            # full: 1 GiB in 100 tensors + 10k tensors
+    .venv/bin/python benchmarks/run.py --quick    # the same shape, smaller, under 5 minutes
+
+Starts ``rclone serve s3`` with its data on tmpfs, then for every repetition runs every
+system once (in a rotated order, so the systems interleave), each in a fresh worker
+process (``worker.py``) that saves the state and loads it back. Writes
+``benchmarks/results/latest.json`` (one record per variant, system and figure, with the
+machine description), ``docs/benchmarks.md`` and ``docs/benchmarks.png``, and prints
+the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report, server  # noqa: E402
+from benchmarks.systems import SYSTEMS  # noqa: E402
+
+MiB = 1024 * 1024
+BUCKET = "bench"
+
+#: (name, MiB, tensors, repetitions) for each state variant.
+FULL = [("default", 1024, 100, 5), ("many-small", 160, 10_000, 3)]
+QUICK = [("default", 128, 100, 3), ("many-small", 20, 10_000, 1)]
+
+
+def _worker_env(srv: server.Server) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("AWS_", "MSC_", "CLOUDCKPT_"))
+        and k not in ("HTTP_PROXY", "HTTPS_PROXY")
+    }
+    env.update(srv.env(), NO_PROXY="127.0.0.1,localhost", PYTHONWARNINGS="ignore")
+    return env
+
+
+def run_worker(
+    srv: server.Server, system: str, variant: tuple[str, int, int, int], rep: int, timeout: float
+) -> dict[str, Any]:
+    """One system, one repetition, in a fresh process; its objects are removed afterwards."""
+    name, mib, tensors, _reps = variant
+    prefix = f"{name}-r{rep}-{system}"
+    spec = {
+        "system": system,
+        "variant": name,
+        "rep": rep,
+        "bytes": mib * MiB,
+        "tensors": tensors,
+        "seed": rep,
+        "log": str(srv.log_path),
+        "ctx": {
+            "endpoint": srv.endpoint,
+            "access_key": server.ACCESS_KEY,
+            "secret_key": server.SECRET_KEY,
+            "region": server.REGION,
+            "bucket": BUCKET,
+            "prefix": prefix,
+        },
+    }
+    with tempfile.TemporaryDirectory(prefix="cloudckpt-bench-w-") as tmp:
+        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
+        spec_path.write_text(json.dumps(spec))
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(ROOT / "benchmarks" / "worker.py"), str(spec_path),
+                 str(out_path)],
+                env=_worker_env(srv), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            )  # fmt: skip
+            if out_path.exists():
+                result = json.loads(out_path.read_text())
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                err = f"worker exited with {proc.returncode}: {tail[0][:300]}"
+                result = {"save": {"error": err}, "load": {"error": err}}
+        except subprocess.TimeoutExpired:
+            err = f"timed out after {timeout:.0f}s"
+            result = {"save": {"error": err}, "load": {"error": err}}
+    shutil.rmtree(srv.workdir / "data" / BUCKET / prefix, ignore_errors=True)
+    result.update(system=system, variant=name, rep=rep)
+    return result
+
+
+def _line(r: dict[str, Any]) -> str:
+    parts = []
+    for op in ("save", "load"):
+        fig = r.get(op)
+        if not fig:
+            continue
+        if "error" in fig:
+            parts.append(f"{op} FAILED ({fig['error'][:80]})")
+        else:
+            gbps = r.get("bytes", 0) / fig["seconds"] / 1e9
+            parts.append(f"{op} {gbps:5.2f} GB/s cpu {fig['cpu_s']:5.2f}s")
+    return f"  {r['variant']:10s} rep{r['rep']} {r['system']:16s} " + "  ".join(parts)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller state, fewer reps (< 5 min)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--variants", default="default,many-small")
+    p.add_argument("--reps", type=int, default=None, help="override repetitions")
+    p.add_argument("--state-mib", type=int, default=None, help="override the default state size")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker")
+    p.add_argument("--tmpfs", default="/dev/shm")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "latest.json"))
+    p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"),
+                   help="Markdown page to write ('' to skip)")  # fmt: skip
+    p.add_argument("--note", default="", help="a line for the page (e.g. 'machine shared')")
+    p.add_argument("--render", metavar="JSON", help="only rebuild the page from a results file")
+    args = p.parse_args()
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        print(report.markdown_tables(doc))
+        if args.docs:
+            report.write_page(doc, Path(args.docs))
+        return 0
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
+    variants = []
+    for name, mib, tensors, reps in QUICK if args.quick else FULL:
+        if name not in args.variants.split(","):
+            continue
+        if name == "default" and args.state_mib:
+            mib = args.state_mib
+        variants.append((name, mib, tensors, args.reps or reps))
+
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.time()
+    srv = server.start(args.tmpfs)
+    results: list[dict[str, Any]] = []
+    try:
+        srv.make_bucket(BUCKET)
+        print(f"# {srv.version}, data on {args.tmpfs}, endpoint {srv.endpoint}", flush=True)
+        for variant in variants:
+            name, mib, tensors, reps = variant
+            print(f"# {name}: {mib} MiB in {tensors} fp32 tensors, {reps} reps", flush=True)
+            for rep in range(reps):
+                order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
+                for system in order:
+                    r = run_worker(srv, system, variant, rep, args.timeout)
+                    results.append(r)
+                    print(_line(r), flush=True)
+    finally:
+        server.stop(srv)
+    doc = report.build(results, variants, systems, srv.version, args.quick, args.note,
+                       time.time() - started)  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print()
+    print(report.markdown_tables(doc))
+    if args.docs:
+        report.write_page(doc, Path(args.docs))
+        print(f"# wrote {out} and {args.docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""One module per benchmarked system; each exposes ``save(state, ctx)`` and ``load(ctx, template)``.
+
+``ctx`` is a :class:`benchmarks.systems.common.Ctx`: the server's endpoint and credentials,
+the bucket, and a key prefix unique to this repetition. ``save`` writes ``state`` (a dict of
+CPU tensors) under that prefix; ``load`` reads it back and returns a dict of tensors.
+A module may set ``LOAD = False`` (it has no load of its own) and may return a dict of extra
+figures from ``save`` (async stall, ...).
+"""
+
+from __future__ import annotations
+
+#: Benchmark name -> module under ``benchmarks.systems``; the order is the table's order.
+SYSTEMS: dict[str, str] = {
+    "ceiling": "ceiling",
+    "cloudckpt": "cloudckpt_sync",
+    "cloudckpt-async": "cloudckpt_async",
+    "cloudckpt-dcp": "cloudckpt_dcp",
+    "boto3-nemo": "boto3_nemo",
+    "lightning-s3fs": "lightning_s3fs",
+    "s3torchconnector": "s3torchconnector_ckpt",
+    "msc": "msc_torch",
+    "dcp-fsspec": "dcp_fsspec",
+}

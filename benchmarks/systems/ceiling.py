@@ -1,0 +1,170 @@
+"""The ceiling: the transport alone (botocore) moving pre-built bytes, no serialization.
+
+PUT: one multipart upload of the state's bytes in parts of at most 64 MiB, 10 at a time,
+each part handed to urllib3 as a bare memoryview (no copy, no hashing). GET: ranged GETs
+of at most 32 MiB, 15 at a time, read with ``readinto`` straight into one preallocated
+buffer. These are cloudckpt's default part size, chunk size and concurrencies; the
+ceiling evens the sizes out so that the number of requests is a multiple of the
+concurrency (no last wave with a few streams idle), as a best case should.
+"""
+
+from __future__ import annotations
+
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import botocore.session
+import torch
+from botocore.config import Config
+
+from .common import Ctx
+
+READ_CHUNK = 32 * 1024 * 1024
+READ_CONCURRENCY = 15
+KEY = "ceiling.bin"
+
+
+class _ViewBody:
+    """File-like around a memoryview so botocore accepts it; swapped out before sending."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self.view.nbytes
+
+    def read(self, n: int = -1) -> memoryview:
+        end = self.view.nbytes if n is None or n < 0 else min(self._pos + n, self.view.nbytes)
+        out, self._pos = self.view[self._pos : end], end
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = {0: 0, 1: self._pos, 2: self.view.nbytes}[whence] + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _swap_body(request: Any, **_kwargs: Any) -> None:
+    if isinstance(request.body, _ViewBody):
+        request.body = request.body.view
+        request.headers.pop("Expect", None)
+
+
+_CLIENTS: dict[int, Any] = {}
+
+
+def warm(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
+    """Untimed: create the clients (botocore loads its service model, ~0.1 s)."""
+    _client(ctx, ctx.concurrency)
+    _client(ctx, READ_CONCURRENCY)
+
+
+def _client(ctx: Ctx, pool: int) -> Any:
+    if pool in _CLIENTS:
+        return _CLIENTS[pool]
+    client = botocore.session.get_session().create_client(
+        "s3",
+        endpoint_url=ctx.endpoint,
+        region_name=ctx.region,
+        aws_access_key_id=ctx.access_key,
+        aws_secret_access_key=ctx.secret_key,
+        config=Config(
+            s3={"addressing_style": "path", "payload_signing_enabled": False},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            max_pool_connections=pool,
+        ),
+    )
+    client.meta.events.register("before-send.s3.UploadPart", _swap_body)
+    _CLIENTS[pool] = client
+    return client
+
+
+def balanced(size: int, largest: int, streams: int, smallest: int = 1024 * 1024) -> int:
+    """A request size <= ``largest`` that splits ``size`` into full waves of ``streams``."""
+    waves = max(1, -(-size // (largest * streams)))
+    return max(smallest, -(-size // (waves * streams)))
+
+
+def prepare(state: dict[str, torch.Tensor]) -> bytearray:
+    """The pre-built bytes: every tensor's bytes back to back (built before the clock)."""
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    out = bytearray(total)
+    flat = torch.frombuffer(out, dtype=torch.uint8)
+    pos = 0
+    for t in state.values():
+        n = t.numel() * t.element_size()
+        flat[pos : pos + n] = t.contiguous().view(-1).view(torch.uint8)
+        pos += n
+    return out
+
+
+def save(data: bytearray, ctx: Ctx) -> None:
+    client = _client(ctx, ctx.concurrency)
+    key = f"{ctx.prefix}/{KEY}"
+    view = memoryview(data)
+    part = balanced(len(data), ctx.part_size, ctx.concurrency, smallest=5 * 1024 * 1024)
+    ranges = [(a, min(a + part, len(data))) for a in range(0, len(data), part)]
+    up = client.create_multipart_upload(Bucket=ctx.bucket, Key=key)["UploadId"]
+
+    def one(i: int) -> dict[str, Any]:
+        a, b = ranges[i]
+        r = client.upload_part(
+            Bucket=ctx.bucket, Key=key, UploadId=up, PartNumber=i + 1, Body=_ViewBody(view[a:b])
+        )
+        return {"PartNumber": i + 1, "ETag": r["ETag"]}
+
+    with ThreadPoolExecutor(ctx.concurrency) as pool:
+        parts = list(pool.map(one, range(len(ranges))))
+    client.complete_multipart_upload(
+        Bucket=ctx.bucket, Key=key, UploadId=up, MultipartUpload={"Parts": parts}
+    )
+
+
+def _readinto(body: Any, dest: memoryview) -> None:
+    raw = body._raw_stream  # urllib3 response; its _fp is the http.client response
+    fp = raw._fp
+    got = 0
+    for _ in range(dest.nbytes + 1):  # bounded: each pass reads something or stops
+        if got == dest.nbytes:
+            break
+        k = fp.readinto(dest[got:])
+        if not k:
+            break
+        got += k
+    if got != dest.nbytes:
+        raw.close()
+        raise OSError(f"short read {got}/{dest.nbytes}")
+    raw.release_conn() if fp.isclosed() else raw.close()
+
+
+def load(ctx: Ctx, size: int) -> mmap.mmap:
+    """Into anonymous memory the kernel zeroes on first touch (``bytearray(n)`` would
+    memset it all first, a pass over cold memory that no real reader needs)."""
+    client = _client(ctx, READ_CONCURRENCY)
+    key = f"{ctx.prefix}/{KEY}"
+    out = mmap.mmap(-1, size)
+    view = memoryview(out)
+    chunk = balanced(size, READ_CHUNK, READ_CONCURRENCY)
+
+    def one(a: int) -> None:
+        b = min(a + chunk, size)
+        body = client.get_object(Bucket=ctx.bucket, Key=key, Range=f"bytes={a}-{b - 1}")["Body"]
+        _readinto(body, view[a:b])
+
+    with ThreadPoolExecutor(READ_CONCURRENCY) as pool:
+        list(pool.map(one, range(0, size, chunk)))
+    view.release()
+    return out
+
+
+def same(loaded: mmap.mmap, data: bytearray) -> bool:
+    """Whether the GET returned the PUT's bytes (compared in slices, untimed)."""
+    step = 64 * 1024 * 1024
+    return len(loaded) == len(data) and all(
+        loaded[a : a + step] == data[a : a + step] for a in range(0, len(data), step)
+    )

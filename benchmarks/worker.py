@@ -1,0 +1,146 @@
+"""One system, one repetition, in its own process: build the state, save it, load it back.
+
+Run by ``run.py`` as ``python benchmarks/worker.py SPEC.json RESULT.json``. Each operation
+is measured for wall time, client CPU (getrusage of this process and its children),
+peak extra RSS (VmHWM after resetting it through /proc/self/clear_refs, minus VmRSS at
+the start) and the S3 requests the server logged. A failure is recorded with its error.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.server import count_requests, log_offset
+from benchmarks.systems import SYSTEMS
+from benchmarks.systems.common import Ctx
+
+
+def build_state(total_bytes: int, tensors: int, seed: int) -> dict[str, torch.Tensor]:
+    """``tensors`` fp32 tensors of (nearly) equal size, ``total_bytes`` in all, random."""
+    gen = torch.Generator().manual_seed(seed)
+    per = max(1, total_bytes // 4 // tensors)
+    return {f"layer{i:05d}.weight": torch.rand(per, generator=gen) for i in range(tensors)}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where it is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _cpu() -> float:
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def measure(fn: Callable[[], Any], log_path: str) -> tuple[Any, dict[str, Any]]:
+    gc.collect()
+    exact = _reset_peak()
+    rss0 = _status_kib("VmRSS")
+    cpu0, off, t0 = _cpu(), log_offset(log_path), time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    cpu = _cpu() - cpu0
+    peak = _status_kib("VmHWM")
+    return out, {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "peak_extra_rss": (peak - rss0) * 1024,
+        "peak_exact": exact,
+        "requests": count_requests(log_path, off),
+    }
+
+
+def _error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:400]
+
+
+def _check(loaded: Any, state: dict[str, torch.Tensor]) -> None:
+    if set(loaded) != set(state):
+        raise AssertionError("loaded keys differ from the saved state")
+    for k, v in state.items():
+        if not torch.equal(loaded[k], v):
+            raise AssertionError(f"loaded tensor {k} differs from the saved one")
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    name = spec["system"]
+    ctx = Ctx(**spec["ctx"])
+    out: dict[str, Any] = {"system": name, "variant": spec["variant"], "rep": spec["rep"]}
+    try:
+        mod = importlib.import_module(f"benchmarks.systems.{SYSTEMS[name]}")
+        if hasattr(mod, "configure"):
+            mod.configure(ctx)
+        state = build_state(spec["bytes"], spec["tensors"], spec["seed"])
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        out["bytes"] = size
+        payload: Any = mod.prepare(state) if hasattr(mod, "prepare") else state
+        if hasattr(mod, "warm"):
+            out["warm"] = mod.warm(state, ctx)
+    except BaseException as exc:
+        out["save"] = out["load"] = {"error": _error(exc)}
+        out["traceback"] = traceback.format_exc()[-3000:]
+        return out
+    try:
+        extra, figures = measure(lambda: mod.save(payload, ctx), spec["log"])
+        if isinstance(extra, dict):
+            figures.update(extra)
+        out["save"] = figures
+    except BaseException as exc:
+        out["save"] = {"error": _error(exc)}
+        out["traceback"] = traceback.format_exc()[-3000:]
+        out["load"] = {"error": "not run: save failed"}
+        return out
+    if not getattr(mod, "LOAD", True):
+        return out
+    try:
+        if name == "ceiling":
+            loaded, figures = measure(lambda: mod.load(ctx, size), spec["log"])
+            if not mod.same(loaded, payload):
+                raise AssertionError("ceiling GET returned different bytes")
+        else:
+            loaded, figures = measure(lambda: mod.load(ctx, state), spec["log"])
+            _check(loaded, state)
+        out["load"] = figures
+    except BaseException as exc:
+        out["load"] = {"error": _error(exc)}
+        out["traceback"] = traceback.format_exc()[-3000:]
+    return out
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = run(spec)
+    Path(sys.argv[2]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
