@@ -68,6 +68,11 @@ class ManagedSaveHandle:
         """True once the state was snapshotted: training may modify it again."""
         return bool(self._inner.staged())
 
+    @property
+    def stall_seconds(self) -> float:
+        """How long ``async_save`` blocked the caller."""
+        return float(self._inner.stall_seconds)
+
     def done(self) -> bool:
         """True once the checkpoint committed or failed."""
         return self._future.done()
