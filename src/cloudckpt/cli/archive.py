@@ -20,6 +20,7 @@ import torch
 from ..engine.directory import read_directory
 from ..engine.scheduler import TransferGroup, call_with_retries
 from ..errors import ChecksumError, CorruptCheckpointError
+from ..format.checksum import crc32
 from ..format.unpickle import parse_persistent_id, unpickle
 from ..format.zipdir import (
     LOCAL_HEADER_SIZE,
@@ -162,11 +163,11 @@ def verify_archive(
         while pos < e.end:
             n = min(_VERIFY_CHUNK, e.end - pos)
             chunk = store.get_range(key, pos, pos + n)
-            crc = zlib.crc32(inflate.decompress(chunk) if inflate else chunk, crc)
+            crc = crc32(inflate.decompress(chunk) if inflate else chunk, crc)
             pos += n
             advance(n)
         if inflate is not None:
-            crc = zlib.crc32(inflate.flush(), crc)
+            crc = crc32(inflate.flush(), crc)
         if crc != e.crc32:
             raise ChecksumError(
                 f"{url}: record {e.name!r} fails its CRC-32 check "
@@ -196,7 +197,7 @@ def verify_archive_bytes(data: bytes, url: str) -> int:
         check_local_header(data[e.header_offset : e.data_offset], e, url)
         if e.method != 0:
             raise CorruptCheckpointError(f"{url}: record {e.name!r} uses compression {e.method}")
-        crc = zlib.crc32(memoryview(data)[e.data_offset : e.end])
+        crc = crc32(memoryview(data)[e.data_offset : e.end])
         if crc != e.crc32:
             raise ChecksumError(
                 f"{url}: record {e.name!r} fails its CRC-32 check "

@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from ..errors import (
     NotAnObjectError,
     NotFoundError,
 )
+from ..format.checksum import crc32
 from ..format.tensors import referenced_storages
 from ..format.unpickle import StorageRef, parse_persistent_id, unpickle
 from ..format.zipdir import (
@@ -154,7 +154,7 @@ class _Fetcher:
 
     def _check(self, rec: _Record) -> None:
         check_local_header(rec.header, rec.entry, self.url)
-        crc = zlib.crc32(rec.dest)
+        crc = crc32(rec.dest)
         if crc != rec.entry.crc32:
             raise ChecksumError(
                 f"{self.url}: record {rec.entry.name!r} fails its CRC-32 check "
