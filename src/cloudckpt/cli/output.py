@@ -6,9 +6,10 @@ import contextlib
 import datetime
 import json
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from ..engine.progress import progress_bar
 
 __all__ = ["Printer", "human_bytes", "human_time", "progress"]
 
@@ -69,37 +70,5 @@ def progress(
     description: str, enabled: bool
 ) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
     """Yield ``(advance(n), set_total(n))``; a bar on stderr when ``enabled``."""
-    if not enabled:
-        yield (lambda n: None), (lambda n: None)
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    lock = threading.Lock()
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    ) as bar:
-        task = bar.add_task(description, total=None)
-
-        def advance(n: int) -> None:
-            with lock:
-                bar.advance(task, n)
-
-        def set_total(n: int) -> None:
-            with lock:
-                bar.update(task, total=n)
-
-        yield advance, set_total
+    with progress_bar(description, None, enabled) as bar:
+        yield bar, bar.set_total
