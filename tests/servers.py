@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import http.client
 import importlib.metadata
 import itertools
@@ -45,7 +46,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -556,11 +557,12 @@ _LIVE: list[S3Server | _Process] = []
 _LIVE_LOCK = threading.Lock()
 
 
-def launch(name: ServerName, *, ready_timeout: float = READY_TIMEOUT_S) -> S3Server:
-    """Start server ``name`` and return once it answers HTTP.
+def _start(name: str, make: Callable[..., Any], ready_timeout: float) -> Any:
+    """Run ``_command(name)`` on a free port until it answers HTTP; ``make`` builds the handle.
 
-    The caller owns the server and must call :func:`stop` (or use
-    :func:`start_server`, a context manager that does).
+    ``make(endpoint_url=..., workdir=..., log_path=..., process=...)`` returns the server
+    object. A process that exits before answering (most likely its port was grabbed in
+    between) is retried on a new port; the workdir, with server.log, is kept on failure.
     """
     workdir = Path(tempfile.mkdtemp(prefix=f"cloudckpt-{name}-"))
     log_path = workdir / "server.log"
@@ -580,62 +582,7 @@ def launch(name: ServerName, *, ready_timeout: float = READY_TIMEOUT_S) -> S3Ser
                 # server mid-test, and stop() can signal the whole group.
                 start_new_session=True,
             )
-        server = S3Server(
-            name=name,
-            endpoint_url=f"http://{HOST}:{port}",
-            access_key_id=ACCESS_KEY_ID,
-            secret_access_key=SECRET_ACCESS_KEY,
-            region=REGION,
-            workdir=workdir,
-            log_path=log_path,
-            process=process,
-        )
-        with _LIVE_LOCK:
-            _LIVE.append(server)
-        try:
-            _wait_ready(server, port, ready_timeout)
-        except ServerStartError as exc:
-            last_error = exc
-            exited_early = process.poll() is not None
-            stop(server, remove_workdir=False)
-            if exited_early:  # most likely the port was grabbed in between: retry
-                continue
-            break
-        server.startup_s = time.monotonic() - started
-        return server
-    # The workdir (with server.log) is kept on failure so it can be inspected.
-    assert last_error is not None
-    raise last_error
-
-
-def launch_emulator(name: EmulatorName, *, ready_timeout: float = 60.0) -> Emulator:
-    """Start emulator ``name`` (``gcs`` or ``azure``) and return once it answers HTTP.
-
-    The caller owns it and must call :func:`stop`. Azurite is installed on first use.
-    """
-    if name not in EMULATOR_NAMES:
-        raise ValueError(f"unknown emulator {name!r}; expected one of {EMULATOR_NAMES}")
-    cls: type[GCSServer] | type[AzureServer] = GCSServer if name == "gcs" else AzureServer
-    if name == "azure":
-        azurite_binary()  # install before the clock starts
-    workdir = Path(tempfile.mkdtemp(prefix=f"cloudckpt-{name}-"))
-    log_path = workdir / "server.log"
-    last_error: Exception | None = None
-    for _attempt in range(START_ATTEMPTS):
-        port = free_port()
-        started = time.monotonic()
-        with log_path.open("ab") as log:
-            process = subprocess.Popen(
-                _command(name, port, workdir),
-                cwd=workdir,
-                env=_clean_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        server = cls(
-            name=name,
+        server = make(
             endpoint_url=f"http://{HOST}:{port}",
             workdir=workdir,
             log_path=log_path,
@@ -656,6 +603,37 @@ def launch_emulator(name: EmulatorName, *, ready_timeout: float = 60.0) -> Emula
         return server
     assert last_error is not None
     raise last_error
+
+
+def launch(name: ServerName, *, ready_timeout: float = READY_TIMEOUT_S) -> S3Server:
+    """Start server ``name`` and return once it answers HTTP.
+
+    The caller owns the server and must call :func:`stop` (or use
+    :func:`start_server`, a context manager that does).
+    """
+    make = functools.partial(
+        S3Server,
+        name=name,
+        access_key_id=ACCESS_KEY_ID,
+        secret_access_key=SECRET_ACCESS_KEY,
+        region=REGION,
+    )
+    server: S3Server = _start(name, make, ready_timeout)
+    return server
+
+
+def launch_emulator(name: EmulatorName, *, ready_timeout: float = 60.0) -> Emulator:
+    """Start emulator ``name`` (``gcs`` or ``azure``) and return once it answers HTTP.
+
+    The caller owns it and must call :func:`stop`. Azurite is installed on first use.
+    """
+    if name not in EMULATOR_NAMES:
+        raise ValueError(f"unknown emulator {name!r}; expected one of {EMULATOR_NAMES}")
+    cls: type[GCSServer] | type[AzureServer] = GCSServer if name == "gcs" else AzureServer
+    if name == "azure":
+        azurite_binary()  # install before the clock starts
+    server: Emulator = _start(name, functools.partial(cls, name=name), ready_timeout)
+    return server
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
