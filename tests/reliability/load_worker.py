@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import gc
 import json
 import sys
 
@@ -18,6 +22,16 @@ def status(field: str) -> int:
     return 0
 
 
+def settled_rss() -> int:
+    """Resident memory once garbage and free allocator pages are handed back."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        with contextlib.suppress(AttributeError):  # not glibc
+            ctypes.CDLL(libc).malloc_trim(0)
+    return status("VmRSS")
+
+
 def main() -> None:
     base_url, options, worker, count = (
         sys.argv[1],
@@ -31,7 +45,7 @@ def main() -> None:
         f.write("5")  # reset the peak-RSS counter
     base = status("VmRSS")
     bad = 0
-    warm_peak = 0
+    mid_rss = 0
     for i in range(count):
         g = torch.Generator().manual_seed(worker * 1000 + i)
         state = {"w": torch.randn(3 << 20, generator=g), "i": i, "worker": worker}  # 12 MiB
@@ -45,9 +59,10 @@ def main() -> None:
         del state, out  # one checkpoint's worth of memory at a time
         if i == count // 2 - 1:
             # Allocator arenas and caches fill up over the first rounds, then plateau.
-            warm_peak = status("VmHWM") - base
+            mid_rss = settled_rss()
     extra = status("VmHWM") - base
-    print(json.dumps({"worker": worker, "bad": bad, "extra": extra, "warm": warm_peak}))
+    grown = settled_rss() - mid_rss
+    print(json.dumps({"worker": worker, "bad": bad, "extra": extra, "grown": grown}))
 
 
 if __name__ == "__main__":

@@ -41,11 +41,12 @@ def test_concurrent_processes_lose_nothing(rclone_server):
     assert all(r["bad"] == 0 for r in reports), reports
     keys = rclone_server.client().list_objects_v2(Bucket=bucket, MaxKeys=1000).get("Contents", [])
     assert len([k for k in keys if "ckpt-" in k["Key"]]) == procs * count
-    # Memory does not grow with the number of checkpoints: the peak after all of them
-    # is the peak after the first half plus allocator noise (a leak of one 12 MiB state
-    # per checkpoint would add 60 MiB over the second half), and
-    # stays within the 12 MiB state, its staging and loaded copies, two 5 MiB part
+    # Memory does not grow with the number of checkpoints: resident memory after all of
+    # them (garbage collected, free allocator pages trimmed) is resident memory after the
+    # first half plus allocator noise (a leak of one 12 MiB state per checkpoint would
+    # add 60 MiB over the second half). The peak, which depends on how the threads
+    # interleave, stays within the 12 MiB state, its staging and loaded copies, two 5 MiB part
     # buffers, and 96 MiB of slack (the allocator and thread stacks).
     for r in reports:
-        assert r["extra"] - r["warm"] <= 24 << 20, r
+        assert r["grown"] <= 24 << 20, r
         assert r["extra"] <= 3 * (12 << 20) + 2 * (5 << 20) + (96 << 20), r
