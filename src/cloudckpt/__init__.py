@@ -19,6 +19,7 @@ from .options import TransferOptions, configure, get_defaults
 
 if TYPE_CHECKING:
     from .engine.async_save import SaveHandle, async_save, wait_all
+    from .engine.buffers import release_buffers
     from .engine.load import load
     from .engine.save import SaveResult, save
     from .manager import CheckpointInfo, CheckpointManager
@@ -37,6 +38,7 @@ __all__ = [
     "errors",
     "get_defaults",
     "load",
+    "release_buffers",
     "save",
     "wait_all",
 ]
@@ -48,6 +50,7 @@ _LAZY = {
     "async_save": ".engine.async_save",
     "wait_all": ".engine.async_save",
     "load": ".engine.load",
+    "release_buffers": ".engine.buffers",
     "SaveResult": ".engine.save",
     "save": ".engine.save",
 }

@@ -24,6 +24,7 @@ def test_all_is_sorted_and_pinned():
         "errors",
         "get_defaults",
         "load",
+        "release_buffers",
         "save",
         "wait_all",
     }

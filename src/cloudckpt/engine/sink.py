@@ -3,7 +3,9 @@
 ``torch.save`` writes its archive into :class:`ObjectSink`; every ``part_size`` bytes
 become one part, uploaded in the background while the next part fills. The sink owns
 ``write_concurrency`` part buffers and reuses them, so the memory a save adds is at
-most ``write_concurrency * part_size`` whatever the checkpoint size.
+most ``write_concurrency * part_size`` whatever the checkpoint size. The buffers come
+from, and go back to, a process-wide cache (:mod:`.buffers`), so the next save finds
+them warm.
 
 Commit rule: nothing is visible at the URL until :meth:`commit` completes the upload
 (or, for an object smaller than one part, puts it in one request). :meth:`abort`
@@ -19,44 +21,34 @@ from collections.abc import Callable
 from ..errors import StorageError
 from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
 from ..store import MultipartUpload, Store, UploadedPart
+from .buffers import SaveBuffers
 from .scheduler import TransferGroup, call_with_retries, get_scheduler
 
-__all__ = ["ObjectSink", "choose_part_size"]
+__all__ = ["MIN_SHRUNK_PART", "ObjectSink", "choose_part_size"]
 
 
-def choose_part_size(size_hint: int, part_size: int) -> int:
-    """``part_size``, grown (in whole MiB) so ``size_hint`` bytes fit in ``MAX_PARTS`` parts."""
+#: Parts are not shrunk below this: smaller requests cost more per byte than they gain.
+MIN_SHRUNK_PART = 8 * MiB
+
+
+def choose_part_size(size_hint: int, part_size: int, streams: int = 1) -> int:
+    """The part size for an object of about ``size_hint`` bytes.
+
+    ``part_size``, grown (in whole MiB) so the object fits in ``MAX_PARTS`` parts, or
+    shrunk (not below ``MIN_SHRUNK_PART``) so that it spreads over all ``streams``
+    upload streams instead of leaving most of them idle.
+    """
+    if size_hint <= 0:
+        return part_size
     # Leave headroom for archive overhead and an imprecise hint.
-    needed = math.ceil(size_hint * 1.05 / (MAX_PARTS - 100)) if size_hint > 0 else 0
+    padded = size_hint * 1.05
+    needed = math.ceil(padded / (MAX_PARTS - 100))
     if needed > part_size:
-        part_size = math.ceil(needed / MiB) * MiB
-    return min(part_size, MAX_PART_SIZE)
-
-
-class _BufferPool:
-    """At most ``count`` buffers of ``size`` bytes, created lazily and reused."""
-
-    def __init__(self, count: int, size: int) -> None:
-        self.size = size
-        self._free: list[bytearray] = []
-        self._created = 0
-        self._count = count
-        self._cond = threading.Condition()
-
-    def acquire(self, check: Callable[[], None]) -> bytearray:
-        with self._cond:
-            while not self._free and self._created >= self._count:
-                self._cond.wait(0.5)
-                check()
-            if self._free:
-                return self._free.pop()
-            self._created += 1
-        return bytearray(self.size)
-
-    def release(self, buf: bytearray) -> None:
-        with self._cond:
-            self._free.append(buf)
-            self._cond.notify()
+        return min(math.ceil(needed / MiB) * MiB, MAX_PART_SIZE)
+    if streams > 1 and padded < streams * part_size:
+        spread = max(math.ceil(padded / streams / MiB) * MiB, MIN_SHRUNK_PART)
+        return min(spread, part_size)
+    return part_size
 
 
 class ObjectSink:
@@ -74,8 +66,8 @@ class ObjectSink:
         self.store = store
         self.key = key
         self.options = options
-        self.part_size = choose_part_size(size_hint, options.part_size)
-        self._pool = _BufferPool(options.write_concurrency, self.part_size)
+        self.part_size = choose_part_size(size_hint, options.part_size, options.write_concurrency)
+        self._pool = SaveBuffers(options.write_concurrency, self.part_size)
         self._budget = get_scheduler().set_budget(options.max_bytes_in_flight)
         prefix = key.rpartition("/")[0]
         self._group = TransferGroup(options, options.write_concurrency, prefix=prefix)

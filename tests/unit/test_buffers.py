@@ -1,0 +1,70 @@
+"""Part buffers stay warm between saves, bounded, and can be handed back."""
+
+from __future__ import annotations
+
+import torch
+
+import cloudckpt
+from cloudckpt.engine.buffers import PartBufferCache, SaveBuffers, get_cache
+from cloudckpt.engine.sink import MIN_SHRUNK_PART, choose_part_size
+from cloudckpt.engine.staging import get_pool
+from cloudckpt.options import MiB
+
+
+def _never() -> None:
+    pass
+
+
+def test_a_second_save_reuses_the_first_saves_part_buffers(tmp_path):
+    cloudckpt.release_buffers()
+    cache = get_cache()
+    state = {"w": torch.randn(6 * MiB // 4)}  # 6 MiB: two 5 MiB parts
+    opts = {"part_size": 5 * MiB, "write_concurrency": 2}
+    cloudckpt.save(state, tmp_path / "a.pt", **opts)
+    created = cache.created
+    assert cache.idle_bytes == 2 * 5 * MiB
+    for name in "bcd":
+        cloudckpt.save(state, tmp_path / f"{name}.pt", **opts)
+    assert cache.created == created
+    assert torch.equal(cloudckpt.load(tmp_path / "d.pt")["w"], state["w"])
+
+
+def test_idle_buffers_are_bounded_by_one_saves_use():
+    cache = PartBufferCache()
+    first = SaveBuffers(3, 1024, cache)
+    bufs = [first.acquire(_never) for _ in range(3)]
+    for b in bufs:
+        first.release(b)
+    assert cache.idle_bytes == 3 * 1024
+    # A second save of the same size takes them all back: nothing new is created.
+    second = SaveBuffers(3, 1024, cache)
+    again = [second.acquire(_never) for _ in range(3)]
+    assert cache.created == 3 and cache.idle_bytes == 0
+    for b in again:
+        second.release(b)
+    # Another part size drops the idle ones: one size is kept, never a mix.
+    third = SaveBuffers(2, 2048, cache)
+    b = third.acquire(_never)
+    third.release(b)
+    assert cache.idle_bytes == 2048
+
+
+def test_release_buffers_frees_part_and_staging_buffers(tmp_path):
+    state = {"w": torch.randn(6 * MiB // 4)}
+    cloudckpt.save(state, tmp_path / "a.pt", part_size=5 * MiB, write_concurrency=2)
+    cloudckpt.async_save(state, tmp_path / "b.pt").result(60)
+    held = get_cache().idle_bytes + get_pool().idle_bytes
+    assert held >= 6 * MiB
+    assert cloudckpt.release_buffers() == held
+    assert get_cache().idle_bytes == 0 and get_pool().idle_bytes == 0
+
+
+def test_small_objects_spread_over_every_upload_stream():
+    # 128 MiB with 64 MiB parts would keep 2 of 10 streams busy; parts shrink to fill 10.
+    part = choose_part_size(128 * MiB, 64 * MiB, 10)
+    assert part % MiB == 0 and 128 * MiB / part > 9
+    # Never below the floor, never above what was asked for.
+    assert choose_part_size(20 * MiB, 64 * MiB, 10) == MIN_SHRUNK_PART
+    assert choose_part_size(100 * MiB, 5 * MiB, 10) == 5 * MiB
+    # Large objects keep the configured size.
+    assert choose_part_size(4096 * MiB, 64 * MiB, 10) == 64 * MiB
