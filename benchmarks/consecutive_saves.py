@@ -5,8 +5,9 @@
 
 Starts ``rclone serve s3`` on tmpfs (as ``make bench`` does), then saves a state of MiB
 in 100 fp32 tensors four times with ``cloudckpt.save`` and four times with
-``cloudckpt.async_save`` (each over the last, so tmpfs holds two objects), printing per save the throughput, the process CPU seconds
-and, for async saves, the stall against one warm copy of the state.
+``cloudckpt.async_save`` (each over the last, so tmpfs holds two objects), printing per
+save the throughput, the process CPU seconds and, for async saves, the stall against
+one warm copy of the state.
 """
 
 from __future__ import annotations

@@ -299,7 +299,10 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "",
         "Every system saves the same state (a dict of random fp32 tensors) to the same "
         "server and loads it back, each repetition in a fresh worker process, systems "
-        "interleaved (rotated order per repetition). Figures are medians over repetitions.",
+        "interleaved (rotated order per repetition). Figures are medians over repetitions. "
+        "Each system creates its client before the clock starts (botocore, s3fs, the CRT "
+        "and msc clients each take 0.1-0.5 s to build once per process), as a training "
+        "process that checkpoints repeatedly already has it.",
         "",
         "- **GB/s**: state bytes (tensor bytes) / wall time of the call, 1 GB = 1e9 B.",
         "- **ceiling**: botocore alone moving pre-built bytes: multipart PUT in parts of at "
@@ -317,6 +320,10 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "of the process (the first warms the staging buffers), against the median of three "
         "warm `copy_` passes of the state into touched buffers. The async row's save "
         "figures are the time to commit.",
+        "- **cloudckpt-dcp-2to3**: `dcp.save` on 2 ranks, `dcp.load` on 3 (forked gloo "
+        "processes; every tensor a `Shard(0)` DTensor), so each loading rank reads byte "
+        "spans of the saved shards: an FSDP job resumed on another world size. Time from "
+        "a barrier before the call to one after it; CPU is the ranks' own in between.",
         "- **peers**: NeMo-style `torch.save` to memory + boto3 `upload_fileobj` "
         "(TransferConfig 64 MiB, 10 threads) / `download_fileobj`; Lightning "
         "`TorchCheckpointIO` over s3fs; s3torchconnector `S3Checkpoint`; "

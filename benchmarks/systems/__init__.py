@@ -15,6 +15,7 @@ SYSTEMS: dict[str, str] = {
     "cloudckpt": "cloudckpt_sync",
     "cloudckpt-async": "cloudckpt_async",
     "cloudckpt-dcp": "cloudckpt_dcp",
+    "cloudckpt-dcp-2to3": "cloudckpt_dcp_reshard",
     "boto3-nemo": "boto3_nemo",
     "lightning-s3fs": "lightning_s3fs",
     "s3torchconnector": "s3torchconnector_ckpt",

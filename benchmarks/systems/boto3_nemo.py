@@ -19,7 +19,22 @@ CONFIG = TransferConfig(
 )
 
 
+_CLIENT: list[Any] = []
+
+
+def warm(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
+    """Untimed: create the client, as a process that checkpoints already has."""
+    _client(ctx)
+
+
 def _client(ctx: Ctx) -> Any:
+    if _CLIENT:
+        return _CLIENT[0]
+    _CLIENT.append(_new_client(ctx))
+    return _CLIENT[0]
+
+
+def _new_client(ctx: Ctx) -> Any:
     return boto3.session.Session().client(
         "s3",
         endpoint_url=ctx.endpoint,

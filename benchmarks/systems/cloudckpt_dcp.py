@@ -6,8 +6,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
+from cloudckpt.options import resolve_options
+from cloudckpt.store import open_url
 
 from .common import Ctx, empty_like
+
+
+def warm(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
+    """Untimed: create the store's client, as a process that checkpoints already has."""
+    open_url(ctx.url, resolve_options(storage_options=ctx.storage_options()))
 
 
 def save(state: dict[str, torch.Tensor], ctx: Ctx) -> None:

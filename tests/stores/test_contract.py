@@ -300,6 +300,9 @@ def test_missing_object(place: Place) -> None:
         place.store.get_range(key, 0, 10)
     with pytest.raises(NotFoundError):
         place.store.read_into(key, 0, [memoryview(bytearray(10))])
+    with pytest.raises(NotFoundError) as info:
+        place.store.get(key)
+    assert not isinstance(info.value, BucketNotFoundError)
 
 
 def _missing_bucket(store_url) -> tuple[Store, str]:
@@ -320,6 +323,8 @@ def test_missing_bucket_head(store_url, request: pytest.FixtureRequest) -> None:
     store, key = _missing_bucket(store_url)
     with pytest.raises(BucketNotFoundError, match="no-such-bucket"):
         store.head(key)
+    with pytest.raises(BucketNotFoundError, match="no-such-bucket"):
+        store.get(key)
 
 
 def test_bad_credentials(store_url) -> None:

@@ -35,3 +35,19 @@ def test_large_records_are_split_into_parallel_chunks(tmp_path, counting):
     out = cloudckpt.load("big.pt", read_chunk_size=1 << 20)
     assert torch.equal(out["big"], state["big"])
     assert counting.calls["read_into"] >= 16
+
+
+def test_read_gap_joins_ranges_across_records_that_are_not_needed(tmp_path, counting):
+    # "a" and "c" are wanted; "b" (256 KiB) lies between them in the archive.
+    state = {"a": torch.randn(1 << 16), "b": torch.randn(1 << 16), "c": torch.randn(1 << 16)}
+    cloudckpt.save(state, tmp_path / "gap.pt")
+    apart = cloudckpt.load("gap.pt", keys=["a", "c"], read_gap=0)
+    separate = counting.calls["read_into"]
+    counting.calls.clear()
+    joined = cloudckpt.load("gap.pt", keys=["a", "c"], read_gap=1 << 20)
+    assert torch.equal(apart["c"], state["c"]) and torch.equal(joined["c"], state["c"])
+    assert set(joined) == {"a", "c"}
+    # Without a gap "a" and "c" take a request each (besides data.pkl and the small
+    # records); with one, a single request spans from "a" across "b" to "c".
+    assert separate >= 3
+    assert counting.calls["read_into"] == 2, (separate, counting.calls)

@@ -45,9 +45,6 @@ from .scheduler import TransferGroup, call_with_retries
 
 __all__ = ["load"]
 
-#: Bytes between two records (data descriptors, padding) still read as one request.
-_MAX_GAP = 4096
-
 
 def _storage_view(storage: torch.UntypedStorage) -> memoryview:
     """A writable view of a CPU storage's memory (no copy)."""
@@ -91,7 +88,7 @@ class _Fetcher:
         """Submit the batched records, coalescing neighbours into one request."""
         batch, self._batch = sorted(self._batch, key=lambda r: r.entry.header_offset), []
         self._batch_bytes = 0
-        chunk = self.options.read_chunk_size
+        chunk, max_gap = self.options.read_chunk_size, self.options.read_gap
         run: list[_Record] = []
         run_end = -1
         run_size = 0
@@ -99,7 +96,7 @@ class _Fetcher:
             e = rec.entry
             total = e.local_header_size + e.size
             gap = e.header_offset - run_end  # data descriptors sit between records
-            if run and (not 0 <= gap <= _MAX_GAP or run_size + gap + total > chunk):
+            if run and (not 0 <= gap <= max_gap or run_size + gap + total > chunk):
                 self._submit_run(run)
                 run, run_size = [], 0
             if total > chunk:

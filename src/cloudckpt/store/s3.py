@@ -227,6 +227,18 @@ class S3Store(Store):
             etag=_etag(resp.get("ETag")),
         )
 
+    def get(self, key: str) -> bytes:
+        """A whole (small) object in one GET, not HEAD + GET: manifests are read this way."""
+        check_key(key, self.root_url)
+        resp = self._call("get_object", key, Key=key)
+        with _reading(resp["Body"], self.url(key)) as body:
+            size = int(resp.get("ContentLength", -1))
+            if size < 0:
+                return bytes(body.read())
+            buf = bytearray(size)
+            _read_body_into(body, 0, [memoryview(buf)], self.url(key))
+            return bytes(buf)
+
     def get_range(self, key: str, start: int, end: int) -> bytes:
         buf = bytearray(end - start)
         self.read_into(key, start, [memoryview(buf)])
@@ -238,8 +250,7 @@ class S3Store(Store):
         if length == 0:
             return
         resp = self._call("get_object", key, Key=key, Range=f"bytes={start}-{start + length - 1}")
-        body = resp["Body"]
-        try:
+        with _reading(resp["Body"], self.url(key)) as body:
             got = int(resp.get("ContentLength", -1))
             skip = 0
             if got != length:
@@ -261,12 +272,6 @@ class S3Store(Store):
                         f"the answer holds {got}"
                     )
             _read_body_into(body, skip, buffers, self.url(key))
-        except _TRANSIENT_EXCEPTIONS as exc:
-            body.close()
-            raise TransientError(f"reading {self.url(key)}: {type(exc).__name__}: {exc}") from None
-        except BaseException:
-            body.close()
-            raise
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         token: str | None = None
@@ -385,6 +390,20 @@ def _body(data: Buffer) -> bytes | bytearray | memoryview:
     """A request body botocore sends with one ``sendall`` and no copy."""
     view = memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@contextlib.contextmanager
+def _reading(body: Any, url: str) -> Iterator[Any]:
+    """Read a response body: on any failure close it (its connection is unusable) and
+    turn network errors into :class:`TransientError`, which the scheduler retries."""
+    try:
+        yield body
+    except _TRANSIENT_EXCEPTIONS as exc:
+        body.close()
+        raise TransientError(f"reading {url}: {type(exc).__name__}: {exc}") from None
+    except BaseException:
+        body.close()
+        raise
 
 
 def _read_body_into(body: Any, skip: int, buffers: Sequence[memoryview], url: str) -> None:
