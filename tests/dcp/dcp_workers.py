@@ -18,7 +18,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
+
+try:
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+except ImportError:  # torch < 2.5 keeps DTensor private
+    from torch.distributed._tensor import DTensor, Shard, distribute_tensor  # type: ignore[no-redef]
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 

@@ -33,7 +33,8 @@ def test_dcp_metadata_cannot_run_code(tmp_path, monkeypatch):
     assert not (tmp_path / "pwned-by-metadata").exists()
 
 
-def test_dcp_metadata_paths_cannot_leave_the_checkpoint(tmp_path):
+def _save_with_escaping_paths(tmp_path) -> str:
+    """A DCP checkpoint whose .metadata points every item at ``../outside.distcp``."""
     url = str(tmp_path / "ckpt")
     dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), no_dist=True)
     meta_path = tmp_path / "ckpt" / ".metadata"
@@ -41,9 +42,39 @@ def test_dcp_metadata_paths_cannot_leave_the_checkpoint(tmp_path):
     for info in metadata.storage_data.values():
         info.relative_path = "../outside.distcp"
     meta_path.write_bytes(pickle.dumps(metadata))
+    return url
+
+
+def test_dcp_metadata_paths_cannot_leave_the_checkpoint(tmp_path):
+    url = _save_with_escaping_paths(tmp_path)
+    # The layout index would refuse the rewritten .metadata by its CRC-32 first; without
+    # it (a FileSystemWriter checkpoint, or one crafted whole) the path check refuses it.
+    (tmp_path / "ckpt" / ".cloudckpt-layout.json").unlink()
     (tmp_path / "outside.distcp").write_bytes(b"x" * 4096)
     with pytest.raises(BaseException, match="unsafe object key"):
         dcp.load({"w": torch.zeros(3)}, storage_reader=CloudStorageReader(url), no_dist=True)
+
+
+def test_a_tampered_dcp_metadata_fails_the_layout_crc(tmp_path):
+    url = _save_with_escaping_paths(tmp_path)
+    with pytest.raises(errors.ChecksumError, match=r"\.metadata fails the CRC-32 check"):
+        CloudStorageReader(url).read_metadata()
+
+
+@pytest.mark.parametrize("opcode", [b"r\xff\xff\xff\x7f", b"p4000000000\n", b"q\xff"])
+def test_dcp_metadata_memo_indexes_cannot_allocate_without_bound(tmp_path, opcode):
+    """One flipped bit makes an opcode LONG_BINPUT; the C unpickler would then zero-fill
+    a memo of twice its index (32 GiB here). Refused before unpickling."""
+    from cloudckpt.dcp.reader import decode_metadata
+
+    payload = b"\x80\x04N" + opcode + b"."
+    with pytest.raises(errors.CorruptCheckpointError, match="memo index"):
+        decode_metadata(payload, "mem://.metadata")
+    url = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), no_dist=True)
+    (tmp_path / "ckpt" / ".metadata").write_bytes(payload)
+    with pytest.raises(errors.CorruptCheckpointError, match="memo index"):
+        CloudStorageReader(url).read_metadata()
 
 
 @pytest.mark.parametrize("name", ["../other/state.pt", "/etc/passwd", "a//b", "x/../../y"])

@@ -11,25 +11,29 @@ reads the archive whole and hands it to ``torch.load``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
 import io
+import math
 import pickle
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import ChecksumError, CorruptCheckpointError
+from ..format.checksum import crc32
 from ..format.unpickle import StorageRef, parse_persistent_id
 from ..format.zipdir import _NeedMore, check_local_header, parse_directory
+from .checks import block_count, valid_block_size
 
 __all__ = ["SavedTensor", "parse_archive", "saved_from_json"]
 
 
 @dataclass(frozen=True)
 class SavedTensor:
-    """A tensor inside an archive: its storage record and the view over it."""
+    """A tensor inside an archive: its storage record, the view over it, its checksums."""
 
     dtype: torch.dtype
     storage_offset: int  # elements
@@ -37,10 +41,29 @@ class SavedTensor:
     stride: tuple[int, ...]
     data_offset: int  # of the storage record's bytes, from the archive's start
     record_size: int  # bytes in the storage record
+    #: CRC-32 of each ``block_size`` bytes of the record (4 bytes little-endian each),
+    #: from the layout index; ``block_size`` 0 when there are none.
+    block_size: int = 0
+    block_crcs: bytes = b""
+    #: The record's zip CRC-32, when it came from the archive's directory.
+    record_crc: int | None = None
+
+    @property
+    def dense(self) -> bool:
+        """Whether the view covers the whole record in row-major order (as written by us)."""
+        numel = math.prod(self.size)
+        return (
+            self.storage_offset == 0
+            and self.record_size == numel * self.dtype.itemsize
+            and all(
+                n == 1 or st == math.prod(self.size[d + 1 :])
+                for d, (n, st) in enumerate(zip(self.size, self.stride, strict=True))
+            )
+        )
 
     def to_json(self) -> list[Any]:
-        """A JSON-able form for the layout index."""
-        return [
+        """A JSON-able form for the layout index (6 fields, 8 with block checksums)."""
+        value: list[Any] = [
             str(self.dtype).removeprefix("torch."),
             list(self.size),
             list(self.stride),
@@ -48,28 +71,63 @@ class SavedTensor:
             self.data_offset,
             self.record_size,
         ]
+        if self.block_size:
+            value += [self.block_size, base64.b64encode(self.block_crcs).decode("ascii")]
+        return value
+
+
+#: Most dimensions a layout index entry may describe (torch allows 64... in practice).
+_MAX_DIMS = 64
+#: Offsets and sizes beyond this cannot describe bytes in any object.
+_MAX_INT = 1 << 62
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_INT
 
 
 def saved_from_json(value: Any) -> SavedTensor | None:
-    """Inverse of :meth:`SavedTensor.to_json`; ``None`` for anything malformed."""
-    try:
-        name, size, stride, storage_offset, data_offset, record_size = value
-        dtype = getattr(torch, str(name))
-        if not isinstance(dtype, torch.dtype):
+    """Inverse of :meth:`SavedTensor.to_json`; ``None`` for anything malformed.
+
+    Accepts the 6-field form of indexes written before block checksums, and the 8-field
+    form with them (a block size the writer could have used, and exactly one CRC-32 per
+    block of the record).
+    """
+    if not isinstance(value, list) or len(value) not in (6, 8):
+        return None
+    name, size, stride, storage_offset, data_offset, record_size = value[:6]
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    if not isinstance(size, list) or not isinstance(stride, list):
+        return None
+    if len(size) != len(stride) or len(size) > _MAX_DIMS:
+        return None
+    if not all(map(_int, [*size, *stride, storage_offset, data_offset, record_size])):
+        return None
+    block_size, crcs = 0, b""
+    if len(value) == 8:
+        block_size, text = value[6:]
+        if not valid_block_size(block_size) or not isinstance(text, str):
             return None
-        saved = SavedTensor(
-            dtype=dtype,
-            storage_offset=int(storage_offset),
-            size=tuple(int(v) for v in size),
-            stride=tuple(int(v) for v in stride),
-            data_offset=int(data_offset),
-            record_size=int(record_size),
-        )
-    except (TypeError, ValueError, AttributeError):
-        return None
-    if len(saved.size) != len(saved.stride) or min(saved.data_offset, saved.record_size) < 0:
-        return None
-    return saved
+        try:
+            crcs = base64.b64decode(text.encode("ascii"), validate=True)
+        except (ValueError, binascii.Error):  # UnicodeEncodeError is a ValueError
+            return None
+        if len(crcs) != 4 * block_count(record_size, block_size):
+            return None
+    return SavedTensor(
+        dtype=dtype,
+        storage_offset=storage_offset,
+        size=tuple(size),
+        stride=tuple(stride),
+        data_offset=data_offset,
+        record_size=record_size,
+        block_size=block_size,
+        block_crcs=crcs,
+    )
 
 
 class _Unsupported(Exception):
@@ -86,8 +144,12 @@ class _TensorArgs:
         self.stride = stride
 
 
-class _LayoutUnpickler(pickle.Unpickler):
-    """Builds nothing: records the arguments of the single tensor rebuild."""
+class _LayoutUnpickler(pickle._Unpickler):
+    """Builds nothing: records the arguments of the single tensor rebuild.
+
+    The pure-Python unpickler (``data.pkl`` is small): its memo is a dict, so a damaged
+    memo index cannot make it allocate an array of that size.
+    """
 
     def __init__(self, data: bytes, url: str) -> None:
         super().__init__(io.BytesIO(data))
@@ -129,9 +191,16 @@ def parse_archive(head: bytes, tail: bytes, length: int, url: str) -> SavedTenso
         or head[order.data_offset : order.end] != b"little"
     ):
         return None
+    check_local_header(head[pkl.header_offset : pkl.data_offset], pkl, url)
+    pickled = head[pkl.data_offset : pkl.end]
+    if crc32(pickled) != pkl.crc32:  # it says which bytes make the tensor: check it first
+        raise ChecksumError(
+            f"{url}: record {pkl.name!r} fails its CRC-32 check (stored {pkl.crc32:08x}, "
+            f"read {crc32(pickled):08x}): the object is corrupted"
+        )
     try:
-        args = _LayoutUnpickler(head[pkl.data_offset : pkl.end], url).load()
-    except (_Unsupported, pickle.UnpicklingError, EOFError, ValueError, struct.error):
+        args = _LayoutUnpickler(pickled, url).load()
+    except Exception:  # anything but one plain tensor: torch.load reads it whole
         return None
     if not isinstance(args, _TensorArgs) or not isinstance(args.storage, StorageRef):
         return None
@@ -162,4 +231,5 @@ def parse_archive(head: bytes, tail: bytes, length: int, url: str) -> SavedTenso
         stride=stride,
         data_offset=record.data_offset,
         record_size=record.size,
+        record_crc=record.crc32,
     )

@@ -1,25 +1,63 @@
 """Ranged reads for a DCP load: coalesced per data object, run concurrently, scattered.
 
-Callers add ``(object, start, destination)`` requests. :meth:`RangeFetcher.run` sorts
-each object's requests, joins neighbours (gaps up to ``MAX_GAP`` bytes are read and
-dropped) into requests of at most ``read_chunk_size``, splits larger ones into pieces,
-and runs them through one :class:`~cloudckpt.engine.scheduler.TransferGroup`
-(``read_concurrency`` at once, retried). Each response is read straight into its
-destinations with ``Store.read_into``.
+Callers add ``(object, start, buffers, on_done)`` requests: ``buffers`` are filled in
+order from byte ``start`` (a scatter list: a checked slice reads a few bytes into small
+scratch buffers around its destination tensor), and ``on_done`` runs in the reading
+thread once all of the request's bytes have arrived (the checksum check). Its error
+fails the fetch like a failed read. :meth:`RangeFetcher.run` sorts each object's
+requests, joins neighbours (gaps up to the ``read_gap`` option are read and dropped) into
+requests of at most ``read_chunk_size``, splits larger ones into pieces, and runs them
+through one :class:`~cloudckpt.engine.scheduler.TransferGroup` (``read_concurrency`` at
+once, retried). Each response is read straight into its buffers with
+``Store.read_into``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 from ..engine.scheduler import TransferGroup
 from .location import CheckpointLocation
 
-__all__ = ["MAX_GAP", "RangeFetcher"]
+__all__ = ["RangeFetcher"]
 
-#: Unneeded bytes between two ranges that are still fetched in one request: on an
-#: object store one more request costs more than this many bytes.
-MAX_GAP = 64 * 1024
+
+class _Request:
+    """Buffers to fill from ``start``; ``on_done`` once every piece of them has arrived."""
+
+    __slots__ = ("buffers", "on_done", "pending", "size", "start")
+
+    def __init__(
+        self, start: int, buffers: list[memoryview], on_done: Callable[[], None] | None
+    ) -> None:
+        self.start = start
+        self.buffers = buffers
+        self.size = sum(b.nbytes for b in buffers)
+        self.on_done = on_done
+        self.pending = 0
+
+
+def _pieces(buffers: list[memoryview], chunk: int) -> list[tuple[int, list[memoryview]]]:
+    """Split a scatter list into lists of at most ``chunk`` bytes: (offset, views)."""
+    out: list[tuple[int, list[memoryview]]] = []
+    current: list[memoryview] = []
+    room, pos, start = chunk, 0, 0
+    for buf in buffers:
+        used = 0
+        while used < buf.nbytes:
+            take = min(room, buf.nbytes - used)
+            current.append(buf[used : used + take])
+            used += take
+            room -= take
+            pos += take
+            if room == 0:
+                out.append((start, current))
+                current, room, start = [], chunk, pos
+    if current:
+        out.append((start, current))
+    return out
 
 
 class RangeFetcher:
@@ -27,57 +65,88 @@ class RangeFetcher:
 
     def __init__(self, location: CheckpointLocation) -> None:
         self.location = location
-        self._requests: dict[str, list[tuple[int, memoryview]]] = defaultdict(list)
+        self._requests: dict[str, list[_Request]] = defaultdict(list)
+        self._lock = threading.Lock()
         #: Requests sent and bytes fetched by :meth:`run` (for tests and benchmarks).
         self.requests = 0
         self.bytes = 0
 
-    def add(self, relative: str, start: int, dest: memoryview) -> None:
-        """Fill ``dest`` from byte ``start`` of the data object ``relative``."""
-        if len(dest):
-            self._requests[relative].append((start, dest))
+    def add(
+        self,
+        relative: str,
+        start: int,
+        dest: memoryview | Sequence[memoryview],
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """Fill ``dest`` (one buffer or a scatter list) from byte ``start`` of ``relative``;
+        then call ``on_done`` (in the thread that read the last byte)."""
+        buffers = [dest] if isinstance(dest, memoryview) else list(dest)
+        request = _Request(start, [b for b in buffers if b.nbytes], on_done)
+        if request.size:
+            self._requests[relative].append(request)
+        elif on_done is not None:
+            on_done()
+
+    def _finish(self, done: list[_Request]) -> None:
+        ready = []
+        with self._lock:
+            for request in done:
+                request.pending -= 1
+                if request.pending == 0 and request.on_done is not None:
+                    ready.append(request.on_done)
+        for call in ready:
+            call()
 
     def run(self) -> None:
         """Fetch everything added so far; raise the first failure (after retries)."""
         opts = self.location.options
         store = self.location.store
-        chunk = opts.read_chunk_size
+        chunk, max_gap = opts.read_chunk_size, opts.read_gap
         pending, self._requests = self._requests, defaultdict(list)
         group = TransferGroup(opts, opts.read_concurrency, prefix=self.location.prefix)
 
-        def submit(key: str, url: str, start: int, buffers: list[memoryview]) -> None:
-            size = sum(len(b) for b in buffers)
+        def submit(
+            key: str, url: str, start: int, buffers: list[memoryview], covers: list[_Request]
+        ) -> None:
+            size = sum(b.nbytes for b in buffers)
             self.requests += 1
             self.bytes += size
-            group.submit(
-                lambda: store.read_into(key, start, buffers),
-                f"read {size} bytes at {start} of {url}",
-            )
+
+            def read() -> None:
+                store.read_into(key, start, buffers)
+                self._finish(covers)
+
+            group.submit(read, f"read {size} bytes at {start} of {url}")
 
         try:
             for relative, requests in pending.items():
                 key, url = self.location.key(relative), self.location.url_of(relative)
-                requests.sort(key=lambda r: r[0])
+                requests.sort(key=lambda r: r.start)
                 run: list[memoryview] = []
+                covers: list[_Request] = []
                 run_start = run_end = 0
-                for start, dest in requests:
-                    n = len(dest)
+                for request in requests:
+                    start, n = request.start, request.size
                     if n > chunk:
-                        for pos in range(0, n, chunk):
-                            submit(key, url, start + pos, [dest[pos : pos + chunk]])
+                        pieces = _pieces(request.buffers, chunk)
+                        request.pending = len(pieces)
+                        for pos, views in pieces:
+                            submit(key, url, start + pos, views, [request])
                         continue
+                    request.pending = 1
                     gap = start - run_end
-                    if run and 0 <= gap <= MAX_GAP and start + n - run_start <= chunk:
+                    if run and 0 <= gap <= max_gap and start + n - run_start <= chunk:
                         if gap:
                             run.append(memoryview(bytearray(gap)))
-                        run.append(dest)
+                        run += request.buffers
+                        covers.append(request)
                     else:
                         if run:
-                            submit(key, url, run_start, run)
-                        run, run_start = [dest], start
+                            submit(key, url, run_start, run, covers)
+                        run, covers, run_start = list(request.buffers), [request], start
                     run_end = start + n
                 if run:
-                    submit(key, url, run_start, run)
+                    submit(key, url, run_start, run, covers)
             group.wait()
         except BaseException:
             group.cancel()

@@ -3,7 +3,8 @@
 DCP calls it in this order (from ``dcp.load``)::
 
     0) all ranks    reset(checkpoint_id)          when a checkpoint_id is passed
-    1) all ranks    read_metadata()               .metadata, the commit marker
+    1) all ranks    read_metadata()               .metadata, the commit marker, and the
+                                                  layout index (which checks .metadata)
     2) all ranks    set_up_storage_reader(metadata, is_coordinator)
     3) all ranks    prepare_local_plan(plan)
     4) coordinator  prepare_global_plan(plans)
@@ -11,18 +12,23 @@ DCP calls it in this order (from ``dcp.load``)::
 
 ``read_data`` reads only the bytes this rank needs, in two rounds of coalesced,
 concurrent ranged reads: first small archives whole plus the head and tail of each
-large one (where ``data.pkl`` and the zip directory sit), then exactly the byte span
-of each requested slice, straight into the destination tensor when it is a
-contiguous CPU tensor of the saved dtype (otherwise into a scratch buffer, copied).
+large one whose place the layout index does not give (where ``data.pkl`` and the zip
+directory sit), then exactly the byte span of each requested slice, straight into the
+destination tensor when it is a contiguous CPU tensor of the saved dtype (otherwise
+into a scratch buffer, copied). Every read is checked in the thread that made it:
+slices of large records by the CRC-32 of each block they cover (the read is widened to
+block boundaries into small scratch buffers), chunks read whole by their CRC-32 (see
+:mod:`cloudckpt.dcp.checks`).
 """
 
 from __future__ import annotations
 
+import functools
 import io
-import json
 import math
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,20 +39,26 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..engine.memview import writable_view
-from ..engine.scheduler import call_with_retries
+from ..engine.scheduler import TransferGroup, call_with_retries
 from ..errors import (
     BucketNotFoundError,
+    ChecksumError,
+    CloudCkptError,
     CorruptCheckpointError,
     NotFoundError,
     UnsafeCheckpointError,
 )
+from ..format.checksum import crc32
 from ..options import TransferOptions, resolve_options
-from .archive import SavedTensor, parse_archive, saved_from_json
+from .archive import SavedTensor, parse_archive
+from .checks import BlockCheck, check_chunk, check_zip_records
 from .fetch import RangeFetcher
+from .index import LayoutIndex, parse_index, read_document
 from .layout import WHOLE_LIMIT, layout_name, metadata_name
 from .location import CheckpointLocation, LocatedCheckpoint
+from .metadata import ChunkIndex, decode_metadata
 
-__all__ = ["CloudStorageReader"]
+__all__ = ["CloudStorageReader", "decode_metadata"]
 #: Bytes read from the start of a large archive: its local headers and data.pkl.
 HEAD_PROBE = 4096
 #: Bytes read from the end of a large archive: its zip directory.
@@ -88,52 +100,6 @@ class _Slice:
     saved: SavedTensor | None = None
 
 
-_METADATA_MODULES = frozenset({"torch.distributed.checkpoint.metadata"})
-_METADATA_GLOBALS = frozenset(
-    {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),
-        ("torch", "Size"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` and nothing else: no arbitrary globals, no code.
-
-    ``.metadata`` is a pickle; a plain ``pickle.load`` of a file from a bucket would run
-    whatever it names. Only DCP's metadata classes, dtypes and a few value types pass.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
-            "needs; refusing to load it"
-        )
-
-
-def decode_metadata(payload: bytes, url: str) -> Metadata:
-    """DCP's ``.metadata`` from its bytes, through the allow-list unpickler."""
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(payload)).load()
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"{url}: {exc}") from exc
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from exc
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{url} holds {type(metadata).__name__}, not Metadata")
-    return metadata
-
-
 class CloudStorageReader(LocatedCheckpoint, StorageReader):
     """Reads a DCP checkpoint from ``url`` (any store cloudckpt supports).
 
@@ -141,22 +107,34 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
     ``FileSystemWriter`` (uploaded as is). Keyword arguments are
     :class:`~cloudckpt.TransferOptions` fields (``read_concurrency``,
     ``read_chunk_size``, ``storage_options``...).
+
+    Non-tensor items (DCP's byte items) are unpickled by the planner with
+    ``weights_only=False``; with ``weights_only=True`` (the default) the reader first
+    checks each one with torch's weights-only unpickler and refuses, with
+    :class:`~cloudckpt.errors.UnsafeCheckpointError`, one that names anything else
+    (a class, a function): a data object from a bucket cannot run code on load.
     """
 
     def __init__(
         self,
         url: str | os.PathLike[str],
         *,
+        weights_only: bool = True,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
         self.location = CheckpointLocation(url, resolve_options(options, url=url, **overrides))
+        self.weights_only = weights_only
         self.storage_data: dict[Any, Any] = {}
         self.rank: int | None = None
         self.use_collectives = True
         self._save_id: str | None = None
-        self._layouts: dict[tuple[str, int], SavedTensor] | None = None
+        self._chunks: ChunkIndex | None = None
+        self._index: LayoutIndex | None = None
+        self._index_read = False
+        #: The layout index read with ``.metadata`` by read_metadata: (save id, index).
+        self._read_with: tuple[str, LayoutIndex] | None = None
         #: Requests and bytes of the last ``read_data`` (both rounds).
         self.last_read_requests = 0
         self.last_read_bytes = 0
@@ -164,17 +142,46 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, from ``checkpoint_id`` when given."""
         self.storage_data = {}
-        self._save_id, self._layouts = None, None
+        self._save_id, self._chunks, self._index, self._index_read = None, None, None, False
+        self._read_with = None
         if checkpoint_id:
             self.location = CheckpointLocation(checkpoint_id, self.location.options)
 
     # -- metadata ------------------------------------------------------------------------
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The commit marker; a checkpoint without it is not loadable."""
-        name = metadata_name(kwargs.get("rank"))
-        store, key, url = self.location.store, self.location.key(name), self.location.url_of(name)
+    def _layout_payload(self, rank: int | None) -> bytes | None:
+        """The layout index's bytes beside ``metadata_name(rank)``; None when absent."""
+        store, key = self.location.store, self.location.key(layout_name(rank))
         try:
-            payload = call_with_retries(lambda: store.get(key), self.location.options, url)
+            return store.get(key)
+        except BucketNotFoundError:
+            raise
+        except NotFoundError:
+            return None
+
+    def _layout_document(self, rank: int | None) -> dict[str, Any] | None:
+        """The layout index as a JSON object; None when absent."""
+        url = self.location.url_of(layout_name(rank))
+        payload = call_with_retries(
+            lambda: self._layout_payload(rank), self.location.options, f"read {url}"
+        )
+        return None if payload is None else read_document(payload, url)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The commit marker, checked against the layout index written with it.
+
+        A checkpoint without ``.metadata`` is not loadable. When the layout index of the
+        same save is there, ``.metadata``'s bytes must match the CRC-32 it holds. Both
+        are read at once.
+        """
+        rank = kwargs.get("rank")
+        name = metadata_name(rank)
+        url = self.location.url_of(name)
+        store, key = self.location.store, self.location.key(name)
+        group = TransferGroup(self.location.options, 2, prefix=self.location.prefix)
+        try:
+            marker = group.submit(lambda: store.get(key), f"read {url}")
+            layout = group.submit(lambda: self._layout_payload(rank), f"read layout of {url}")
+            group.wait()
         except BucketNotFoundError:
             raise
         except NotFoundError:
@@ -182,7 +189,23 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 f"no committed checkpoint at {self.url}: {url} does not exist (a save that "
                 "did not finish leaves none)"
             ) from None
-        return decode_metadata(payload, url)
+        payload, raw = marker.result(), layout.result()
+        doc = None if raw is None else read_document(raw, self.location.url_of(layout_name(rank)))
+        expected = doc.get("metadata_crc32") if doc is not None else None
+        vouched = type(expected) is int and expected == crc32(payload)
+        metadata = decode_metadata(payload, url, scan=not vouched)
+        save_id = _save_id(metadata)
+        self._read_with = None
+        if doc is not None and save_id and doc.get("save_id") == save_id:
+            layout_url = self.location.url_of(layout_name(rank))
+            index = parse_index(doc, layout_url)  # checks metadata_crc32 is a CRC-32
+            if expected is not None and not vouched:
+                raise ChecksumError(
+                    f"{url} fails the CRC-32 check recorded in {layout_url} (stored "
+                    f"{expected:08x}, read {crc32(payload):08x}): the object is corrupted"
+                )
+            self._read_with = (save_id, index)
+        return metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -193,39 +216,42 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
-        self._save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-        self._layouts = None
+        self._save_id = _save_id(metadata)
+        self._chunks = ChunkIndex(metadata)
+        self._index, self._index_read = None, False
+        if self._read_with is not None and self._save_id == self._read_with[0]:
+            self._index, self._index_read = self._adopt(self._read_with[1]), True
 
-    def _layout_index(self) -> dict[tuple[str, int], SavedTensor]:
-        """cloudckpt's index of large tensors' byte offsets, if this save wrote one.
+    def _layout_index(self) -> LayoutIndex | None:
+        """cloudckpt's index of large tensors' byte offsets and checksums, if this save
+        wrote one (read with ``.metadata``, or here when the metadata came from elsewhere).
 
         Trusted only when its save id is the one in ``.metadata``: a checkpoint later
         overwritten by another writer leaves a stale index, which is then ignored.
         """
-        if self._layouts is not None:
-            return self._layouts
-        self._layouts = {}
+        if self._index_read:
+            return self._index
+        self._index_read = True
         if not self._save_id:
-            return self._layouts
-        name = layout_name(None if self.use_collectives else self.rank)
-        store, key = self.location.store, self.location.key(name)
-        try:
-            payload = call_with_retries(
-                lambda: store.get(key), self.location.options, self.location.url_of(name)
-            )
-            index = json.loads(payload)
-        except NotFoundError:
-            return self._layouts
-        except ValueError:  # not JSON: ignore it, probing the archives still works
-            return self._layouts
-        if not isinstance(index, dict) or index.get("save_id") != self._save_id:
-            return self._layouts
-        for where, value in dict(index.get("archives") or {}).items():
-            relative, _, offset = str(where).rpartition("@")
-            saved = saved_from_json(value)
-            if saved is not None and offset.isdigit():
-                self._layouts[(relative, int(offset))] = saved
-        return self._layouts
+            return None
+        rank = None if self.use_collectives else self.rank
+        doc = self._layout_document(rank)
+        if doc is not None and doc.get("save_id") == self._save_id:
+            self._index = self._adopt(parse_index(doc, self.location.url_of(layout_name(rank))))
+        return self._index
+
+    def _adopt(self, index: LayoutIndex) -> LayoutIndex:
+        """The index, once every chunk it names is one ``.metadata`` has (else damaged)."""
+        chunks = {(info.relative_path, info.offset) for info in self.storage_data.values()}
+        for where in (*index.archives, *index.chunks):
+            if where not in chunks:
+                rank = None if self.use_collectives else self.rank
+                raise CorruptCheckpointError(
+                    f"{self.location.url_of(layout_name(rank))} is damaged: it describes "
+                    f"bytes {where[1]}+ of {where[0]}, where .metadata has no item; delete "
+                    "it to load the checkpoint without the checksums of partial reads"
+                )
+        return index
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """No storage-specific planning."""
@@ -237,7 +263,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
 
     # -- data ----------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Fetch what ``plan`` needs and hand it to ``planner``."""
+        """Fetch what ``plan`` needs, check it, and hand it to ``planner``."""
         archives: dict[tuple[str, int], _Archive] = {}
         for item in plan.items:
             try:
@@ -257,23 +283,32 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
             archive = archives.get(k)
             if archive is None:
                 archive = archives[k] = _Archive(info.relative_path, info.offset, info.length)
+            elif archive.length != info.length:
+                raise CorruptCheckpointError(
+                    f"{self.url}: .metadata gives bytes {info.offset}+ of {info.relative_path} "
+                    f"two lengths ({archive.length} and {info.length})"
+                )
             archive.items.append(item)
 
         self.last_read_requests = self.last_read_bytes = 0
-        layouts = (
-            self._layout_index() if any(a.length > WHOLE_LIMIT for a in archives.values()) else {}
-        )
+        index = self._layout_index() if archives else None
+        self._check_sizes([a for a in archives.values() if _read_whole(a)])
         first = RangeFetcher(self.location)
         slices: list[_Slice] = []
         for a in archives.values():
-            if a.length <= WHOLE_LIMIT or any(i.type == LoadItemType.BYTE_IO for i in a.items):
+            if _read_whole(a):
                 a.whole = bytearray(a.length)
-                first.add(a.relative, a.offset, memoryview(a.whole))
-            elif (known := layouts.get((a.relative, a.offset))) is not None and (
-                known.data_offset + known.record_size <= a.length
-            ):
+                crc = index.chunks.get((a.relative, a.offset)) if index is not None else None
+                first.add(a.relative, a.offset, memoryview(a.whole), self._whole_check(a, crc))
+            elif index is not None and (known := index.archives.get((a.relative, a.offset))):
+                if not known.dense or known.data_offset + known.record_size > a.length:
+                    raise CorruptCheckpointError(
+                        f"{self.location.url_of(layout_name(None))}: the entry of "
+                        f"{a.relative}@{a.offset} does not describe a tensor archive of "
+                        f"{a.length} bytes"
+                    )
                 for item in a.items:  # written by us: read the spans in this round
-                    slices += self._plan_slice(a, known, item, planner, first)
+                    slices.append(self._plan_slice(a, known, item, planner, first))
             else:
                 a.head, a.tail = bytearray(HEAD_PROBE), bytearray(TAIL_PROBE)
                 first.add(a.relative, a.offset, memoryview(a.head))
@@ -290,15 +325,16 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
             if a.head is None or a.tail is None:
                 continue
             url = self.location.url_of(a.relative)
-            saved = parse_archive(bytes(a.head), bytes(a.tail), a.length, url)
+            where = f"{url} bytes {a.offset}-{a.offset + a.length}"
+            saved = parse_archive(bytes(a.head), bytes(a.tail), a.length, where)
             a.head = a.tail = None
             if saved is None:
                 a.whole = bytearray(a.length)
-                second.add(a.relative, a.offset, memoryview(a.whole))
+                second.add(a.relative, a.offset, memoryview(a.whole), self._whole_check(a, None))
                 fallback.append(a)
                 continue
             for item in a.items:
-                slices += self._plan_slice(a, saved, item, planner, second)
+                slices.append(self._plan_slice(a, saved, item, planner, second))
         self._run(second)
         for a in fallback:
             self._deliver_whole(a, planner)
@@ -319,6 +355,67 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         self.last_read_requests += fetcher.requests
         self.last_read_bytes += fetcher.bytes
 
+    def _check_sizes(self, whole: list[_Archive]) -> None:
+        """Before allocating a large chunk read whole, make sure its object holds it."""
+        sizes: dict[str, int] = {}
+        for a in whole:
+            if a.length <= WHOLE_LIMIT:
+                continue
+            if a.relative not in sizes:
+                head = functools.partial(self.location.store.head, self.location.key(a.relative))
+                url = self.location.url_of(a.relative)
+                sizes[a.relative] = call_with_retries(
+                    head, self.location.options, f"head {url}"
+                ).size
+            if a.offset + a.length > sizes[a.relative]:
+                raise CorruptCheckpointError(
+                    f"{self.location.url_of(a.relative)} holds {sizes[a.relative]} bytes; "
+                    f".metadata places {_names(a)} at bytes {a.offset}-{a.offset + a.length}"
+                )
+
+    def _whole_check(self, a: _Archive, crc: int | None) -> Callable[[], None]:
+        """The check of a chunk read whole: its CRC-32 from the layout index, or else the
+        zip CRC-32 of each record (byte items that are not archives have none)."""
+        where = (
+            f"{self.location.url_of(a.relative)} bytes {a.offset}-{a.offset + a.length} "
+            f"({_names(a)})"
+        )
+
+        def check() -> None:
+            assert a.whole is not None
+            if crc is not None:
+                check_chunk(a.whole, crc, where)
+            elif a.whole[:4] == b"PK\x03\x04" or any(
+                i.type != LoadItemType.BYTE_IO for i in a.items
+            ):
+                check_zip_records(a.whole, where)
+
+        return check
+
+    def _chunk_of(self, item: ReadItem, url: str) -> tuple[tuple[int, ...], torch.dtype]:
+        found = self._chunks.get(item.storage_index) if self._chunks is not None else None
+        if found is None:
+            raise CorruptCheckpointError(
+                f"{url}: .metadata describes no saved chunk of {item.storage_index.fqn} at "
+                f"offsets {list(item.storage_index.offset or [])}"
+            )
+        return found
+
+    def _vet_bytes(self, a: _Archive, item: ReadItem, url: str) -> None:
+        """Refuse a byte item that torch's weights-only unpickler refuses."""
+        assert a.whole is not None
+        try:
+            torch.load(io.BytesIO(a.whole), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError) as exc:
+            raise UnsafeCheckpointError(
+                f"{url}: {item.storage_index.fqn} holds objects that weights_only loading "
+                f"does not allow: {exc}. If you trust this checkpoint, pass "
+                "CloudStorageReader(..., weights_only=False); to allow a specific class, "
+                "use torch.serialization.add_safe_globals([...])."
+            ) from exc
+        except Exception:  # damaged bytes: the planner's own load reports them
+            pass
+
     def _deliver_whole(self, a: _Archive, planner: LoadPlanner) -> None:
         """Hand a fully read chunk to the planner, as FileSystemReader does."""
         assert a.whole is not None
@@ -326,7 +423,17 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         loaded: torch.Tensor | None = None
         for item in a.items:
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(a.whole))
+                if self.weights_only:
+                    self._vet_bytes(a, item, url)
+                try:
+                    planner.load_bytes(item, io.BytesIO(a.whole))
+                except CloudCkptError:
+                    raise
+                except Exception as exc:  # the default planner: torch.load of the bytes
+                    raise CorruptCheckpointError(
+                        f"{url}: bytes {a.offset}-{a.offset + a.length} "
+                        f"({item.storage_index.fqn}) could not be loaded: {exc}"
+                    ) from exc
                 continue
             if loaded is None:
                 try:
@@ -340,6 +447,22 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                     raise CorruptCheckpointError(
                         f"{url}: {item.storage_index.fqn} holds {type(loaded).__name__}"
                     )
+            sizes, dtype = self._chunk_of(item, url)
+            if tuple(loaded.shape) != sizes or loaded.dtype != dtype:
+                raise CorruptCheckpointError(
+                    f"{url}: bytes {a.offset}-{a.offset + a.length} hold a {loaded.dtype} "
+                    f"tensor of shape {tuple(loaded.shape)}; .metadata says "
+                    f"{item.storage_index.fqn} is {dtype} {sizes}"
+                )
+            if len(item.storage_offsets) != loaded.dim() or any(
+                o < 0 or o + n > s
+                for o, n, s in zip(item.storage_offsets, item.lengths, loaded.shape, strict=True)
+            ):
+                raise CorruptCheckpointError(
+                    f"{url}: {item.storage_index.fqn} asks for offsets "
+                    f"{tuple(item.storage_offsets)} lengths {tuple(item.lengths)} of a saved "
+                    f"chunk of shape {tuple(loaded.shape)}"
+                )
             source = _narrow(loaded, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
             if target.size() != source.size():
@@ -357,47 +480,118 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         item: ReadItem,
         planner: LoadPlanner,
         fetcher: RangeFetcher,
-    ) -> list[_Slice]:
-        """Schedule the byte span holding ``item``'s slice of a saved tensor."""
+    ) -> _Slice:
+        """Schedule the byte span holding ``item``'s slice of a saved tensor, and its check.
+
+        With block checksums the span is widened to block boundaries: the extra bytes
+        (less than a block at each end) go to small scratch buffers, the span itself
+        still straight into the destination, and every block is checked once read.
+        Without them, a slice that is the whole record is checked by its zip CRC-32; a
+        partial slice of an archive written without a layout index is not checked.
+        """
         url = self.location.url_of(a.relative)
+        fqn = item.storage_index.fqn
+        sizes, dtype = self._chunk_of(item, url)
+        if saved.size != sizes or saved.dtype != dtype:
+            raise CorruptCheckpointError(
+                f"{url}: bytes {a.offset}-{a.offset + a.length} hold a {saved.dtype} tensor "
+                f"of shape {saved.size}; .metadata says {fqn} is {dtype} {sizes}"
+            )
         offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
         if len(lengths) != len(saved.size) or any(
             o < 0 or o + n > s for o, n, s in zip(offsets, lengths, saved.size, strict=True)
         ):
             raise CorruptCheckpointError(
-                f"{url}: {item.storage_index.fqn} asks for offsets {offsets} lengths {lengths} "
+                f"{url}: {fqn} asks for offsets {offsets} lengths {lengths} "
                 f"of a saved chunk of shape {saved.size}"
             )
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != lengths:
             raise CorruptCheckpointError(
-                f"{url}: {item.storage_index.fqn} slice has shape {lengths}, "
-                f"the destination {tuple(target.shape)}"
+                f"{url}: {fqn} slice has shape {lengths}, the destination {tuple(target.shape)}"
             )
         numel = math.prod(lengths)
         if numel == 0:
-            return [_Slice(item, target)]
+            return _Slice(item, target)
         itemsize = saved.dtype.itemsize
         strides = saved.stride
         first = saved.storage_offset + sum(o * st for o, st in zip(offsets, strides, strict=True))
         span = sum((n - 1) * st for n, st in zip(lengths, saved.stride, strict=True)) + 1
         if (first + span) * itemsize > saved.record_size:
-            raise CorruptCheckpointError(
-                f"{url}: {item.storage_index.fqn} lies past the end of its storage record"
-            )
-        start = a.offset + saved.data_offset + first * itemsize
+            raise CorruptCheckpointError(f"{url}: {fqn} lies past the end of its storage record")
         dense = span == numel and all(
             n == 1 or st == math.prod(lengths[d + 1 :])
             for d, (n, st) in enumerate(zip(lengths, saved.stride, strict=True))
         )
+        result = _Slice(item, target)
         if (
             dense
             and target.device.type == "cpu"
             and target.dtype == saved.dtype
             and target.is_contiguous()
         ):
-            fetcher.add(a.relative, start, _tensor_bytes(target))
-            return [_Slice(item, target)]
-        scratch = torch.empty(span * itemsize, dtype=torch.uint8)
-        fetcher.add(a.relative, start, _tensor_bytes(scratch))
-        return [_Slice(item, target, scratch, saved)]
+            middle = _tensor_bytes(target)
+        else:
+            result = _Slice(item, target, torch.empty(span * itemsize, dtype=torch.uint8), saved)
+            assert result.scratch is not None
+            middle = _tensor_bytes(result.scratch)
+        record = a.offset + saved.data_offset  # where the record's bytes start in the object
+        lo, hi = first * itemsize, (first + span) * itemsize
+        if saved.block_size:
+            self._add_checked(a, saved, lo, hi, middle, fetcher, f"{fqn}")
+        elif saved.record_crc is not None and lo == 0 and hi == saved.record_size:
+            expected = saved.record_crc
+            where = f"{url} bytes {record}-{record + hi} ({fqn}, its storage record)"
+            fetcher.add(a.relative, record, middle, lambda: check_chunk(middle, expected, where))
+        else:
+            fetcher.add(a.relative, record + lo, middle)
+        return result
+
+    def _add_checked(
+        self,
+        a: _Archive,
+        saved: SavedTensor,
+        lo: int,
+        hi: int,
+        middle: memoryview,
+        fetcher: RangeFetcher,
+        name: str,
+    ) -> None:
+        """Read record bytes ``[lo, hi)`` into ``middle`` widened to whole blocks, each
+        request a run of whole blocks (up to ``read_chunk_size``) checked when it lands."""
+        size = saved.block_size
+        start = lo // size * size
+        end = min(-(-hi // size) * size, saved.record_size)
+        pieces = [
+            (start, memoryview(bytearray(lo - start))),
+            (lo, middle),
+            (hi, memoryview(bytearray(end - hi))),
+        ]
+        record = a.offset + saved.data_offset
+        where = (self.location.url_of(a.relative), name)
+        group = max(size, self.location.options.read_chunk_size // size * size)
+        for g_start in range(start, end, group):
+            g_end = min(g_start + group, end)
+            views = [
+                view[max(g_start, pos) - pos : min(g_end, pos + view.nbytes) - pos]
+                for pos, view in pieces
+                if pos < g_end and pos + view.nbytes > g_start
+            ]
+            check = BlockCheck(
+                views, g_start, size, saved.block_crcs, saved.record_size, record, where
+            )
+            fetcher.add(a.relative, record + g_start, views, check)
+
+
+def _read_whole(a: _Archive) -> bool:
+    return a.length <= WHOLE_LIMIT or any(i.type == LoadItemType.BYTE_IO for i in a.items)
+
+
+def _names(a: _Archive) -> str:
+    names = sorted({i.storage_index.fqn for i in a.items})
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _save_id(metadata: Metadata) -> str | None:
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return save_id if isinstance(save_id, str) else None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import logging
 import os
 import pickle
@@ -39,8 +38,11 @@ from torch.futures import Future
 from ..engine.scheduler import Cancelled, call_with_retries
 from ..engine.sink import ObjectSink
 from ..errors import AlreadyExistsError, ConfigError
+from ..format.checksum import crc32
 from ..options import TransferOptions, resolve_options
 from .archive import SavedTensor
+from .checks import block_crcs, block_size_for
+from .index import encode_index
 from .layout import (
     DATA_SUFFIX,
     WHOLE_LIMIT,
@@ -77,26 +79,42 @@ def _cpu_tensor(data: Any) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class _Written:
-    """What a rank reports for one item: DCP's storage info, and for a large tensor
-    where its bytes sit in the archive (for the layout index). Split in ``finish``."""
+    """What a rank reports for one item: DCP's storage info, and for the layout index
+    either where a large tensor's bytes sit in its archive (with their block CRC-32s) or
+    the CRC-32 of a chunk readers read whole. Split in ``finish``."""
 
     info: Any
     saved: SavedTensor | None = None
+    crc: int | None = None
 
 
 class _Tap:
     """Forwards ``torch.save``'s writes, noting where the write of ``watch`` bytes began
-    (torch writes a storage record's bytes in one call)."""
+    (torch writes a storage record's bytes in one call) and the CRC-32 of each block of
+    it, while the bytes are in memory; and the CRC-32 of everything written, as long as
+    that is small enough to be read whole."""
 
     def __init__(self, sink: ObjectSink, watch: int) -> None:
         self.sink = sink
         self.watch = watch
         self.found: int | None = None
+        self.block_size = 0
+        self.blocks = b""
+        self.written = 0
+        self.crc: int | None = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         if self.found is None and view.nbytes == self.watch:
             self.found = self.sink.tell()
+            if self.watch > WHOLE_LIMIT // 2:  # else the archive is read whole
+                self.block_size = block_size_for(self.watch)
+                self.blocks = block_crcs(view, self.block_size)
+        self.written += view.nbytes
+        if self.crc is not None:
+            self.crc = crc32(view, self.crc) if self.written <= WHOLE_LIMIT else None
         return self.sink.write(view)
 
     def flush(self) -> None:
@@ -251,16 +269,22 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                 offset = sink.tell()
                 data = planner.resolve_data(item)
                 saved: SavedTensor | None = None
+                crc: int | None = None
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO):
                         raise TypeError(f"byte item {item.index.fqn} resolved to {type(data)}")
-                    sink.write(data.getbuffer())
+                    buffer = data.getbuffer()
+                    crc = crc32(buffer)  # byte items are always read whole
+                    sink.write(buffer)
+                    del buffer
                 else:
                     tensor = _cpu_tensor(data)
                     nbytes = tensor.numel() * tensor.element_size()
                     tap = _Tap(sink, nbytes)
                     torch.save(tensor, tap)  # type: ignore[arg-type]
-                    if nbytes > WHOLE_LIMIT and tap.found is not None:
+                    if sink.tell() - offset <= WHOLE_LIMIT:  # read whole: one CRC-32
+                        crc = tap.crc
+                    elif tap.found is not None:  # read by slice: where, and block CRCs
                         saved = SavedTensor(
                             dtype=tensor.dtype,
                             storage_offset=0,
@@ -268,6 +292,8 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                             stride=tuple(tensor.stride()),
                             data_offset=tap.found - offset,
                             record_size=nbytes,
+                            block_size=tap.block_size,
+                            block_crcs=tap.blocks,
                         )
                 length = sink.tell() - offset
                 info = StorageInfo(relative, offset, length)
@@ -275,7 +301,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                     WriteResult(
                         index=item.index,
                         size_in_bytes=length,
-                        storage_data=_Written(info, saved),
+                        storage_data=_Written(info, saved, crc),
                     )
                 )
             sink.commit()
@@ -294,14 +320,17 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         """Coordinator, after every rank's data committed: write ``.metadata`` (the marker)."""
         storage_md: dict[Any, Any] = {}
         archives: dict[str, Any] = {}
+        chunks: dict[str, int] = {}
         for rank_results in results:
             for wr in rank_results:
                 written = wr.storage_data
                 if isinstance(written, _Written):
                     storage_md[wr.index] = written.info
+                    where = f"{written.info.relative_path}@{written.info.offset}"
                     if written.saved is not None:
-                        where = f"{written.info.relative_path}@{written.info.offset}"
                         archives[where] = written.saved.to_json()
+                    if written.crc is not None:
+                        chunks[where] = written.crc
                 else:  # a result from another writer: keep it as DCP gave it
                     storage_md[wr.index] = written
         metadata.storage_data = storage_md
@@ -311,14 +340,14 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
             metadata.storage_meta = self.storage_meta()
         rank = None if self.use_collectives or self.rank is None else self.rank
         opts = self.location.options
-        if archives:  # before the marker: a committed checkpoint always has its index
-            index = json.dumps({"format": 1, "save_id": self.save_id, "archives": archives})
-            name = layout_name(rank)
-            key, url = self.location.key(name), self.location.url_of(name)
-            data = index.encode()
-            store = self.location.store
-            call_with_retries(lambda: store.put(key, data), opts, f"put {url}")
         payload = pickle.dumps(metadata)
+        # Before the marker: a committed checkpoint always has its index, which also
+        # holds the CRC-32 of the marker's bytes.
+        index = encode_index(self.save_id, crc32(payload), archives, chunks)
+        name = layout_name(rank)
+        key, url = self.location.key(name), self.location.url_of(name)
+        store = self.location.store
+        call_with_retries(lambda: store.put(key, index), opts, f"put {url}")
         name = self._own_marker()
         store, key, url = self.location.store, self.location.key(name), self.location.url_of(name)
         try:

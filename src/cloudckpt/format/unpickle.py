@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["StorageRef", "parse_persistent_id", "unpickle"]
 
@@ -79,6 +79,14 @@ class _FullUnpickler(pickle.Unpickler):
         return super().find_class(mapping.get(module, module), name)
 
 
+def _refused(url: str, exc: BaseException) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{url} holds objects that weights_only loading does not allow: {exc}. If you "
+        "trust this file, pass weights_only=False; to allow a specific class, use "
+        "torch.serialization.add_safe_globals([...])."
+    )
+
+
 def unpickle(
     data: bytes | bytearray | memoryview,
     persistent_load: Callable[[Any], Any],
@@ -100,11 +108,13 @@ def unpickle(
     except pickle.UnpicklingError as exc:
         if not weights_only or isinstance(exc, UnsafeCheckpointError):
             raise CorruptCheckpointError(f"{url}: data.pkl cannot be unpickled: {exc}") from exc
-        raise UnsafeCheckpointError(
-            f"{url} holds objects that weights_only loading does not allow: {exc}. If you "
-            "trust this file, pass weights_only=False; to allow a specific class, use "
-            "torch.serialization.add_safe_globals([...])."
-        ) from exc
+        raise _refused(url, exc) from exc
+    except RuntimeError as exc:
+        # torch before 2.5 raises RuntimeError("Unsupported global: ...") where later
+        # releases raise UnpicklingError; our own errors pass through.
+        if not weights_only or isinstance(exc, CloudCkptError):
+            raise
+        raise _refused(url, exc) from exc
     except (EOFError, ValueError, IndexError, struct.error) as exc:
         raise CorruptCheckpointError(f"{url}: data.pkl is damaged: {exc}") from exc
     torch._utils._validate_loaded_sparse_tensors()

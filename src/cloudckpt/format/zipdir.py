@@ -150,12 +150,15 @@ def _zip64_extra(
         if tag == 0x0001:
             fields = extra[pos + 4 : pos + 4 + size]
             values = list(struct.unpack_from(f"<{len(fields) // 8}Q", fields))
-            if usize == 0xFFFFFFFF:
-                usize = values.pop(0)
-            if csize == 0xFFFFFFFF:
-                csize = values.pop(0)
-            if offset == 0xFFFFFFFF:
-                offset = values.pop(0)
+            try:
+                if usize == 0xFFFFFFFF:
+                    usize = values.pop(0)
+                if csize == 0xFFFFFFFF:
+                    csize = values.pop(0)
+                if offset == 0xFFFFFFFF:
+                    offset = values.pop(0)
+            except IndexError:  # fewer values than the entry needs
+                break
             return usize, csize, offset
         pos += 4 + size
     raise CorruptCheckpointError(f"{url}: record {name!r} lacks its zip64 sizes")

@@ -119,30 +119,71 @@ def encode_marker(info: CheckpointInfo) -> bytes:
     return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
 
 
+def _count(value: Any, what: str) -> int:
+    """A non-negative integer field (JSON has no other kind of count)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what} is {_short(value)}, not a non-negative integer")
+    return value
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{what} is {_short(value)}, not a number")
+    return float(value)  # OverflowError for ints beyond a float: caught by the caller
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _file(value: Any, url: str) -> FileEntry:
+    if not isinstance(value, dict):
+        raise ValueError(f"a file entry is {_short(value)}, not an object")
+    name, etag = value.get("name"), value.get("etag")
+    if not isinstance(name, str):
+        raise ValueError(f"a file name is {_short(name)}, not a string")
+    if etag is not None and not isinstance(etag, str):
+        raise ValueError(f"the etag of {name!r} is {_short(etag)}, not a string")
+    return FileEntry(check_key(name, url), _count(value.get("size"), f"size of {name!r}"), etag)
+
+
 def decode_marker(data: bytes, url: str) -> CheckpointInfo:
-    """Parse a marker; anything malformed is a CorruptCheckpointError naming ``url``."""
+    """Parse a marker; anything malformed is a CorruptCheckpointError naming ``url``.
+
+    Every field is checked for its type (a step, a size: non-negative integers; file
+    names: keys that stay inside the checkpoint's prefix).
+    """
     try:
         body = json.loads(data)
         if not isinstance(body, dict) or body.get("format") != MARKER_FORMAT:
             found = body.get("format") if isinstance(body, dict) else body
-            raise ValueError(f"format is {found!r}, expected {MARKER_FORMAT!r}")
+            raise ValueError(f"format is {_short(found)}, expected {MARKER_FORMAT!r}")
+        files, metrics = body["files"], body.get("metrics", {})
+        metadata = body.get("metadata", {})
+        if not isinstance(files, list):
+            raise ValueError(f"files is {_short(files)}, not a list")
+        if not isinstance(metrics, dict) or not isinstance(metadata, dict):
+            raise ValueError("metrics and metadata must be JSON objects")
+        kind, version = body["kind"], body.get("library_version", "")
+        if not isinstance(kind, str) or not isinstance(version, str):
+            raise ValueError("kind and library_version must be strings")
         return CheckpointInfo(
-            step=int(body["step"]),
+            step=_count(body["step"], "step"),
             url=url.rsplit("/", 1)[0] + "/",
-            time=float(body["time"]),
-            size=int(body["size"]),
-            kind=str(body["kind"]),
-            files=tuple(
-                FileEntry(check_key(str(f["name"]), url), int(f["size"]), f.get("etag"))
-                for f in body["files"]
-            ),
-            metrics={str(k): _float_in(v) for k, v in body.get("metrics", {}).items()},
-            metadata=dict(body.get("metadata", {})),
-            library_version=str(body.get("library_version", "")),
+            time=_number(body["time"], "time"),
+            size=_count(body["size"], "size"),
+            kind=kind,
+            files=tuple(_file(f, url) for f in files),
+            metrics={str(k): _float_in(_number(v, f"metric {k!r}")) for k, v in metrics.items()},
+            metadata=metadata,
+            library_version=version,
         )
     except InvalidURLError as exc:  # a file name that would leave the checkpoint's prefix
         raise CorruptCheckpointError(f"{url} is not a valid checkpoint marker: {exc}") from exc
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+        # ValueError covers bad JSON and UnicodeDecodeError; RecursionError, JSON nested
+        # too deep; OverflowError, a number too large for a float.
         raise CorruptCheckpointError(f"{url} is not a valid checkpoint marker: {exc}") from exc
 
 
@@ -159,13 +200,25 @@ def write_marker(store: Store, key: str, info: CheckpointInfo, options: Transfer
 
 
 def read_marker(store: Store, key: str, options: TransferOptions) -> CheckpointInfo | None:
-    """The checkpoint committed by the marker at ``key``; None when there is no marker."""
+    """The checkpoint committed by the marker at ``key``; None when there is no marker.
+
+    A marker in a ``step-N/`` directory that names another step is corrupt (as in
+    :func:`list_checkpoints`, which skips it).
+    """
     url = store.url(key)
     try:
         data = call_with_retries(lambda: store.get(key), options, f"read marker {url}")
     except NotFoundError:
         return None
-    return decode_marker(data, url)
+    info = decode_marker(data, url)
+    parts = key.rstrip("/").split("/")
+    expected = parse_step(parts[-2]) if len(parts) >= 2 else None
+    if expected is not None and info.step != expected:
+        raise CorruptCheckpointError(
+            f"{url} is not a valid checkpoint marker: it names step {info.step}, "
+            f"in the directory of step {expected}"
+        )
+    return info
 
 
 def list_checkpoints(

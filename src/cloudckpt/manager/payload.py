@@ -108,7 +108,9 @@ class DcpPayload:
 
         if state is None:
             raise ConfigError("restoring a DCP checkpoint needs state= (the state dict to fill)")
-        reader = self._dcp().CloudStorageReader(prefix_url, options=options)
+        reader = self._dcp().CloudStorageReader(
+            prefix_url, weights_only=weights_only, options=options
+        )
         dcp.load(state, storage_reader=reader)
         return state
 

@@ -1,0 +1,126 @@
+"""``.cloudckpt-layout.json``: where large tensors' bytes sit, and the checksums of all reads.
+
+:class:`CloudStorageWriter` writes it just before ``.metadata``; other readers ignore it.
+Format 2 (format 1, written before checksums, has only ``save_id`` and ``archives``)::
+
+    {
+      "format": 2,
+      "save_id": "4be1...",             # the save id in .metadata: a stale index is ignored
+      "metadata_crc32": 1234567890,     # CRC-32 of the .metadata bytes written with it
+      "archives": {                     # each tensor archive larger than 256 KiB
+        "__0_0.distcp@4096": [dtype, size, stride, storage_offset, data_offset,
+                              record_size, block_size, "<base64 CRC-32s>"]
+      },
+      "chunks": {"__0_0.distcp@0": 3735928559}   # CRC-32 of each chunk read whole
+    }
+
+``archives`` keys are ``relative_path@offset`` of the chunk in ``.metadata``;
+``data_offset`` is where the tensor's storage record starts inside the chunk, and the
+last two fields are the record's block size and the CRC-32 of each block, 4 bytes
+little-endian each, base64 encoded (older 6-field entries have neither). ``chunks``
+covers the chunks a reader reads whole: tensor archives up to 256 KiB and byte items.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from .archive import SavedTensor, saved_from_json
+
+__all__ = ["INDEX_FORMAT", "LayoutIndex", "encode_index", "parse_index", "read_document"]
+
+#: The format this version writes; it reads 1 and 2.
+INDEX_FORMAT = 2
+_READABLE = (1, 2)
+
+
+@dataclass
+class LayoutIndex:
+    """A parsed layout index: tensor placement and checksums, keyed by (object, offset)."""
+
+    archives: dict[tuple[str, int], SavedTensor] = field(default_factory=dict)
+    chunks: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def encode_index(
+    save_id: str, metadata_crc32: int, archives: dict[str, Any], chunks: dict[str, int]
+) -> bytes:
+    """The index's bytes (``archives`` values are :meth:`SavedTensor.to_json` lists)."""
+    body = {
+        "format": INDEX_FORMAT,
+        "save_id": save_id,
+        "metadata_crc32": metadata_crc32,
+        "archives": archives,
+        "chunks": chunks,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def read_document(payload: bytes, url: str) -> dict[str, Any]:
+    """The index as a JSON object; CorruptCheckpointError when it is not one."""
+    try:
+        doc = json.loads(payload)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise CorruptCheckpointError(
+            f"{url} is damaged ({exc}); delete it to load the checkpoint without the "
+            "checksums of partial reads"
+        ) from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{url} is damaged: not a JSON object")
+    return doc
+
+
+def _where(key: Any) -> tuple[str, int] | None:
+    if not isinstance(key, str):
+        return None
+    relative, _, offset = key.rpartition("@")
+    if not relative or not offset.isascii() or not offset.isdigit() or len(offset) > 18:
+        return None
+    return relative, int(offset)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _crc(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
+
+
+def parse_index(doc: dict[str, Any], url: str) -> LayoutIndex:
+    """Parse an index whose save id matched; CorruptCheckpointError for any damage.
+
+    A damaged index is an error rather than ignored: ignoring it would quietly load
+    without the checksums it holds.
+    """
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{url} is damaged: {what}; delete it to load the checkpoint without the "
+            "checksums of partial reads"
+        )
+
+    if doc.get("format") not in _READABLE:
+        raise bad(f"format {_short(doc.get('format'))} is not one this version reads {_READABLE}")
+    if "metadata_crc32" in doc and not _crc(doc["metadata_crc32"]):
+        raise bad(f"metadata_crc32 is {_short(doc['metadata_crc32'])}")
+    archives, chunks = doc.get("archives", {}), doc.get("chunks", {})
+    if not isinstance(archives, dict) or not isinstance(chunks, dict):
+        raise bad("archives or chunks is not a JSON object")
+    index = LayoutIndex()
+    for key, value in archives.items():
+        where = _where(key)
+        saved = saved_from_json(value)
+        if where is None or saved is None:
+            raise bad(f"archive entry {_short(key)}")
+        index.archives[where] = saved
+    for key, value in chunks.items():
+        where = _where(key)
+        if where is None or not _crc(value):
+            raise bad(f"chunk entry {_short(key)}")
+        index.chunks[where] = value
+    return index

@@ -1,0 +1,235 @@
+"""DCP's ``.metadata``: unpickled through an allow-list, then checked field by field.
+
+``.metadata`` is a pickle (torch writes it so); a plain ``pickle.load`` of a file from a
+bucket would run whatever it names. :func:`decode_metadata` admits only DCP's metadata
+classes, dtypes and a few value types, refuses a damaged memo index before the C
+unpickler could allocate for it, and then checks the structure the planner and the
+reader rely on (types, non-negative offsets and lengths, chunks inside their tensor),
+so a damaged file is a :class:`~cloudckpt.errors.CorruptCheckpointError`, never an
+``AttributeError`` deep inside a load.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import pickletools
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from .layout import StorageInfo
+
+__all__ = ["ChunkIndex", "check_metadata", "decode_metadata"]
+
+_METADATA_MODULES = frozenset({"torch.distributed.checkpoint.metadata"})
+_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
+#: Offsets, lengths and sizes at or beyond this describe no object's bytes.
+_MAX_INT = 1 << 62
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+class _Refused(pickle.UnpicklingError):
+    """The pickle names a global outside the allow-list."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and nothing else: no arbitrary globals, no code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Refused(
+            f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
+            "needs; refusing to load it"
+        )
+
+
+def _scan(payload: bytes, url: str) -> None:
+    """Refuse memo indexes no pickle of this size can have, before unpickling.
+
+    The C unpickler grows its memo to twice the largest index it is asked to store,
+    zero-filling it: one flipped bit can turn an opcode into ``LONG_BINPUT`` and ask for
+    tens of GiB. A valid pickle stores fewer objects than it has bytes.
+    """
+    try:
+        for op, arg, _ in pickletools.genops(payload):
+            if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg <= len(payload)):
+                raise CorruptCheckpointError(
+                    f"{url} is not DCP metadata: memo index {arg} in a pickle of "
+                    f"{len(payload)} bytes"
+                )
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:  # genops: ValueError on anything malformed
+        raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from exc
+
+
+def decode_metadata(payload: bytes, url: str, *, scan: bool = True) -> Metadata:
+    """DCP's ``.metadata`` from its bytes, through the allow-list unpickler, checked.
+
+    ``scan=False`` skips the opcode scan; only for bytes already known to be the ones a
+    writer produced (their CRC-32 matched the layout index written with them).
+    """
+    if scan:
+        _scan(payload, url)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(payload)).load()
+    except _Refused as exc:
+        raise UnsafeCheckpointError(f"{url}: {exc}") from exc
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{url} holds {type(metadata).__name__}, not Metadata")
+    check_metadata(metadata, url)
+    return metadata
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_INT
+
+
+def _describe(value: Any) -> str:
+    """A short description of a value that may be a half-built object (no repr call)."""
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict):
+        return f"{type(value).__name__} with fields {sorted(map(str, fields))[:8]}"
+    return type(value).__name__
+
+
+def _text(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, (torch.Size, tuple)) and all(_count(v) for v in value):
+        return tuple(value)
+    return None
+
+
+def check_metadata(metadata: Metadata, url: str) -> None:
+    """Check the fields the planner and the reader use; CorruptCheckpointError if damaged."""
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{url} is damaged DCP metadata: {what}")
+
+    state = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(state, dict):
+        raise bad("state_dict_metadata is not a dict")
+    for fqn, md in state.items():
+        if not isinstance(fqn, str):
+            raise bad(f"a key is {_describe(fqn)}, not a string")
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise bad(f"{fqn} is described by {type(md).__name__}")
+        properties = getattr(md, "properties", None)
+        if not isinstance(properties, TensorProperties) or not isinstance(
+            getattr(properties, "dtype", None), torch.dtype
+        ):
+            raise bad(f"{fqn} has no dtype")
+        size = _shape(getattr(md, "size", None))
+        chunks = getattr(md, "chunks", None)
+        if size is None or not isinstance(chunks, list):
+            raise bad(f"{fqn} has no size or chunk list")
+        for chunk in chunks:
+            offsets = _shape(getattr(chunk, "offsets", None))
+            sizes = _shape(getattr(chunk, "sizes", None))
+            if (
+                not isinstance(chunk, ChunkStorageMetadata)
+                or offsets is None
+                or sizes is None
+                or not len(offsets) == len(sizes) == len(size)
+                or any(o + n > s for o, n, s in zip(offsets, sizes, size, strict=True))
+            ):
+                raise bad(f"{fqn} has a chunk outside its size {list(size)}")
+        # torch's planner reads only the chunks listed: one missing would leave part of
+        # the destination as it was, silently. Saved chunks never overlap, so together
+        # they hold exactly the tensor's elements.
+        if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
+            raise bad(f"the chunks of {fqn} do not cover its size {list(size)}")
+    storage = getattr(metadata, "storage_data", None)
+    if storage is not None:
+        if not isinstance(storage, dict):
+            raise bad("storage_data is not a dict")
+        for index, info in storage.items():
+            if (
+                not isinstance(index, MetadataIndex)
+                or not isinstance(getattr(index, "fqn", None), str)
+                or not (
+                    getattr(index, "offset", None) is None
+                    or _shape(getattr(index, "offset", None)) is not None
+                )
+                or not (getattr(index, "index", None) is None or _count(index.index))
+            ):
+                raise bad(f"storage key {_describe(index)}")
+            if (
+                not isinstance(info, StorageInfo)
+                or not isinstance(getattr(info, "relative_path", None), str)
+                or not _count(getattr(info, "offset", None))
+                or not _count(getattr(info, "length", None))
+            ):
+                raise bad(f"storage entry of {index.fqn}: {_describe(info)}")
+    planner = getattr(metadata, "planner_data", None)
+    if planner is not None and (
+        not isinstance(planner, dict)
+        or not all(
+            isinstance(k, str)
+            and isinstance(v, (tuple, list))
+            and all(isinstance(p, (str, int)) for p in v)
+            for k, v in planner.items()
+        )
+    ):
+        raise bad("planner_data is not a map of names to paths")
+    meta = getattr(metadata, "storage_meta", None)
+    save_id = getattr(meta, "save_id", None)
+    if meta is not None and (not isinstance(meta, StorageMeta) or not _text(save_id)):
+        raise bad("storage_meta is damaged")
+    if not _text(getattr(metadata, "version", None)):
+        raise bad("version is not a string")
+
+
+class ChunkIndex:
+    """The saved chunks of each tensor: (fqn, offsets) -> (sizes, dtype)."""
+
+    def __init__(self, metadata: Metadata) -> None:
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._single: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                dtype = md.properties.dtype
+                for chunk in md.chunks:
+                    self._chunks[(fqn, tuple(chunk.offsets))] = (tuple(chunk.sizes), dtype)
+                if len(md.chunks) == 1:
+                    self._single[fqn] = (tuple(md.chunks[0].sizes), dtype)
+
+    def get(self, index: MetadataIndex) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """Sizes and dtype of the saved chunk ``index`` names, or None."""
+        offset = getattr(index, "offset", None)
+        if offset is None:
+            return self._single.get(index.fqn)
+        return self._chunks.get((index.fqn, tuple(offset)))
