@@ -8,6 +8,7 @@ CRC-32 of every record read in full. Never a silently wrong tensor.
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 from pathlib import Path
@@ -354,6 +355,8 @@ def test_filesystem_writer_partial_slices_load_unchecked(
 
 
 def test_save_and_load_without_collectives(tmp_path: Path, state: dict[str, Any]) -> None:
+    if "no_dist" not in inspect.signature(dcp.save).parameters:
+        pytest.skip("this torch's dcp.save has no no_dist/use_collectives")
     path = tmp_path / "nocoll"
     dcp.save(
         state, storage_writer=CloudStorageWriter(str(path)), no_dist=True, use_collectives=False
