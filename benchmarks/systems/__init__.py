@@ -12,6 +12,7 @@ from __future__ import annotations
 #: Benchmark name -> module under ``benchmarks.systems``; the order is the table's order.
 SYSTEMS: dict[str, str] = {
     "ceiling": "ceiling",
+    "ceiling-2to3": "ceiling_ranks",
     "cloudckpt": "cloudckpt_sync",
     "cloudckpt-async": "cloudckpt_async",
     "cloudckpt-dcp": "cloudckpt_dcp",

@@ -104,11 +104,14 @@ def prepare(state: dict[str, torch.Tensor]) -> bytearray:
 
 
 def save(data: bytearray, ctx: Ctx) -> None:
+    put(ctx, f"{ctx.prefix}/{KEY}", memoryview(data))
+
+
+def put(ctx: Ctx, key: str, view: memoryview) -> None:
+    """One multipart upload of ``view``: balanced parts, ``ctx.concurrency`` at once."""
     client = _client(ctx, ctx.concurrency)
-    key = f"{ctx.prefix}/{KEY}"
-    view = memoryview(data)
-    part = balanced(len(data), ctx.part_size, ctx.concurrency, smallest=5 * 1024 * 1024)
-    ranges = [(a, min(a + part, len(data))) for a in range(0, len(data), part)]
+    part = balanced(view.nbytes, ctx.part_size, ctx.concurrency, smallest=5 * 1024 * 1024)
+    ranges = [(a, min(a + part, view.nbytes)) for a in range(0, view.nbytes, part)]
     up = client.create_multipart_upload(Bucket=ctx.bucket, Key=key)["UploadId"]
 
     def one(i: int) -> dict[str, Any]:
@@ -145,21 +148,31 @@ def _readinto(body: Any, dest: memoryview) -> None:
 def load(ctx: Ctx, size: int) -> mmap.mmap:
     """Into anonymous memory the kernel zeroes on first touch (``bytearray(n)`` would
     memset it all first, a pass over cold memory that no real reader needs)."""
-    client = _client(ctx, READ_CONCURRENCY)
-    key = f"{ctx.prefix}/{KEY}"
     out = mmap.mmap(-1, size)
     view = memoryview(out)
-    chunk = balanced(size, READ_CHUNK, READ_CONCURRENCY)
-
-    def one(a: int) -> None:
-        b = min(a + chunk, size)
-        body = client.get_object(Bucket=ctx.bucket, Key=key, Range=f"bytes={a}-{b - 1}")["Body"]
-        _readinto(body, view[a:b])
-
-    with ThreadPoolExecutor(READ_CONCURRENCY) as pool:
-        list(pool.map(one, range(0, size, chunk)))
+    get(ctx, [(f"{ctx.prefix}/{KEY}", 0, view)])
     view.release()
     return out
+
+
+def get(ctx: Ctx, spans: list[tuple[str, int, memoryview]]) -> None:
+    """Fill each ``(key, start, dest)`` by ranged GETs of balanced chunks, 15 at once."""
+    client = _client(ctx, READ_CONCURRENCY)
+    chunk = balanced(sum(v.nbytes for _, _, v in spans), READ_CHUNK, READ_CONCURRENCY)
+    requests = [
+        (key, start + a, dest[a : a + chunk])
+        for key, start, dest in spans
+        for a in range(0, dest.nbytes, chunk)
+    ]
+
+    def one(request: tuple[str, int, memoryview]) -> None:
+        key, a, dest = request
+        rng = f"bytes={a}-{a + dest.nbytes - 1}"
+        body = client.get_object(Bucket=ctx.bucket, Key=key, Range=rng)["Body"]
+        _readinto(body, dest)
+
+    with ThreadPoolExecutor(READ_CONCURRENCY) as pool:
+        list(pool.map(one, requests))
 
 
 def same(loaded: mmap.mmap, data: bytearray) -> bool:
