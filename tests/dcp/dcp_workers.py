@@ -42,6 +42,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_GLOO_TEARDOWN_HANGS = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5)
+
+
 def _entry(rank: int, fn: Any, world_size: int, port: int, args: tuple[Any, ...]) -> None:
     # A forked child must not use the parent's OpenMP pool (GNU OpenMP hangs there).
     torch.set_num_threads(1)
@@ -53,6 +56,10 @@ def _entry(rank: int, fn: Any, world_size: int, port: int, args: tuple[Any, ...]
     try:
         fn(rank, world_size, *args)
         dist.barrier()
+        if _GLOO_TEARDOWN_HANGS:
+            # torch 2.4's ProcessGroupGloo destructor can hang joining its threads in a
+            # forked rank (seen with py-spy); the rank's work is done and checked.
+            os._exit(0)
     finally:
         dist.destroy_process_group()
 

@@ -20,6 +20,9 @@ import cloudckpt
 from cloudckpt.store.local import LocalStore
 from cloudckpt.store.s3 import S3Store
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dcp_compat import SINGLE
+
 
 def arm(method: str, n: int, when: str) -> None:
     for cls in (LocalStore, S3Store):
@@ -57,7 +60,7 @@ def main() -> None:
 
         from cloudckpt.dcp import CloudStorageWriter
 
-        dcp.save(new_state(), storage_writer=CloudStorageWriter(url, **opts), no_dist=True)
+        dcp.save(new_state(), storage_writer=CloudStorageWriter(url, **opts), **SINGLE)
     else:  # "retain": URL is a manager root holding step 1; step 2 commits, then prunes 1
         manager = cloudckpt.CheckpointManager(url, keep_last=1, **opts)
         manager.save(2, new_state())

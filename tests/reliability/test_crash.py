@@ -15,6 +15,7 @@ import cloudckpt
 from cloudckpt.manager.gc import collect_garbage
 from cloudckpt.options import resolve_options
 from cloudckpt.store import open_url
+from dcp_compat import SINGLE
 
 CHILD = str(Path(__file__).with_name("crash_child.py"))
 
@@ -86,7 +87,7 @@ def test_sigkill_during_dcp_save_leaves_no_metadata(store_url, point):
     dcp.save(
         previous_state(),
         storage_writer=CloudStorageWriter(f"{root}/step-1", storage_options=opts),
-        no_dist=True,
+        **SINGLE,
     )
     _kill_run(f"{root}/step-2", opts, "dcp", point)
     # DCP wraps the reader's NotFoundError in its CheckpointException when loading alone.
@@ -94,11 +95,11 @@ def test_sigkill_during_dcp_save_leaves_no_metadata(store_url, point):
         dcp.load(
             previous_state(),
             storage_reader=CloudStorageReader(f"{root}/step-2", storage_options=opts),
-            no_dist=True,
+            **SINGLE,
         )
     out = {k: torch.zeros_like(v) for k, v in previous_state().items()}
     dcp.load(
-        out, storage_reader=CloudStorageReader(f"{root}/step-1", storage_options=opts), no_dist=True
+        out, storage_reader=CloudStorageReader(f"{root}/step-1", storage_options=opts), **SINGLE
     )
     assert float(out["t0"][0]) == 0.0
     ropts = resolve_options(storage_options=opts)

@@ -10,6 +10,7 @@ import cloudckpt
 from cloudckpt import errors
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.options import MiB
+from dcp_compat import SINGLE
 from fault_proxy import FaultProxy
 
 RETRYING = {"max_attempts": 12, "backoff_base": 0.01, "backoff_max": 0.2, "request_timeout": 4.0}
@@ -30,14 +31,12 @@ def test_dcp_save_and_load_survive_ten_percent_faults(rclone_server):
     with FaultProxy(rclone_server.endpoint_url, rate=0.10, seed=3, slow_seconds=5.0) as proxy:
         opts = _opts(rclone_server, proxy)
         url = f"s3://{bucket}/step-1"
-        dcp.save(
-            state, storage_writer=CloudStorageWriter(url, part_size=5 * MiB, **opts), no_dist=True
-        )
+        dcp.save(state, storage_writer=CloudStorageWriter(url, part_size=5 * MiB, **opts), **SINGLE)
         out = {k: torch.zeros_like(v) for k, v in state.items()}
         dcp.load(
             out,
             storage_reader=CloudStorageReader(url, read_chunk_size=2 * MiB, **opts),
-            no_dist=True,
+            **SINGLE,
         )
         assert sum(proxy.injected.values()) > 0
     assert all(torch.equal(out[k], state[k]) for k in state)

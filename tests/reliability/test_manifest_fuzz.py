@@ -37,6 +37,7 @@ from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.dcp.reader import decode_metadata
 from cloudckpt.errors import CloudCkptError
 from cloudckpt.manager.marker import MARKER_NAME, decode_marker
+from dcp_compat import SINGLE
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -92,7 +93,7 @@ def _load(url: str) -> dict[str, Any] | None:
     """dcp.load of the whole state: the result, or None after an allowed failure."""
     out = _empty()
     try:
-        dcp.load(out, storage_reader=CloudStorageReader(url), no_dist=True)
+        dcp.load(out, storage_reader=CloudStorageReader(url), **SINGLE)
     except CheckpointException as exc:
         for error, frames in exc.failures.values():
             _check_failure(error, frames)
@@ -145,7 +146,7 @@ def _slice_of_w(url: str) -> None:
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("template") / "ckpt"
-    dcp.save(STATE, storage_writer=CloudStorageWriter(str(path)), no_dist=True)
+    dcp.save(STATE, storage_writer=CloudStorageWriter(str(path)), **SINGLE)
     return path
 
 

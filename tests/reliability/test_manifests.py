@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 import cloudckpt
 from cloudckpt import errors
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
+from dcp_compat import SINGLE
 
 
 class _RunsCode:
@@ -23,20 +24,20 @@ class _RunsCode:
 def test_dcp_metadata_cannot_run_code(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     url = str(tmp_path / "ckpt")
-    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), no_dist=True)
+    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), **SINGLE)
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
     with pytest.raises(errors.UnsafeCheckpointError, match="refusing to load it"):
         CloudStorageReader(url).read_metadata()
     # DCP reports a rank's failure as a CheckpointException (a BaseException) holding it.
     with pytest.raises(BaseException, match="refusing to load it"):
-        dcp.load({"w": torch.zeros(3)}, storage_reader=CloudStorageReader(url), no_dist=True)
+        dcp.load({"w": torch.zeros(3)}, storage_reader=CloudStorageReader(url), **SINGLE)
     assert not (tmp_path / "pwned-by-metadata").exists()
 
 
 def _save_with_escaping_paths(tmp_path) -> str:
     """A DCP checkpoint whose .metadata points every item at ``../outside.distcp``."""
     url = str(tmp_path / "ckpt")
-    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), no_dist=True)
+    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), **SINGLE)
     meta_path = tmp_path / "ckpt" / ".metadata"
     metadata = pickle.loads(meta_path.read_bytes())
     for info in metadata.storage_data.values():
@@ -52,7 +53,7 @@ def test_dcp_metadata_paths_cannot_leave_the_checkpoint(tmp_path):
     (tmp_path / "ckpt" / ".cloudckpt-layout.json").unlink()
     (tmp_path / "outside.distcp").write_bytes(b"x" * 4096)
     with pytest.raises(BaseException, match="unsafe object key"):
-        dcp.load({"w": torch.zeros(3)}, storage_reader=CloudStorageReader(url), no_dist=True)
+        dcp.load({"w": torch.zeros(3)}, storage_reader=CloudStorageReader(url), **SINGLE)
 
 
 def test_a_tampered_dcp_metadata_fails_the_layout_crc(tmp_path):
@@ -71,7 +72,7 @@ def test_dcp_metadata_memo_indexes_cannot_allocate_without_bound(tmp_path, opcod
     with pytest.raises(errors.CorruptCheckpointError, match="memo index"):
         decode_metadata(payload, "mem://.metadata")
     url = str(tmp_path / "ckpt")
-    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), no_dist=True)
+    dcp.save({"w": torch.ones(3)}, storage_writer=CloudStorageWriter(url), **SINGLE)
     (tmp_path / "ckpt" / ".metadata").write_bytes(payload)
     with pytest.raises(errors.CorruptCheckpointError, match="memo index"):
         CloudStorageReader(url).read_metadata()
