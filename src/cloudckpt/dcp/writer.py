@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import logging
 import os
 import pickle
 import threading
@@ -56,8 +55,6 @@ from .layout import (
 from .location import CheckpointLocation, LocatedCheckpoint
 
 __all__ = ["CloudStorageWriter"]
-
-log = logging.getLogger("cloudckpt")
 
 #: What FileSystemWriter of current torch stamps into Metadata.version.
 _DCP_VERSION = "1.0.0"
@@ -306,12 +303,9 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                 )
             sink.commit()
         except BaseException as exc:
-            try:
-                sink.abort()
-            except Exception as abort_exc:  # the original failure matters more
-                log.warning("aborting the upload of %s also failed: %s", key, abort_exc)
-            if sink.error is not None and sink.error is not exc:
-                raise sink.error from None  # torch.save wrapped our failure
+            error = sink.abort_after(exc)
+            if error is not exc:  # torch.save wrapped our failure
+                raise error from None
             raise
         return results
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import time
@@ -20,8 +19,6 @@ from .progress import progress_bar
 from .sink import ObjectSink
 
 __all__ = ["SaveResult", "save", "write_object"]
-
-log = logging.getLogger("cloudckpt")
 
 
 @dataclass(frozen=True)
@@ -71,13 +68,9 @@ def write_object(
             torch.save(obj, sink)  # type: ignore[arg-type]  # a write-only stream is enough
             size = sink.commit()
         except BaseException as exc:
-            try:
-                sink.abort()
-            except Exception as abort_exc:  # the original failure matters more
-                log.warning("aborting the upload of %s also failed: %s", target, abort_exc)
-            if sink.error is not None and sink.error is not exc:
-                # torch.save turned our failure into a RuntimeError while unwinding.
-                raise sink.error from None
+            error = sink.abort_after(exc)
+            if error is not exc:  # torch.save turned our failure into a RuntimeError
+                raise error from None
             if isinstance(exc, _PICKLE_ERRORS) and not isinstance(exc, SerializationError):
                 typed = _unpicklable_error(obj, exc, target)
                 if typed is not None:

@@ -14,6 +14,7 @@ discards every stored part; it is what every failure path calls.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from .buffers import SaveBuffers
 from .scheduler import TransferGroup, call_with_retries, get_scheduler
 
 __all__ = ["MIN_SHRUNK_PART", "ObjectSink", "choose_part_size"]
+
+log = logging.getLogger("cloudckpt")
 
 
 #: Parts are not shrunk below this: smaller requests cost more per byte than they gain.
@@ -195,6 +198,18 @@ class ObjectSink:
             f"complete multipart upload {url}",
         )
         return self.bytes_written
+
+    def abort_after(self, exc: BaseException) -> BaseException:
+        """Abort once ``exc`` stopped the write; return the error worth raising: this
+        sink's own failure when ``torch.save`` wrapped it while unwinding, else ``exc``.
+        A failing abort is logged, not raised: the original failure matters more."""
+        try:
+            self.abort()
+        except Exception as abort_exc:
+            log.warning("aborting the upload of %s also failed: %s", self.key, abort_exc)
+        if self.error is not None and self.error is not exc:
+            return self.error
+        return exc
 
     def abort(self) -> None:
         """Discard everything stored so far; safe to call more than once."""
