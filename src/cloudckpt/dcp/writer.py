@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..engine.memview import writable_view
 from ..engine.scheduler import Cancelled, call_with_retries
 from ..engine.sink import ObjectSink
 from ..errors import AlreadyExistsError, ConfigError
@@ -63,15 +64,28 @@ _ARCHIVE_OVERHEAD = 4096
 
 
 def _cpu_tensor(data: Any) -> torch.Tensor:
-    """A CPU tensor holding exactly the item's elements (no larger shared storage)."""
+    """A CPU tensor holding exactly the item's elements (no larger shared storage).
+
+    ``torch.save`` writes a tensor's whole storage, so a view into a larger one (a
+    shard cut from a bigger tensor) needs a storage of its own. For a contiguous view
+    that is an alias of its bytes (``torch.frombuffer``, no copy); the caller keeps
+    ``data`` alive while the alias is in use. Anything else is copied.
+    """
     tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    elif tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
+        return tensor.contiguous()
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.untyped_storage().nbytes() == nbytes:
+        return tensor
+    if nbytes and tensor.layout == torch.strided and not tensor.is_quantized:
+        try:
+            alias = torch.frombuffer(writable_view(tensor.data_ptr(), nbytes), dtype=torch.uint8)
+            return alias.view(tensor.dtype).view(tensor.shape)
+        except (RuntimeError, TypeError, ValueError):
+            pass
+    return tensor.clone()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ from ..errors import (
     TransientError,
 )
 from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+from .s3_presigned import PresignedReads
 
 __all__ = ["S3_OPTIONS", "S3Store"]
 
@@ -146,7 +147,8 @@ class S3Store(Store):
             # Validation rejects memoryview bodies; urllib3 sends them with one sendall and
             # no copy. Every call's parameters are built here, so nothing is lost.
             parameter_validation=False,
-            signature_version=UNSIGNED if opts.get("anonymous") else None,
+            # SigV4 for presigned URLs too (botocore presigns with SigV2 by default).
+            signature_version=UNSIGNED if opts.get("anonymous") else "s3v4",
         )
         self._client = session.create_client(
             "s3",
@@ -158,6 +160,7 @@ class S3Store(Store):
             verify=opts.get("verify"),
             config=config,
         )
+        self._presigned = PresignedReads(self._client, bucket)
 
     # -- error mapping -------------------------------------------------------------------
     def _error(self, exc: Exception, key: str | None, op: str) -> Exception:
@@ -231,12 +234,13 @@ class S3Store(Store):
         """A whole (small) object in one GET, not HEAD + GET: manifests are read this way."""
         check_key(key, self.root_url)
         resp = self._call("get_object", key, Key=key)
-        with _reading(resp["Body"], self.url(key)) as body:
+        stream = _stream(resp["Body"])
+        with _reading(stream, self.url(key)):
             size = int(resp.get("ContentLength", -1))
             if size < 0:
-                return bytes(body.read())
+                return bytes(stream.read())
             buf = bytearray(size)
-            _read_body_into(body, 0, [memoryview(buf)], self.url(key))
+            _read_body_into(stream, 0, [memoryview(buf)], self.url(key))
             return bytes(buf)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
@@ -249,29 +253,53 @@ class S3Store(Store):
         length = sum(b.nbytes for b in buffers)
         if length == 0:
             return
-        resp = self._call("get_object", key, Key=key, Range=f"bytes={start}-{start + length - 1}")
-        with _reading(resp["Body"], self.url(key)) as body:
+        url = self.url(key)
+        answer = None
+        if self._presigned.enabled:  # the fast path: s3_presigned.py
+            try:
+                answer = self._presigned.get(key, start, length, url)
+            except TransientError:
+                raise
+            except Exception as exc:
+                mapped = self._error(exc, key, "get_object")
+                if mapped is exc:
+                    raise
+                raise mapped from None
+        if answer is not None:
+            headers = answer.headers
+            stream = answer.raw
+            got = int(headers.get("content-length", -1))
+            content_range = headers.get("content-range")
+        else:
+            resp = self._call(
+                "get_object", key, Key=key, Range=f"bytes={start}-{start + length - 1}"
+            )
+            stream = _stream(resp["Body"])
             got = int(resp.get("ContentLength", -1))
+            content_range = resp.get("ContentRange")
+        with _reading(stream, url):
             skip = 0
             if got != length:
                 # Some servers ignore the range and send the whole object with a 200 and no
                 # Content-Range; take our slice of it. An object that ends before the range
                 # is corrupt (truncated); any other short answer is a glitch worth a retry.
-                total = _content_range_total(resp.get("ContentRange"))
+                total = _content_range_total(content_range)
                 size = total if total is not None else got
                 if total is None and got >= start + length:
                     skip = start
                 elif size < start + length:
                     raise CorruptCheckpointError(
-                        f"{self.url(key)} ends at byte {size}, "
+                        f"{url} ends at byte {size}, "
                         f"before the range {start}-{start + length - 1} being read"
                     )
                 else:
                     raise TransientError(
-                        f"reading {self.url(key)}: asked for {length} bytes at {start}, "
+                        f"reading {url}: asked for {length} bytes at {start}, "
                         f"the answer holds {got}"
                     )
-            _read_body_into(body, skip, buffers, self.url(key))
+            _read_body_into(stream, skip, buffers, url)
+        if self._presigned.enabled:
+            self._presigned.served(answer is not None)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         token: str | None = None
@@ -392,33 +420,37 @@ def _body(data: Buffer) -> bytes | bytearray | memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _stream(body: Any) -> Any:
+    """The urllib3 response under botocore's ``StreamingBody`` (the body itself if none)."""
+    return getattr(body, "_raw_stream", body)
+
+
 @contextlib.contextmanager
-def _reading(body: Any, url: str) -> Iterator[Any]:
+def _reading(stream: Any, url: str) -> Iterator[Any]:
     """Read a response body: on any failure close it (its connection is unusable) and
     turn network errors into :class:`TransientError`, which the scheduler retries."""
     try:
-        yield body
+        yield stream
     except _TRANSIENT_EXCEPTIONS as exc:
-        body.close()
+        stream.close()
         raise TransientError(f"reading {url}: {type(exc).__name__}: {exc}") from None
     except BaseException:
-        body.close()
+        stream.close()
         raise
 
 
-def _read_body_into(body: Any, skip: int, buffers: Sequence[memoryview], url: str) -> None:
-    """Read a response body into ``buffers`` without an intermediate copy where possible.
+def _read_body_into(stream: Any, skip: int, buffers: Sequence[memoryview], url: str) -> None:
+    """Read a response body (a urllib3 response) into ``buffers`` without a copy.
 
     urllib3's own ``readinto`` reads into a temporary and copies; for an identity-encoded
     body we read from the underlying ``http.client`` response, which fills our memory
     straight from the socket. Other encodings take the copying path.
     """
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    encoding = (getattr(raw, "headers", None) or {}).get("content-encoding", "identity")
+    fp = getattr(stream, "_fp", None)
+    encoding = (getattr(stream, "headers", None) or {}).get("content-encoding", "identity")
     direct = fp is not None and hasattr(fp, "readinto") and encoding in ("identity", "")
     if skip:
-        _discard(body, skip, url)
+        _discard(stream, skip, url)
     for buf in buffers:
         view = buf.cast("B") if buf.format != "B" else buf
         filled = 0
@@ -426,22 +458,22 @@ def _read_body_into(body: Any, skip: int, buffers: Sequence[memoryview], url: st
             if direct and fp is not None:
                 n = fp.readinto(view[filled:])
             else:
-                chunk = body.read(len(view) - filled)
+                chunk = stream.read(len(view) - filled)
                 n = len(chunk)
                 view[filled : filled + n] = chunk
             if not n:
                 raise TransientError(f"reading {url}: connection closed mid-body")
             filled += n
     if skip:
-        body.close()  # the rest of a whole-object answer is not wanted: drop the connection
-    elif direct and raw is not None:
+        stream.close()  # the rest of a whole-object answer is not wanted: drop the connection
+    elif direct and hasattr(stream, "release_conn"):
         # The body was read to its end: hand the connection back to the pool.
-        raw.release_conn()
+        stream.release_conn()
 
 
-def _discard(body: Any, n: int, url: str) -> None:
+def _discard(stream: Any, n: int, url: str) -> None:
     while n:
-        chunk = body.read(min(n, 1 << 20))
+        chunk = stream.read(min(n, 1 << 20))
         if not chunk:
             raise TransientError(f"reading {url}: connection closed mid-body")
         n -= len(chunk)
