@@ -129,6 +129,34 @@ def test_strided_tensor_saved_by_filesystem_writer(tmp_path: Path) -> None:
     assert reader.last_read_bytes == HEAD_PROBE + TAIL_PROBE + span
 
 
+def test_views_are_saved_as_their_own_bytes_without_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = torch.randn(3 * ROWS, COLS)
+    state = {
+        "rows": parent[ROWS : 2 * ROWS],  # contiguous view: aliased, not copied
+        "cols": parent[:ROWS, : COLS // 2],  # strided view: copied
+        "scalar": parent[5, 7],
+        "flags": (parent[:ROWS] > 0)[10:20],
+    }
+    copies = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(
+        torch.Tensor, "clone", lambda t, *a, **k: copies.append(t.shape) or real_clone(t, *a, **k)
+    )
+    url = str(tmp_path / "views")
+    dcp.save(state, storage_writer=CloudStorageWriter(url))
+    monkeypatch.undo()
+    assert copies == []
+    # Each saved archive holds the view's bytes only, not the parent's storage.
+    tensor_bytes = sum(v.nbytes for v in state.values())
+    assert (tmp_path / "views" / "__0_0.distcp").stat().st_size < tensor_bytes + 64 * 1024
+    for reader in (CloudStorageReader(url), dcp.FileSystemReader(url)):
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(out, storage_reader=reader)
+        assert all(torch.equal(out[k], state[k]) for k in state)
+
+
 def test_stale_layout_index_is_ignored(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     dcp.save({"w": torch.zeros(ROWS, COLS)}, storage_writer=CloudStorageWriter(url))
