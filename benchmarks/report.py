@@ -312,7 +312,8 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "",
         "## How it is measured",
         "",
-        "Every system saves the same state (a dict of random fp32 tensors) to the same "
+        "Every system saves the same state (a dict of random fp32 matrices of 1024 columns, "
+        "like a model's weights) to the same "
         "server and loads it back, each repetition in a fresh worker process, systems "
         "interleaved (rotated order per repetition). Figures are medians over repetitions. "
         "Each system creates its client before the clock starts (botocore, s3fs, the CRT "
@@ -322,8 +323,10 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "- **GB/s**: state bytes (tensor bytes) / wall time of the call, 1 GB = 1e9 B.",
         "- **ceiling**: botocore alone moving pre-built bytes: multipart PUT in parts of at "
         "most 64 MiB, 10 at a time, zero-copy; ranged GETs of at most 32 MiB, 15 at a time, "
-        "`readinto` a preallocated buffer (cloudckpt's default part size, chunk size and "
-        "concurrencies), with sizes evened out so every wave of requests is full.",
+        "on a URL presigned once per object and sent on the client's connection pool (as "
+        "cloudckpt's reads are), `readinto` a preallocated buffer (cloudckpt's default part "
+        "size, chunk size and concurrencies), with sizes evened out so every wave of "
+        "requests is full.",
         "- **x ceiling**: a system's GB/s over the ceiling's GB/s in the same run.",
         "- **CPU s/GiB**: user + system CPU of the worker process and its children during "
         "the call, per GiB of state.",
@@ -348,6 +351,10 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "`TorchCheckpointIO` over s3fs; s3torchconnector `S3Checkpoint`; "
         "multi-storage-client `msc.torch.save/load`; DCP with `FsspecWriter/Reader` over "
         "s3fs. A peer that fails is shown as failing with its error.",
+        "- **server**: `rclone serve s3` with MD5 ETags off (`--etag-hash ''`) and no "
+        "read-ahead (`--buffer-size 0`): it shares the two cores with the clients being "
+        "measured, and both would otherwise burn CPU per request that a real object store "
+        "spends on its own machines (see `benchmarks/server.py`).",
         "",
         "## Results",
         "",

@@ -2,7 +2,9 @@
 
 PUT: one multipart upload of the state's bytes in parts of at most 64 MiB, 10 at a time,
 each part handed to urllib3 as a bare memoryview (no copy, no hashing). GET: ranged GETs
-of at most 32 MiB, 15 at a time, read with ``readinto`` straight into one preallocated
+of at most 32 MiB, 15 at a time, each object presigned once and every range sent on the
+client's connection pool with only a Range header (the cheapest request botocore can
+make, as cloudckpt's reads do), read with ``readinto`` straight into one preallocated
 buffer. These are cloudckpt's default part size, chunk size and concurrencies; the
 ceiling evens the sizes out so that the number of requests is a multiple of the
 concurrency (no last wave with a few streams idle), as a best case should.
@@ -16,6 +18,7 @@ from typing import Any
 
 import botocore.session
 import torch
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 
 from .common import Ctx
@@ -77,6 +80,7 @@ def _client(ctx: Ctx, pool: int) -> Any:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             max_pool_connections=pool,
+            signature_version="s3v4",  # also for presigned URLs
         ),
     )
     client.meta.events.register("before-send.s3.UploadPart", _swap_body)
@@ -128,9 +132,8 @@ def put(ctx: Ctx, key: str, view: memoryview) -> None:
     )
 
 
-def _readinto(body: Any, dest: memoryview) -> None:
-    raw = body._raw_stream  # urllib3 response; its _fp is the http.client response
-    fp = raw._fp
+def _readinto(raw: Any, dest: memoryview) -> None:
+    fp = raw._fp  # urllib3 response; its _fp is the http.client response
     got = 0
     for _ in range(dest.nbytes + 1):  # bounded: each pass reads something or stops
         if got == dest.nbytes:
@@ -165,11 +168,23 @@ def get(ctx: Ctx, spans: list[tuple[str, int, memoryview]]) -> None:
         for a in range(0, dest.nbytes, chunk)
     ]
 
+    http = client._endpoint.http_session  # the client's pool (see docs/transport.md)
+    urls = {
+        key: client.generate_presigned_url(
+            "get_object", Params={"Bucket": ctx.bucket, "Key": key}, ExpiresIn=900
+        )
+        for key, _, _ in spans
+    }
+
     def one(request: tuple[str, int, memoryview]) -> None:
         key, a, dest = request
         rng = f"bytes={a}-{a + dest.nbytes - 1}"
-        body = client.get_object(Bucket=ctx.bucket, Key=key, Range=rng)["Body"]
-        _readinto(body, dest)
+        prepared = AWSRequest(method="GET", url=urls[key], headers={"Range": rng}).prepare()
+        prepared.stream_output = True
+        answer = http.send(prepared)
+        if answer.status_code not in (200, 206):
+            raise OSError(f"ceiling GET {key}: status {answer.status_code}")
+        _readinto(answer.raw, dest)
 
     with ThreadPoolExecutor(READ_CONCURRENCY) as pool:
         list(pool.map(one, requests))

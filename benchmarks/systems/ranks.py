@@ -4,13 +4,16 @@
 ``setup(rank, world)``, which prepares its part untimed and returns ``(step, check)``.
 Between a barrier before ``step()`` and one after it the rank measures wall time, its
 own CPU time and its peak extra RSS; ``check()`` then runs untimed. The result is the
-slowest rank's time, the ranks' CPU summed and the largest rank's peak.
+slowest rank's time, the ranks' CPU summed and the largest rank's peak. With
+``CLOUDCKPT_BENCH_PROFILE=DIR`` each rank's step runs under cProfile, saved to DIR.
 """
 
 from __future__ import annotations
 
+import cProfile
 import gc
 import json
+import os
 import resource
 import socket
 import tempfile
@@ -56,9 +59,16 @@ def _rank(rank: int, world: int, port: int, setup: Setup, out: str) -> None:
         gc.collect()
         rss0 = _rss_after_reset()
         dist.barrier()
+        profile_dir = os.environ.get("CLOUDCKPT_BENCH_PROFILE")
+        profiler = cProfile.Profile() if profile_dir else None
         t0, cpu0 = time.perf_counter(), _cpu()
-        step()
+        if profiler is not None:
+            profiler.runcall(step)
+        else:
+            step()
         cpu = _cpu() - cpu0
+        if profiler is not None:
+            profiler.dump_stats(str(Path(profile_dir or ".", f"rank{rank}-of-{world}.prof")))
         peak = _status_bytes("VmHWM") - rss0
         dist.barrier()
         seconds = time.perf_counter() - t0
