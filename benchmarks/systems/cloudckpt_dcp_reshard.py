@@ -30,11 +30,18 @@ LOAD_RANKS = 3
 SELF_CHECKED = True
 
 
+def _local(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``full`` under ``Shard(0)``: torch.chunk's split, with
+    empty shards for the ranks left over when there are fewer rows than ranks."""
+    chunks = torch.chunk(full, world, dim=0)
+    return chunks[rank] if rank < len(chunks) else full[full.shape[0] :]
+
+
 def _sharded(state: dict[str, torch.Tensor], world: int, rank: int, empty: bool) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
     for name, full in state.items():
-        local = torch.chunk(full, world, dim=0)[rank]
+        local = _local(full, world, rank)
         if empty:
             local = torch.empty_like(local)
         out[name] = DTensor.from_local(
@@ -59,7 +66,7 @@ def _run(op: str, world: int, state: dict[str, torch.Tensor], ctx: Ctx) -> dict[
 
         def check() -> None:
             for name, full in state.items() if op == "load" else ():
-                want = torch.chunk(full, world, dim=0)[rank]
+                want = _local(full, world, rank)
                 if not torch.equal(target[name].to_local(), want):
                     raise AssertionError(f"rank {rank}: loaded slice of {name} differs")
 
