@@ -146,6 +146,39 @@ def test_a_flipped_bit_fails_a_partial_slice(saved: Path, weight: torch.Tensor) 
         reader.read_data(LoadPlan([_rows("w", 301, 100)]), _Planner({"w": target}))
 
 
+def test_a_flipped_bit_on_an_s3_server_fails_the_slice_that_covers_it(
+    s3_server: Any, weight: torch.Tensor
+) -> None:
+    """The same check over a real S3 server: the widened ranged GETs (presigned, read
+    into the destination and scratch buffers) and the per-block check after them."""
+    bucket = s3_server.make_bucket(f"dcp-flip-{s3_server.name}")
+    url = f"s3://{bucket}/ckpt"
+    opts = {"storage_options": s3_server.storage_options()}
+    dcp.save({"w": weight}, storage_writer=CloudStorageWriter(url, **opts))
+    client = s3_server.client()
+    layout = json.loads(
+        client.get_object(Bucket=bucket, Key="ckpt/.cloudckpt-layout.json")["Body"].read()
+    )
+    ((where, entry),) = layout["archives"].items()
+    start = int(where.rpartition("@")[2]) + entry[4]
+    data = bytearray(client.get_object(Bucket=bucket, Key="ckpt/__0_0.distcp")["Body"].read())
+    data[start + 350 * COLS * 4 + 5] ^= 1 << 3  # inside row 350
+    client.put_object(Bucket=bucket, Key="ckpt/__0_0.distcp", Body=bytes(data))
+
+    def read(first: int, count: int) -> torch.Tensor:
+        reader = CloudStorageReader(url, **opts)
+        reader.set_up_storage_reader(reader.read_metadata(), True)
+        target = torch.empty(count, COLS)
+        reader.read_data(LoadPlan([_rows("w", first, count)]), _Planner({"w": target}))
+        return target
+
+    with pytest.raises(
+        ChecksumError, match=rf"s3://{bucket}/ckpt/__0_0\.distcp: bytes .* \(w, block 10 of"
+    ):
+        read(301, 100)
+    assert torch.equal(read(0, 200), weight[:200])  # blocks that do not hold the flip
+
+
 def test_a_flip_next_to_a_slice_is_caught_in_its_blocks_and_ignored_beyond(
     saved: Path, weight: torch.Tensor
 ) -> None:

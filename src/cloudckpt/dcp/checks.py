@@ -13,12 +13,11 @@ the same CRC-32 the rest of the library uses.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 
-from ..errors import ChecksumError, CorruptCheckpointError
+from ..errors import ChecksumError
 from ..format.checksum import crc32
-from ..format.zipdir import _NeedMore, check_local_header, local_header_size, parse_directory
+from ..format.zipdir import check_records as check_zip_records
 
 __all__ = [
     "MAX_BLOCK",
@@ -148,46 +147,3 @@ def check_chunk(data: bytes | bytearray | memoryview, expected: int, where: str)
             f"{where} fail their CRC-32 check (stored {expected:08x}, read {crc:08x}): "
             "the object is corrupted"
         )
-
-
-def check_zip_records(data: bytes | bytearray | memoryview, where: str) -> None:
-    """Check every record of a ``torch.save`` archive held in memory by its zip CRC-32.
-
-    A damaged directory or local header is a :class:`CorruptCheckpointError`, a record
-    whose bytes do not match its CRC-32 a :class:`ChecksumError`.
-    """
-    view = memoryview(data)
-    start = max(0, len(view) - (1 << 20))  # the directory sits at the end
-    while True:
-        try:
-            directory = parse_directory(bytes(view[start:]), start, len(view), where)
-            break
-        except _NeedMore as more:
-            if not 0 <= more.start < start:
-                raise CorruptCheckpointError(f"{where}: damaged zip directory") from None
-            start = more.start
-    for e in directory.entries.values():
-        if e.local_header_size < 0:
-            if e.header_offset + 30 > len(view):
-                raise CorruptCheckpointError(f"{where}: record {e.name!r} lies past the end")
-            header = bytes(view[e.header_offset : e.header_offset + 30])
-            e.local_header_size = local_header_size(header)
-        if e.end > len(view):
-            raise CorruptCheckpointError(f"{where}: record {e.name!r} lies past the end")
-        check_local_header(view[e.header_offset : e.data_offset], e, where)
-        stored = view[e.data_offset : e.end]
-        if e.method == 0:
-            crc = crc32(stored)
-        elif e.method == 8:
-            inflate = zlib.decompressobj(-15)
-            try:
-                crc = crc32(inflate.decompress(stored, e.size + 1))
-            except zlib.error as exc:
-                raise CorruptCheckpointError(f"{where}: record {e.name!r}: {exc}") from None
-        else:
-            raise CorruptCheckpointError(f"{where}: record {e.name!r} uses compression {e.method}")
-        if crc != e.crc32:
-            raise ChecksumError(
-                f"{where}: record {e.name!r} fails its CRC-32 check (stored {e.crc32:08x}, "
-                f"read {crc:08x}): the object is corrupted"
-            )

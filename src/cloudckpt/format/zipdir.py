@@ -11,11 +11,20 @@ a wrong guess about the layout is caught, never read as data.
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 
-from ..errors import CorruptCheckpointError
+from ..errors import ChecksumError, CorruptCheckpointError
+from .checksum import crc32
 
-__all__ = ["LOCAL_HEADER_SIZE", "Directory", "Entry", "check_local_header", "parse_directory"]
+__all__ = [
+    "LOCAL_HEADER_SIZE",
+    "Directory",
+    "Entry",
+    "check_local_header",
+    "check_records",
+    "parse_directory",
+]
 
 _EOCD = b"PK\x05\x06"
 _ZIP64_LOCATOR = b"PK\x06\x07"
@@ -203,3 +212,48 @@ def local_header_size(header: bytes) -> int:
         raise CorruptCheckpointError("missing local header")
     name_len, extra_len = struct.unpack_from("<HH", header, 26)
     return LOCAL_HEADER_SIZE + name_len + extra_len
+
+
+def check_records(data: bytes | bytearray | memoryview, where: str) -> None:
+    """Check every record of a ``torch.save`` archive held in memory by its zip CRC-32.
+
+    Stored records are checked as they are, deflated ones by their inflated bytes (as a
+    loader reads them). A damaged directory or local header, or a record past the end,
+    is a :class:`CorruptCheckpointError`; a record whose bytes do not match its CRC-32
+    a :class:`ChecksumError`. Used by the DCP reader and ``cloudckpt verify``.
+    """
+    view = memoryview(data)
+    start = max(0, len(view) - (1 << 20))  # the directory sits at the end
+    while True:
+        try:
+            directory = parse_directory(bytes(view[start:]), start, len(view), where)
+            break
+        except _NeedMore as more:
+            if not 0 <= more.start < start:
+                raise CorruptCheckpointError(f"{where}: damaged zip directory") from None
+            start = more.start
+    for e in directory.entries.values():
+        if e.local_header_size < 0:
+            if e.header_offset + 30 > len(view):
+                raise CorruptCheckpointError(f"{where}: record {e.name!r} lies past the end")
+            header = bytes(view[e.header_offset : e.header_offset + 30])
+            e.local_header_size = local_header_size(header)
+        if e.end > len(view):
+            raise CorruptCheckpointError(f"{where}: record {e.name!r} lies past the end")
+        check_local_header(view[e.header_offset : e.data_offset], e, where)
+        stored = view[e.data_offset : e.end]
+        if e.method == 0:
+            crc = crc32(stored)
+        elif e.method == 8:
+            inflate = zlib.decompressobj(-15)
+            try:
+                crc = crc32(inflate.decompress(stored, e.size + 1))
+            except zlib.error as exc:
+                raise CorruptCheckpointError(f"{where}: record {e.name!r}: {exc}") from None
+        else:
+            raise CorruptCheckpointError(f"{where}: record {e.name!r} uses compression {e.method}")
+        if crc != e.crc32:
+            raise ChecksumError(
+                f"{where}: record {e.name!r} fails its CRC-32 check (stored {e.crc32:08x}, "
+                f"read {crc:08x}): the object is corrupted"
+            )
