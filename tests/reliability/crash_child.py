@@ -4,7 +4,8 @@
 
 METHOD is a Store method (create_multipart, upload_part, complete_multipart, put, delete);
 the process dies just before or just after its N-th call: the same as an external
-SIGKILL at that moment, but at a point the test chose.
+SIGKILL at that moment, but at a point the test chose. ``upload_part`` counts parts
+sent either way (``upload_part`` or, for scatter lists, ``upload_part_views``).
 """
 
 from __future__ import annotations
@@ -25,21 +26,23 @@ from dcp_compat import SINGLE
 
 
 def arm(method: str, n: int, when: str) -> None:
+    names = [method, "upload_part_views"] if method == "upload_part" else [method]
+    calls = 0
     for cls in (LocalStore, S3Store):
-        real = getattr(cls, method)
-        calls = 0
+        for name in names:
+            real = getattr(cls, name)
 
-        def wrapper(self, *args, real=real, **kwargs):
-            nonlocal calls
-            calls += 1
-            if calls == n and when == "before":
-                os.kill(os.getpid(), signal.SIGKILL)
-            result = real(self, *args, **kwargs)
-            if calls == n and when == "after":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return result
+            def wrapper(self, *args, real=real, **kwargs):
+                nonlocal calls
+                calls += 1
+                if calls == n and when == "before":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                result = real(self, *args, **kwargs)
+                if calls == n and when == "after":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return result
 
-        setattr(cls, method, wrapper)
+            setattr(cls, name, wrapper)
 
 
 def new_state() -> dict:

@@ -10,7 +10,8 @@ DCP calls it in this order (from ``dcp.save`` / ``dcp.async_save``)::
     5) coordinator  finish(metadata, results)     writes .metadata, only after every
                                                   rank's write_data returned its results
 
-Each data object is streamed with :class:`~cloudckpt.engine.sink.ObjectSink`: its
+Each data object is streamed with :class:`~cloudckpt.engine.sink.BorrowingSink` (large
+tensor records sent from the tensors' memory, not copied into part buffers): its
 parts go through the I/O scheduler (bounded write concurrency and bytes in flight),
 and it becomes visible only when complete. A rank that fails aborts its uploads and
 DCP never calls ``finish``, so no ``.metadata`` appears.
@@ -34,9 +35,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..engine.memview import writable_view
+from ..engine.memview import buffer_address, writable_view
 from ..engine.scheduler import Cancelled, call_with_retries
-from ..engine.sink import ObjectSink
+from ..engine.sink import BorrowingSink
 from ..errors import AlreadyExistsError, ConfigError
 from ..format.checksum import crc32
 from ..options import TransferOptions, resolve_options
@@ -59,6 +60,8 @@ __all__ = ["CloudStorageWriter"]
 
 #: What FileSystemWriter of current torch stamps into Metadata.version.
 _DCP_VERSION = "1.0.0"
+#: Tensor records at least this large are sent from the tensor's memory, not copied.
+BORROW_MIN = 64 * 1024
 #: Per-item allowance for the zip records around a tensor's bytes in its archive.
 _ARCHIVE_OVERHEAD = 4096
 
@@ -105,9 +108,11 @@ class _Tap:
     it, while the bytes are in memory; and the CRC-32 of everything written, as long as
     that is small enough to be read whole."""
 
-    def __init__(self, sink: ObjectSink, watch: int) -> None:
+    def __init__(self, sink: BorrowingSink, watch: int, tensor: Any = None, owner: Any = None):
         self.sink = sink
         self.watch = watch
+        self.tensor = tensor
+        self.owner = owner
         self.found: int | None = None
         self.block_size = 0
         self.blocks = b""
@@ -118,14 +123,21 @@ class _Tap:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
+        self.written += view.nbytes
+        if self.crc is not None:
+            self.crc = crc32(view, self.crc) if self.written <= WHOLE_LIMIT else None
         if self.found is None and view.nbytes == self.watch:
             self.found = self.sink.tell()
             if self.watch > WHOLE_LIMIT // 2:  # else the archive is read whole
                 self.block_size = block_size_for(self.watch)
                 self.blocks = block_crcs(view, self.block_size)
-        self.written += view.nbytes
-        if self.crc is not None:
-            self.crc = crc32(view, self.crc) if self.written <= WHOLE_LIMIT else None
+            if (
+                self.watch >= BORROW_MIN
+                and self.tensor is not None
+                and buffer_address(view) == self.tensor.data_ptr()
+            ):
+                # The tensor's own memory: sent from there, not copied (BorrowingSink).
+                return self.sink.write_borrowed(view, self.owner)
         return self.sink.write(view)
 
     def flush(self) -> None:
@@ -271,7 +283,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         size_hint = sum(item_nbytes(i) + _ARCHIVE_OVERHEAD for i in items)
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
-        sink = ObjectSink(store, key, opts, size_hint=size_hint)
+        sink = BorrowingSink(store, key, opts, size_hint=size_hint)
         results: list[WriteResult] = []
         try:
             for item in ordered:
@@ -291,7 +303,9 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                 else:
                     tensor = _cpu_tensor(data)
                     nbytes = tensor.numel() * tensor.element_size()
-                    tap = _Tap(sink, nbytes)
+                    # The record is sent from the tensor's memory: keep what owns it
+                    # (the item's data, and a CPU copy or alias of it) until it is sent.
+                    tap = _Tap(sink, nbytes, tensor, (data, tensor))
                     torch.save(tensor, tap)  # type: ignore[arg-type]
                     if sink.tell() - offset <= WHOLE_LIMIT:  # read whole: one CRC-32
                         crc = tap.crc

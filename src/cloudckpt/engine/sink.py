@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import StorageError
 from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
@@ -25,7 +26,7 @@ from ..store import MultipartUpload, Store, UploadedPart
 from .buffers import SaveBuffers
 from .scheduler import TransferGroup, call_with_retries, get_scheduler
 
-__all__ = ["MIN_SHRUNK_PART", "ObjectSink", "choose_part_size"]
+__all__ = ["MIN_SHRUNK_PART", "BorrowingSink", "ObjectSink", "choose_part_size"]
 
 log = logging.getLogger("cloudckpt")
 
@@ -143,9 +144,15 @@ class ObjectSink:
         self._pool.release(buf)
 
     def _flush_part(self) -> None:
-        buf, size, offset = self._buf, self._fill, self._offset
+        buf, size = self._buf, self._fill
         assert buf is not None
         self._buf = None
+        self._send_part([memoryview(buf)[:size]], size, lambda: self._release_buffer(buf))
+
+    def _send_part(self, views: list[memoryview], size: int, release: Callable[[], None]) -> None:
+        """Upload ``views`` (``size`` bytes, back to back) as the next part; ``release``
+        runs once the part is stored or abandoned."""
+        offset = self._offset
         self._offset += size
         if self._upload is None:
             self._upload = call_with_retries(
@@ -158,16 +165,17 @@ class ObjectSink:
         self._next_part += 1
 
         def send() -> None:
-            part = self.store.upload_part(upload, number, memoryview(buf)[:size], offset)
+            if len(views) == 1:
+                part = self.store.upload_part(upload, number, views[0], offset)
+            else:
+                part = self.store.upload_part_views(upload, number, views, offset)
             with self._parts_lock:
                 self._parts.append(part)
             if self._on_progress is not None:
                 self._on_progress(size)
 
         self._group.submit(
-            send,
-            f"upload part {number} of {self.store.url(self.key)}",
-            on_done=lambda: self._release_buffer(buf),
+            send, f"upload part {number} of {self.store.url(self.key)}", on_done=release
         )
 
     # -- commit / abort --------------------------------------------------------------------
@@ -225,3 +233,102 @@ class ObjectSink:
                 self.options,
                 f"abort multipart upload {self.store.url(self.key)}",
             )
+
+
+class BorrowingSink(ObjectSink):
+    """An :class:`ObjectSink` that sends large writes straight from the caller's memory.
+
+    :meth:`write_borrowed` adds a view to the part being built instead of copying it
+    into a part buffer; ``owner`` (the tensor the view is in) is kept referenced until
+    the part is stored or abandoned, and the caller must not change that memory until
+    :meth:`commit` or :meth:`abort` returns. Other writes (zip headers, pickles: a few
+    KiB per tensor) are copied into small buffers. A part is sent as a scatter list
+    (``Store.upload_part_views``), so a save adds no part buffers and no copy of its
+    tensors; parts may exceed ``part_size`` by less than one copied write. At most
+    ``write_concurrency`` parts are in flight, and ``max_bytes_in_flight`` counts them.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._views: list[memoryview] = []
+        self._owners: list[object] = []
+        self._small = bytearray()
+        self._pending = 0  # bytes of the part being built
+
+    def write_borrowed(self, data: memoryview, owner: object) -> int:
+        """Add ``data`` to the object without copying it; ``owner`` keeps it alive."""
+        view = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+        if self.error is not None:
+            return len(view)
+        if self._closed:
+            raise ValueError("write to a closed checkpoint sink")
+        try:
+            self._seal_small()
+            pos = 0
+            while pos < len(view):
+                take = min(len(view) - pos, self.part_size - self._pending)
+                self._views.append(view[pos : pos + take])
+                self._owners.append(owner)
+                self._pending += take
+                pos += take
+                if self._pending >= self.part_size:
+                    self._cut()
+            self.bytes_written += len(view)
+            return len(view)
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        self._small += view
+        self._pending += len(view)
+        self.bytes_written += len(view)
+        if self._pending >= self.part_size:
+            self._cut()
+        return len(view)
+
+    def _seal_small(self) -> None:
+        if self._small:
+            self._views.append(memoryview(bytes(self._small)))
+            self._small = bytearray()
+
+    def _cut(self) -> None:
+        """Send everything built so far as one part."""
+        if self._next_part > MAX_PARTS:
+            raise StorageError(
+                f"{self.store.url(self.key)}: the archive needs more than {MAX_PARTS} parts of "
+                f"{self.part_size} bytes; pass a larger part_size"
+            )
+        self._seal_small()
+        views, owners, size = self._views, self._owners, self._pending
+        self._views, self._owners, self._pending = [], [], 0
+        self._budget.acquire(size, self._group.cancel_event)
+
+        def release() -> None:
+            owners.clear()
+            views.clear()
+            self._budget.release(size)
+
+        self._send_part(views, size, release)
+
+    def commit(self) -> int:
+        """Store the last bytes and make the object visible; returns its size."""
+        self._closed = True
+        if self._upload is None:  # smaller than one part: one PUT of the joined bytes
+            self._seal_small()
+            data = b"".join(self._views)
+            self._views, self._owners, self._pending = [], [], 0
+            url = self.store.url(self.key)
+            call_with_retries(lambda: self.store.put(self.key, data), self.options, f"put {url}")
+            if self._on_progress is not None:
+                self._on_progress(len(data))
+            return self.bytes_written
+        if self._pending:
+            self._cut()
+        return super().commit()
+
+    def abort(self) -> None:
+        """Discard everything stored so far (and drop the borrowed views)."""
+        self._views, self._owners, self._small, self._pending = [], [], bytearray(), 0
+        super().abort()

@@ -123,6 +123,16 @@ class Store(ABC):
     ) -> UploadedPart:
         """Store part ``number`` (1-based) of ``upload``."""
 
+    def upload_part_views(
+        self, upload: MultipartUpload, number: int, views: Sequence[memoryview], offset: int
+    ) -> UploadedPart:
+        """Store part ``number`` made of ``views`` back to back (a scatter list).
+
+        This default joins them (one copy); stores that can send a scatter list as it
+        is override it.
+        """
+        return self.upload_part(upload, number, b"".join(views), offset)
+
     @abstractmethod
     def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
         """Make the object visible, made of ``parts`` in order."""

@@ -185,15 +185,29 @@ class LocalStore(Store):
     def upload_part(
         self, upload: MultipartUpload, number: int, data: Buffer, offset: int
     ) -> UploadedPart:
+        return self._write_part(upload, number, [memoryview(data)], offset)
+
+    def upload_part_views(
+        self, upload: MultipartUpload, number: int, views: Sequence[memoryview], offset: int
+    ) -> UploadedPart:
+        """Each view written in place at its offset in the upload's file (no copy)."""
+        return self._write_part(upload, number, views, offset)
+
+    def _write_part(
+        self, upload: MultipartUpload, number: int, views: Sequence[memoryview], offset: int
+    ) -> UploadedPart:
         fd = upload.backend[0]
-        view = memoryview(data).cast("B")
+        pos = offset
         try:
-            written = 0
-            while written < len(view):
-                written += os.pwrite(fd, view[written:], offset + written)
+            for data in views:
+                view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+                written = 0
+                while written < len(view):
+                    written += os.pwrite(fd, view[written:], pos + written)
+                pos += len(view)
         except OSError as exc:
             raise self._oserror(exc, upload.key) from None
-        return UploadedPart(number=number, etag=str(number), size=len(view))
+        return UploadedPart(number=number, etag=str(number), size=pos - offset)
 
     def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
         fd, tmp = upload.backend

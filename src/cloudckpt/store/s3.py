@@ -338,15 +338,25 @@ class S3Store(Store):
     def upload_part(
         self, upload: MultipartUpload, number: int, data: Buffer, offset: int
     ) -> UploadedPart:
+        return self._upload_part(upload, number, _body(data))
+
+    def upload_part_views(
+        self, upload: MultipartUpload, number: int, views: Sequence[memoryview], offset: int
+    ) -> UploadedPart:
+        """The views sent one after another on the connection (urllib3 sends an iterable
+        body chunk by chunk after the Content-Length botocore takes from ``len``)."""
+        return self._upload_part(upload, number, _Views(views))
+
+    def _upload_part(self, upload: MultipartUpload, number: int, body: Any) -> UploadedPart:
         resp = self._call(
             "upload_part",
             upload.key,
             Key=upload.key,
             UploadId=upload.upload_id,
             PartNumber=number,
-            Body=_body(data),
+            Body=body,
         )
-        return UploadedPart(number=number, etag=resp["ETag"], size=len(memoryview(data)))
+        return UploadedPart(number=number, etag=resp["ETag"], size=len(body))
 
     def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
         try:
@@ -412,6 +422,20 @@ def _content_range_total(value: str | None) -> int | None:
         return None
     total = value.rsplit("/", 1)[1].strip()
     return int(total) if total.isdigit() else None
+
+
+class _Views:
+    """A request body of several buffers: its length, then its buffers in order."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self.views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+        self._length = sum(v.nbytes for v in self.views)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return iter([v for v in self.views if v.nbytes])
 
 
 def _body(data: Buffer) -> bytes | bytearray | memoryview:
