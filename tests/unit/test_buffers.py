@@ -6,7 +6,7 @@ import torch
 
 import cloudckpt
 from cloudckpt.engine.buffers import PartBufferCache, SaveBuffers, get_cache
-from cloudckpt.engine.sink import MIN_SHRUNK_PART, choose_part_size
+from cloudckpt.engine.sink import BORROW_MIN, MIN_SHRUNK_PART, choose_part_size
 from cloudckpt.engine.staging import get_pool
 from cloudckpt.options import MiB
 
@@ -18,7 +18,8 @@ def _never() -> None:
 def test_a_second_save_reuses_the_first_saves_part_buffers(tmp_path):
     cloudckpt.release_buffers()
     cache = get_cache()
-    state = {"w": torch.randn(6 * MiB // 4)}  # 6 MiB: two 5 MiB parts
+    # 6 MiB in storages too small to send from their own memory: two 5 MiB parts.
+    state = {f"w{i}": torch.randn(BORROW_MIN // 8) for i in range(6 * MiB // (BORROW_MIN // 2))}
     opts = {"part_size": 5 * MiB, "write_concurrency": 2}
     cloudckpt.save(state, tmp_path / "a.pt", **opts)
     created = cache.created
@@ -26,7 +27,21 @@ def test_a_second_save_reuses_the_first_saves_part_buffers(tmp_path):
     for name in "bcd":
         cloudckpt.save(state, tmp_path / f"{name}.pt", **opts)
     assert cache.created == created
-    assert torch.equal(cloudckpt.load(tmp_path / "d.pt")["w"], state["w"])
+    loaded = cloudckpt.load(tmp_path / "d.pt")
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_large_storages_are_sent_from_their_own_memory(tmp_path):
+    cloudckpt.release_buffers()
+    cache = get_cache()
+    created = cache.created
+    parent = torch.randn(3 * MiB)
+    state = {"big": torch.randn(2 * MiB), "view": parent[MiB:], "small": torch.arange(10)}
+    cloudckpt.save(state, tmp_path / "a.pt", part_size=5 * MiB, write_concurrency=2)
+    assert cache.created == created and cache.idle_bytes == 0  # no part buffer made
+    loaded = cloudckpt.load(tmp_path / "a.pt")
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    assert torch.equal(torch.load(tmp_path / "a.pt")["view"], state["view"])  # a real archive
 
 
 def test_idle_buffers_are_bounded_by_one_saves_use():

@@ -37,7 +37,7 @@ from torch.futures import Future
 
 from ..engine.memview import buffer_address, writable_view
 from ..engine.scheduler import Cancelled, call_with_retries
-from ..engine.sink import BorrowingSink
+from ..engine.sink import BORROW_MIN, BorrowingSink
 from ..errors import AlreadyExistsError, ConfigError
 from ..format.checksum import crc32
 from ..options import TransferOptions, resolve_options
@@ -60,8 +60,6 @@ __all__ = ["CloudStorageWriter"]
 
 #: What FileSystemWriter of current torch stamps into Metadata.version.
 _DCP_VERSION = "1.0.0"
-#: Tensor records at least this large are sent from the tensor's memory, not copied.
-BORROW_MIN = 64 * 1024
 #: Per-item allowance for the zip records around a tensor's bytes in its archive.
 _ARCHIVE_OVERHEAD = 4096
 

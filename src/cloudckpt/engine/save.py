@@ -12,11 +12,11 @@ import torch
 
 from ..errors import SerializationError, UnpicklableError
 from ..format.picklability import find_unpicklable
-from ..format.tensors import storage_bytes
+from ..format.tensors import cpu_storages, storage_bytes
 from ..options import TransferOptions, resolve_options
 from ..store import Store, open_url
 from .progress import progress_bar
-from .sink import ObjectSink
+from .sink import BORROW_MIN, BorrowingSink, BorrowingWriter, ObjectSink
 
 __all__ = ["SaveResult", "save", "write_object"]
 
@@ -62,10 +62,18 @@ def write_object(
     started = time.perf_counter()
     if size_hint is None:
         size_hint = storage_bytes(obj)
+    # Large CPU storages are sent from their own memory (no copy, no part buffers); the
+    # caller keeps them unchanged until this returns, as a sync save always required.
+    storages = cpu_storages(obj, BORROW_MIN)
     with progress_bar(f"save {key.rsplit('/', 1)[-1]}", size_hint, opts.progress) as advance:
-        sink = ObjectSink(store, key, opts, size_hint=size_hint, on_progress=advance)
+        sink: ObjectSink
+        if storages:
+            sink = BorrowingSink(store, key, opts, size_hint=size_hint, on_progress=advance)
+            stream: Any = BorrowingWriter(sink, storages)
+        else:
+            sink = stream = ObjectSink(store, key, opts, size_hint=size_hint, on_progress=advance)
         try:
-            torch.save(obj, sink)  # type: ignore[arg-type]  # a write-only stream is enough
+            torch.save(obj, stream)  # a write-only stream is enough
             size = sink.commit()
         except BaseException as exc:
             error = sink.abort_after(exc)

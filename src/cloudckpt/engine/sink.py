@@ -24,13 +24,24 @@ from ..errors import StorageError
 from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
 from ..store import MultipartUpload, Store, UploadedPart
 from .buffers import SaveBuffers
+from .memview import buffer_address
 from .scheduler import TransferGroup, call_with_retries, get_scheduler
 
-__all__ = ["MIN_SHRUNK_PART", "BorrowingSink", "ObjectSink", "choose_part_size"]
+__all__ = [
+    "BORROW_MIN",
+    "MIN_SHRUNK_PART",
+    "BorrowingSink",
+    "BorrowingWriter",
+    "ObjectSink",
+    "choose_part_size",
+]
 
 log = logging.getLogger("cloudckpt")
 
 
+#: Storages at least this large are sent from their own memory by a borrowing save;
+#: smaller ones are copied (a part made of many tiny views costs more than the copy).
+BORROW_MIN = 64 * 1024
 #: Parts are not shrunk below this: smaller requests cost more per byte than they gain.
 MIN_SHRUNK_PART = 8 * MiB
 
@@ -289,8 +300,8 @@ class BorrowingSink(ObjectSink):
         return len(view)
 
     def _seal_small(self) -> None:
-        if self._small:
-            self._views.append(memoryview(bytes(self._small)))
+        if self._small:  # the view pins the bytearray's size; a new one takes the next writes
+            self._views.append(memoryview(self._small))
             self._small = bytearray()
 
     def _cut(self) -> None:
@@ -332,3 +343,37 @@ class BorrowingSink(ObjectSink):
         """Discard everything stored so far (and drop the borrowed views)."""
         self._views, self._owners, self._small, self._pending = [], [], bytearray(), 0
         super().abort()
+
+
+class BorrowingWriter:
+    """The file ``torch.save`` writes to when the storages it will write are known.
+
+    A write of one of ``storages`` (same address, same size: torch writes a storage's
+    bytes in one call) goes to :meth:`BorrowingSink.write_borrowed` with the storage as
+    its owner; everything else is copied. ``storages`` maps address to
+    ``(nbytes, storage)`` (:func:`cloudckpt.format.tensors.cpu_storages`).
+    """
+
+    def __init__(self, sink: BorrowingSink, storages: dict[int, tuple[int, Any]]) -> None:
+        self.sink = sink
+        self.storages = storages
+        self._smallest = min((n for n, _ in storages.values()), default=0)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if self._smallest and view.nbytes >= self._smallest:
+            hit = self.storages.get(buffer_address(view))
+            if hit is not None and hit[0] == view.nbytes:
+                return self.sink.write_borrowed(view, hit[1])
+        return self.sink.write(view)
+
+    def flush(self) -> None:
+        """Parts leave on their own schedule; there is nothing to flush early."""
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.sink.tell()

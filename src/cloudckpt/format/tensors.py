@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_tensors", "referenced_storages", "storage_bytes"]
+__all__ = ["cpu_storages", "iter_tensors", "referenced_storages", "storage_bytes"]
 
 _MAX_DEPTH = 200
 
@@ -47,6 +47,23 @@ def storage_bytes(obj: Any) -> int:
             seen.add(ident)
             total += storage.nbytes()
     return total
+
+
+def cpu_storages(obj: Any, min_bytes: int) -> dict[int, tuple[int, torch.UntypedStorage]]:
+    """CPU storages of at least ``min_bytes`` reachable from ``obj``, by address: what
+    ``torch.save`` will write from that memory (``address -> (nbytes, storage)``)."""
+    found: dict[int, tuple[int, torch.UntypedStorage]] = {}
+    for t in iter_tensors(obj):
+        if t.device.type != "cpu" or t.is_sparse or t.layout != torch.strided:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        nbytes = storage.nbytes()
+        if nbytes >= min_bytes and storage.data_ptr():
+            found[storage.data_ptr()] = (nbytes, storage)
+    return found
 
 
 class _StorageScan(pickle.Pickler):
