@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..engine.memview import buffer_address, writable_view
+from ..engine.memview import writable_view
 from ..engine.scheduler import Cancelled, call_with_retries
-from ..engine.sink import BORROW_MIN, BorrowingSink
+from ..engine.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
 from ..errors import AlreadyExistsError, ConfigError
 from ..format.checksum import crc32
 from ..options import TransferOptions, resolve_options
@@ -106,11 +106,9 @@ class _Tap:
     it, while the bytes are in memory; and the CRC-32 of everything written, as long as
     that is small enough to be read whole."""
 
-    def __init__(self, sink: BorrowingSink, watch: int, tensor: Any = None, owner: Any = None):
+    def __init__(self, sink: BorrowingWriter, watch: int) -> None:
         self.sink = sink
         self.watch = watch
-        self.tensor = tensor
-        self.owner = owner
         self.found: int | None = None
         self.block_size = 0
         self.blocks = b""
@@ -129,13 +127,6 @@ class _Tap:
             if self.watch > WHOLE_LIMIT // 2:  # else the archive is read whole
                 self.block_size = block_size_for(self.watch)
                 self.blocks = block_crcs(view, self.block_size)
-            if (
-                self.watch >= BORROW_MIN
-                and self.tensor is not None
-                and buffer_address(view) == self.tensor.data_ptr()
-            ):
-                # The tensor's own memory: sent from there, not copied (BorrowingSink).
-                return self.sink.write_borrowed(view, self.owner)
         return self.sink.write(view)
 
     def flush(self) -> None:
@@ -301,9 +292,12 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                 else:
                     tensor = _cpu_tensor(data)
                     nbytes = tensor.numel() * tensor.element_size()
-                    # The record is sent from the tensor's memory: keep what owns it
-                    # (the item's data, and a CPU copy or alias of it) until it is sent.
-                    tap = _Tap(sink, nbytes, tensor, (data, tensor))
+                    # A large record is sent from the tensor's memory; what owns it (the
+                    # item's data, and a CPU copy or alias of it) is kept until it is sent.
+                    own = {}
+                    if nbytes >= BORROW_MIN:
+                        own = {tensor.data_ptr(): (nbytes, (data, tensor))}
+                    tap = _Tap(BorrowingWriter(sink, own), nbytes)
                     torch.save(tensor, tap)  # type: ignore[arg-type]
                     if sink.tell() - offset <= WHOLE_LIMIT:  # read whole: one CRC-32
                         crc = tap.crc

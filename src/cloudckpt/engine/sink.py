@@ -104,13 +104,17 @@ class ObjectSink:
         return True
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        return self._guarded(self._write, data)
+
+    def _guarded(self, write: Callable[[memoryview], int], data: Any) -> int:
+        """Run one write; the first failure is kept in ``error`` and later writes ignored."""
         if self.error is not None:
             # torch.save writes its end-of-archive record while unwinding; swallow it.
             return len(memoryview(data).cast("B"))
         if self._closed:
             raise ValueError("write to a closed checkpoint sink")
         try:
-            return self._write(data)
+            return write(data)
         except BaseException as exc:
             self.error = exc
             raise
@@ -139,13 +143,16 @@ class ObjectSink:
         return self.bytes_written
 
     # -- parts -----------------------------------------------------------------------------
-    def _acquire_buffer(self) -> bytearray:
+    def _check_part_count(self) -> None:
         # The part size was grown from the size hint; only a far larger stream gets here.
         if self._next_part > MAX_PARTS:
             raise StorageError(
                 f"{self.store.url(self.key)}: the archive needs more than {MAX_PARTS} parts of "
                 f"{self.part_size} bytes; pass a larger part_size"
             )
+
+    def _acquire_buffer(self) -> bytearray:
+        self._check_part_count()
         buf = self._pool.acquire(self._group.raise_if_failed)
         self._budget.acquire(len(buf), self._group.cancel_event)
         return buf
@@ -268,27 +275,22 @@ class BorrowingSink(ObjectSink):
 
     def write_borrowed(self, data: memoryview, owner: object) -> int:
         """Add ``data`` to the object without copying it; ``owner`` keeps it alive."""
+        return self._guarded(lambda d: self._borrow(d, owner), data)
+
+    def _borrow(self, data: memoryview, owner: object) -> int:
         view = data if data.format == "B" and data.ndim == 1 else data.cast("B")
-        if self.error is not None:
-            return len(view)
-        if self._closed:
-            raise ValueError("write to a closed checkpoint sink")
-        try:
-            self._seal_small()
-            pos = 0
-            while pos < len(view):
-                take = min(len(view) - pos, self.part_size - self._pending)
-                self._views.append(view[pos : pos + take])
-                self._owners.append(owner)
-                self._pending += take
-                pos += take
-                if self._pending >= self.part_size:
-                    self._cut()
-            self.bytes_written += len(view)
-            return len(view)
-        except BaseException as exc:
-            self.error = exc
-            raise
+        self._seal_small()
+        pos = 0
+        while pos < len(view):
+            take = min(len(view) - pos, self.part_size - self._pending)
+            self._views.append(view[pos : pos + take])
+            self._owners.append(owner)
+            self._pending += take
+            pos += take
+            if self._pending >= self.part_size:
+                self._cut()
+        self.bytes_written += len(view)
+        return len(view)
 
     def _write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -306,11 +308,7 @@ class BorrowingSink(ObjectSink):
 
     def _cut(self) -> None:
         """Send everything built so far as one part."""
-        if self._next_part > MAX_PARTS:
-            raise StorageError(
-                f"{self.store.url(self.key)}: the archive needs more than {MAX_PARTS} parts of "
-                f"{self.part_size} bytes; pass a larger part_size"
-            )
+        self._check_part_count()
         self._seal_small()
         views, owners, size = self._views, self._owners, self._pending
         self._views, self._owners, self._pending = [], [], 0
