@@ -41,10 +41,12 @@ QUICK = [("default", 128, 100, 3), ("many-small", 20, 10_000, 1)]
 
 
 def _worker_env(srv: server.Server) -> dict[str, str]:
+    """The worker's environment: the server's, no user AWS/MSC/cloudckpt settings, and the
+    benchmark's own ``CLOUDCKPT_BENCH_*`` switches (the profiling one)."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("AWS_", "MSC_", "CLOUDCKPT_"))
+        if (k.startswith("CLOUDCKPT_BENCH_") or not k.startswith(("AWS_", "MSC_", "CLOUDCKPT_")))
         and k not in ("HTTP_PROXY", "HTTPS_PROXY")
     }
     env.update(srv.env(), NO_PROXY="127.0.0.1,localhost", PYTHONWARNINGS="ignore")
