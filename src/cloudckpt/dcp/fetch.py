@@ -4,12 +4,18 @@ Callers add ``(object, start, buffers, on_done)`` requests: ``buffers`` are fill
 order from byte ``start`` (a scatter list: a checked slice reads a few bytes into small
 scratch buffers around its destination tensor), and ``on_done`` runs in the reading
 thread once all of the request's bytes have arrived (the checksum check). Its error
-fails the fetch like a failed read. :meth:`RangeFetcher.run` sorts each object's
-requests, joins neighbours (gaps up to the ``read_gap`` option are read and dropped) into
-requests of at most ``read_chunk_size``, splits larger ones into pieces, and runs them
-through one :class:`~cloudckpt.engine.scheduler.TransferGroup` (``read_concurrency`` at
-once, retried). Each response is read straight into its buffers with
+fails the fetch like a failed read. Each batch of requests is sorted per object, its
+neighbours joined (gaps up to the ``read_gap`` option are read and dropped) into
+requests of at most ``read_chunk_size``, larger ones split into pieces, and all of them
+run through one :class:`~cloudckpt.engine.scheduler.TransferGroup` (``read_concurrency``
+at once, retried). Each response is read straight into its buffers with
 ``Store.read_into``.
+
+A streaming fetcher sends a batch whenever ``read_chunk_size`` bytes are waiting, so
+reads start while the caller is still planning the rest (a rank resharding a large
+state plans hundreds of slices; on a busy host that took longer than their first
+reads). :meth:`RangeFetcher.run` sends what is left and waits for all of it; after an
+error elsewhere, :meth:`RangeFetcher.cancel` stops what was sent.
 """
 
 from __future__ import annotations
@@ -63,11 +69,14 @@ def _pieces(buffers: list[memoryview], chunk: int) -> list[tuple[int, list[memor
 class RangeFetcher:
     """Collects byte ranges to fill, then fetches them all."""
 
-    def __init__(self, location: CheckpointLocation) -> None:
+    def __init__(self, location: CheckpointLocation, *, stream: bool = False) -> None:
         self.location = location
         self._requests: dict[str, list[_Request]] = defaultdict(list)
+        self._waiting = 0  # bytes added and not yet sent
+        self._stream = stream
+        self._group: TransferGroup | None = None
         self._lock = threading.Lock()
-        #: Requests sent and bytes fetched by :meth:`run` (for tests and benchmarks).
+        #: Requests sent and bytes fetched (for tests and benchmarks).
         self.requests = 0
         self.bytes = 0
 
@@ -84,6 +93,9 @@ class RangeFetcher:
         request = _Request(start, [b for b in buffers if b.nbytes], on_done)
         if request.size:
             self._requests[relative].append(request)
+            self._waiting += request.size
+            if self._stream and self._waiting >= self.location.options.read_chunk_size:
+                self._send()
         elif on_done is not None:
             on_done()
 
@@ -99,11 +111,41 @@ class RangeFetcher:
 
     def run(self) -> None:
         """Fetch everything added so far; raise the first failure (after retries)."""
+        self._send()
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                group.wait()
+            except BaseException:
+                group.cancel()
+                raise
+
+    def __enter__(self) -> RangeFetcher:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        """Leaving on an error cancels the reads already sent (they fill the caller's
+        buffers)."""
+        if kind is not None:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the reads sent and not finished, and drop those not sent (after an error)."""
+        self._requests, self._waiting = defaultdict(list), 0
+        group, self._group = self._group, None
+        if group is not None:
+            group.cancel()
+
+    def _send(self) -> None:
+        """Send the waiting requests, joined and split (blocks while the group is full).
+        On a failure, everything sent is cancelled before the error is raised."""
         opts = self.location.options
         store = self.location.store
         chunk, max_gap = opts.read_chunk_size, opts.read_gap
-        pending, self._requests = self._requests, defaultdict(list)
-        group = TransferGroup(opts, opts.read_concurrency, prefix=self.location.prefix)
+        pending, self._requests, self._waiting = self._requests, defaultdict(list), 0
+        if self._group is None:
+            self._group = TransferGroup(opts, opts.read_concurrency, prefix=self.location.prefix)
+        group = self._group
 
         def submit(
             key: str, url: str, start: int, buffers: list[memoryview], covers: list[_Request]
@@ -147,7 +189,6 @@ class RangeFetcher:
                     run_end = start + n
                 if run:
                     submit(key, url, run_start, run, covers)
-            group.wait()
         except BaseException:
-            group.cancel()
+            self.cancel()
             raise

@@ -293,8 +293,58 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         self.last_read_requests = self.last_read_bytes = 0
         index = self._layout_index() if archives else None
         self._check_sizes([a for a in archives.values() if _read_whole(a)])
-        first = RangeFetcher(self.location)
         slices: list[_Slice] = []
+        with RangeFetcher(self.location, stream=True) as first:
+            self._plan_first(archives, index, planner, first, slices)
+            self._run(first)
+        for a in archives.values():
+            if a.whole is not None:
+                self._deliver_whole(a, planner)
+                a.whole = None
+
+        fallback: list[_Archive] = []
+        with RangeFetcher(self.location, stream=True) as second:
+            for a in archives.values():
+                if a.head is None or a.tail is None:
+                    continue
+                url = self.location.url_of(a.relative)
+                where = f"{url} bytes {a.offset}-{a.offset + a.length}"
+                saved = parse_archive(bytes(a.head), bytes(a.tail), a.length, where)
+                a.head = a.tail = None
+                if saved is None:
+                    a.whole = bytearray(a.length)
+                    second.add(
+                        a.relative, a.offset, memoryview(a.whole), self._whole_check(a, None)
+                    )
+                    fallback.append(a)
+                    continue
+                for item in a.items:
+                    slices.append(self._plan_slice(a, saved, item, planner, second))
+            self._run(second)
+        for a in fallback:
+            self._deliver_whole(a, planner)
+            a.whole = None
+        for s in slices:
+            if s.scratch is not None and s.saved is not None:
+                src = s.scratch.view(s.saved.dtype).as_strided(
+                    tuple(s.item.lengths), s.saved.stride, 0
+                )
+                s.target.copy_(src)
+            planner.commit_tensor(s.item, s.target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _plan_first(
+        self,
+        archives: dict[tuple[str, int], _Archive],
+        index: LayoutIndex | None,
+        planner: LoadPlanner,
+        first: RangeFetcher,
+        slices: list[_Slice],
+    ) -> None:
+        """The first round: chunks read whole, slices the layout index places, and the
+        head and tail of every other archive (to find its tensor in the second round)."""
         for a in archives.values():
             if _read_whole(a):
                 a.whole = bytearray(a.length)
@@ -313,42 +363,6 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 a.head, a.tail = bytearray(HEAD_PROBE), bytearray(TAIL_PROBE)
                 first.add(a.relative, a.offset, memoryview(a.head))
                 first.add(a.relative, a.offset + a.length - TAIL_PROBE, memoryview(a.tail))
-        self._run(first)
-        for a in archives.values():
-            if a.whole is not None:
-                self._deliver_whole(a, planner)
-                a.whole = None
-
-        second = RangeFetcher(self.location)
-        fallback: list[_Archive] = []
-        for a in archives.values():
-            if a.head is None or a.tail is None:
-                continue
-            url = self.location.url_of(a.relative)
-            where = f"{url} bytes {a.offset}-{a.offset + a.length}"
-            saved = parse_archive(bytes(a.head), bytes(a.tail), a.length, where)
-            a.head = a.tail = None
-            if saved is None:
-                a.whole = bytearray(a.length)
-                second.add(a.relative, a.offset, memoryview(a.whole), self._whole_check(a, None))
-                fallback.append(a)
-                continue
-            for item in a.items:
-                slices.append(self._plan_slice(a, saved, item, planner, second))
-        self._run(second)
-        for a in fallback:
-            self._deliver_whole(a, planner)
-            a.whole = None
-        for s in slices:
-            if s.scratch is not None and s.saved is not None:
-                src = s.scratch.view(s.saved.dtype).as_strided(
-                    tuple(s.item.lengths), s.saved.stride, 0
-                )
-                s.target.copy_(src)
-            planner.commit_tensor(s.item, s.target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
     def _run(self, fetcher: RangeFetcher) -> None:
         fetcher.run()
