@@ -12,7 +12,7 @@ import torch
 
 from ..errors import SerializationError, UnpicklableError
 from ..format.picklability import find_unpicklable
-from ..format.tensors import cpu_storages, storage_bytes
+from ..format.tensors import scan_storages
 from ..options import TransferOptions, resolve_options
 from ..store import Store, open_url
 from .progress import progress_bar
@@ -60,11 +60,11 @@ def write_object(
     """Stream ``torch.save(obj)`` to ``key``; commit on success, abort on any failure."""
     target = store.url(key)
     started = time.perf_counter()
-    if size_hint is None:
-        size_hint = storage_bytes(obj)
     # Large CPU storages are sent from their own memory (no copy, no part buffers); the
     # caller keeps them unchanged until this returns, as a sync save always required.
-    storages = cpu_storages(obj, BORROW_MIN)
+    payload, storages = scan_storages(obj, BORROW_MIN)
+    if size_hint is None:
+        size_hint = payload
     with progress_bar(f"save {key.rsplit('/', 1)[-1]}", size_hint, opts.progress) as advance:
         sink: ObjectSink
         if storages:

@@ -349,7 +349,7 @@ class BorrowingWriter:
     A write of one of ``storages`` (same address, same size: torch writes a storage's
     bytes in one call) goes to :meth:`BorrowingSink.write_borrowed` with the storage as
     its owner; everything else is copied. ``storages`` maps address to
-    ``(nbytes, storage)`` (:func:`cloudckpt.format.tensors.cpu_storages`).
+    ``(nbytes, storage)`` (:func:`cloudckpt.format.tensors.scan_storages`).
     """
 
     def __init__(self, sink: BorrowingSink, storages: dict[int, tuple[int, Any]]) -> None:

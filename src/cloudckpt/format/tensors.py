@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cpu_storages", "iter_tensors", "referenced_storages", "storage_bytes"]
+__all__ = ["iter_tensors", "referenced_storages", "scan_storages"]
 
 _MAX_DEPTH = 200
 
@@ -31,10 +31,15 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
             yield from iter_tensors(v, _depth + 1)
 
 
-def storage_bytes(obj: Any) -> int:
-    """Bytes of the distinct storages reachable from ``obj``: the archive's payload size."""
+def scan_storages(
+    obj: Any, min_bytes: int
+) -> tuple[int, dict[int, tuple[int, torch.UntypedStorage]]]:
+    """One walk over ``obj``'s tensors: the bytes of its distinct storages (the archive's
+    payload size), and its CPU storages of at least ``min_bytes`` by address, which
+    ``torch.save`` will write from that memory (``address -> (nbytes, storage)``)."""
     seen: set[int] = set()
     total = 0
+    found: dict[int, tuple[int, torch.UntypedStorage]] = {}
     for t in iter_tensors(obj):
         if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
             continue
@@ -43,27 +48,14 @@ def storage_bytes(obj: Any) -> int:
         except (RuntimeError, NotImplementedError):
             continue
         ident = storage._cdata
-        if ident not in seen:
-            seen.add(ident)
-            total += storage.nbytes()
-    return total
-
-
-def cpu_storages(obj: Any, min_bytes: int) -> dict[int, tuple[int, torch.UntypedStorage]]:
-    """CPU storages of at least ``min_bytes`` reachable from ``obj``, by address: what
-    ``torch.save`` will write from that memory (``address -> (nbytes, storage)``)."""
-    found: dict[int, tuple[int, torch.UntypedStorage]] = {}
-    for t in iter_tensors(obj):
-        if t.device.type != "cpu" or t.is_sparse or t.layout != torch.strided:
+        if ident in seen:
             continue
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            continue
+        seen.add(ident)
         nbytes = storage.nbytes()
-        if nbytes >= min_bytes and storage.data_ptr():
+        total += nbytes
+        if t.device.type == "cpu" and nbytes >= min_bytes and storage.data_ptr():
             found[storage.data_ptr()] = (nbytes, storage)
-    return found
+    return total, found
 
 
 class _StorageScan(pickle.Pickler):
