@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import cloudckpt
@@ -69,6 +69,9 @@ def _same(a, b) -> bool:
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(ops=st.lists(mutation, min_size=1, max_size=3))
+# Found by this test: a directory with no entries left; a stored record whose sizes differ.
+@example(ops=[("zero", 1164, 59), ("zero", 6743, 111)])
+@example(ops=[("flip", 6365, 1), ("flip", 5208, 1)])
 def test_corrupt_archives_fail_cleanly_or_load_exactly(tmp_path, ops):
     path = tmp_path / "fuzz.pt"
     path.write_bytes(_mutate(ARCHIVE, ops))

@@ -182,7 +182,8 @@ def _infer_local_headers(entries: dict[str, Entry], cd_offset: int, url: str) ->
     reader fetches that local header before planning its reads.
     """
     ordered = sorted(entries.values(), key=lambda e: e.header_offset)
-    for entry, nxt in zip(ordered, [*ordered[1:], None], strict=True):
+    following_entries: list[Entry | None] = [*ordered[1:], None] if ordered else []
+    for entry, nxt in zip(ordered, following_entries, strict=True):
         following = nxt.header_offset if nxt is not None else cd_offset
         descriptor = (24 if entry.zip64 else 16) if entry.flags & 0x08 else 0
         size = following - entry.header_offset - entry.compressed_size - descriptor
