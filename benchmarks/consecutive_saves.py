@@ -36,12 +36,7 @@ def main() -> None:
     srv = server.start(log_level="ERROR")
     try:
         srv.make_bucket("consecutive")
-        so = {
-            "endpoint_url": srv.endpoint,
-            "aws_access_key_id": server.ACCESS_KEY,
-            "aws_secret_access_key": server.SECRET_KEY,
-            "region_name": server.REGION,
-        }
+        so = srv.storage_options()
         state = build_state(mib << 20, 100, 0)
         for i in range(4):
             c0, t0 = _cpu(), time.perf_counter()

@@ -336,8 +336,9 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "- **GB/s**: state bytes (tensor bytes) / wall time of the call, 1 GB = 1e9 B.",
         "- **ceiling**: botocore alone moving pre-built bytes: multipart PUT in parts of at "
         "most 64 MiB, 10 at a time, zero-copy; ranged GETs of at most 32 MiB, 15 at a time, "
-        "on a URL presigned once per object and sent on the client's connection pool (as "
-        "cloudckpt's reads are), `readinto` a preallocated buffer (cloudckpt's default part "
+        "each object's GET signed once and every range sent straight to the client's "
+        "connection pool (as cloudckpt's reads are), `readinto` a preallocated buffer "
+        "(cloudckpt's default part "
         "size, chunk size and concurrencies), with sizes evened out so every wave of "
         "requests is full.",
         "- **x ceiling**: a system's GB/s over the ceiling's GB/s in the same run.",

@@ -57,6 +57,15 @@ class Server:
             "AWS_EC2_METADATA_DISABLED": "true",
         }
 
+    def storage_options(self) -> dict[str, str]:
+        """cloudckpt's ``storage_options`` for this server."""
+        return {
+            "endpoint_url": self.endpoint,
+            "aws_access_key_id": ACCESS_KEY,
+            "aws_secret_access_key": SECRET_KEY,
+            "region_name": REGION,
+        }
+
     def make_bucket(self, name: str) -> None:
         (self.workdir / "data" / name).mkdir(parents=True, exist_ok=True)
 

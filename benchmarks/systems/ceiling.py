@@ -2,12 +2,13 @@
 
 PUT: one multipart upload of the state's bytes in parts of at most 64 MiB, 10 at a time,
 each part handed to urllib3 as a bare memoryview (no copy, no hashing). GET: ranged GETs
-of at most 32 MiB, 15 at a time, each object presigned once and every range sent on the
-client's connection pool with only a Range header (the cheapest request botocore can
-make, as cloudckpt's reads do), read with ``readinto`` straight into one preallocated
-buffer. These are cloudckpt's default part size, chunk size and concurrencies; the
-ceiling evens the sizes out so that the number of requests is a multiple of the
-concurrency (no last wave with a few streams idle), as a best case should.
+of at most 32 MiB, 15 at a time, each object's GET signed once by the client's signer
+and every range sent straight to the client's connection pool with the signed headers
+and a Range header (the cheapest request botocore's parts can make, as cloudckpt's
+reads do), read with ``readinto`` straight into one preallocated buffer. These are
+cloudckpt's default part size, chunk size and concurrencies; the ceiling evens the
+sizes out so that the number of requests is a multiple of the concurrency (no last
+wave with a few streams idle), as a best case should.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import botocore.session
 import torch
 from botocore.awsrequest import AWSRequest
 from botocore.config import Config
+from urllib3.util import parse_url
+from urllib3.util.retry import Retry
 
 from .common import Ctx
 
@@ -80,7 +83,7 @@ def _client(ctx: Ctx, pool: int) -> Any:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             max_pool_connections=pool,
-            signature_version="s3v4",  # also for presigned URLs
+            signature_version="s3v4",
         ),
     )
     client.meta.events.register("before-send.s3.UploadPart", _swap_body)
@@ -168,23 +171,33 @@ def get(ctx: Ctx, spans: list[tuple[str, int, memoryview]]) -> None:
         for a in range(0, dest.nbytes, chunk)
     ]
 
-    http = client._endpoint.http_session  # the client's pool (see docs/transport.md)
-    urls = {
-        key: client.generate_presigned_url(
-            "get_object", Params={"Bucket": ctx.bucket, "Key": key}, ExpiresIn=900
-        )
-        for key, _, _ in spans
-    }
+    pools = client._endpoint.http_session._manager  # the client's pools (no proxy here)
+    signed = {}
+    for key, _, _ in spans:  # the object's URL as the client addresses it, signed once
+        url = client.generate_presigned_url(
+            "get_object", Params={"Bucket": ctx.bucket, "Key": key}, ExpiresIn=60
+        ).split("?", 1)[0]
+        request = AWSRequest(method="GET", url=url)
+        signer = client._request_signer.get_auth_instance("s3", ctx.region, "s3v4")
+        signer.add_auth(request)
+        signed[key] = (parse_url(url), dict(request.headers.items()))
+    no_retries = Retry(False)
 
     def one(request: tuple[str, int, memoryview]) -> None:
         key, a, dest = request
-        rng = f"bytes={a}-{a + dest.nbytes - 1}"
-        prepared = AWSRequest(method="GET", url=urls[key], headers={"Range": rng}).prepare()
-        prepared.stream_output = True
-        answer = http.send(prepared)
-        if answer.status_code not in (200, 206):
-            raise OSError(f"ceiling GET {key}: status {answer.status_code}")
-        _readinto(answer.raw, dest)
+        url, headers = signed[key]
+        answer = pools.connection_from_host(url.host, url.port, url.scheme).urlopen(
+            "GET",
+            url.request_uri,
+            headers={**headers, "Range": f"bytes={a}-{a + dest.nbytes - 1}"},
+            retries=no_retries,
+            assert_same_host=False,
+            preload_content=False,
+            decode_content=False,
+        )
+        if answer.status not in (200, 206):
+            raise OSError(f"ceiling GET {key}: status {answer.status}")
+        _readinto(answer, dest)
 
     with ThreadPoolExecutor(READ_CONCURRENCY) as pool:
         list(pool.map(one, requests))

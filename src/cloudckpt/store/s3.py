@@ -41,7 +41,7 @@ from ..errors import (
     TransientError,
 )
 from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
-from .s3_presigned import PresignedReads
+from .s3_signed_reads import SignedReads
 
 __all__ = ["S3_OPTIONS", "S3Store"]
 
@@ -147,7 +147,7 @@ class S3Store(Store):
             # Validation rejects memoryview bodies; urllib3 sends them with one sendall and
             # no copy. Every call's parameters are built here, so nothing is lost.
             parameter_validation=False,
-            # SigV4 for presigned URLs too (botocore presigns with SigV2 by default).
+            # SigV4 for every request (also the fast reads of s3_signed_reads.py).
             signature_version=UNSIGNED if opts.get("anonymous") else "s3v4",
         )
         self._client = session.create_client(
@@ -160,7 +160,7 @@ class S3Store(Store):
             verify=opts.get("verify"),
             config=config,
         )
-        self._presigned = PresignedReads(self._client, bucket)
+        self._fast_reads = SignedReads(self._client, bucket)
 
     # -- error mapping -------------------------------------------------------------------
     def _error(self, exc: Exception, key: str | None, op: str) -> Exception:
@@ -255,9 +255,9 @@ class S3Store(Store):
             return
         url = self.url(key)
         answer = None
-        if self._presigned.enabled:  # the fast path: s3_presigned.py
+        if self._fast_reads.enabled:  # the fast path: s3_signed_reads.py
             try:
-                answer = self._presigned.get(key, start, length, url)
+                answer = self._fast_reads.get(key, start, length, url)
             except TransientError:
                 raise
             except Exception as exc:
@@ -267,7 +267,7 @@ class S3Store(Store):
                 raise mapped from None
         if answer is not None:
             headers = answer.headers
-            stream = answer.raw
+            stream = answer
             got = int(headers.get("content-length", -1))
             content_range = headers.get("content-range")
         else:
@@ -298,8 +298,8 @@ class S3Store(Store):
                         f"the answer holds {got}"
                     )
             _read_body_into(stream, skip, buffers, url)
-        if self._presigned.enabled:
-            self._presigned.served(answer is not None)
+        if self._fast_reads.enabled:
+            self._fast_reads.served(answer is not None)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         token: str | None = None
