@@ -21,7 +21,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.dcp.reader import HEAD_PROBE, TAIL_PROBE
-from cloudckpt.errors import AlreadyExistsError, ConfigError, NotFoundError
+from cloudckpt.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -183,6 +188,41 @@ def test_small_items_are_coalesced_into_one_request(tmp_path: Path) -> None:
     assert all(torch.equal(out[k], state[k]) for k in state if k != "step")
     assert out["step"] == 12
     assert reader.last_read_requests == 1
+
+
+@pytest.mark.parametrize("writer", [CloudStorageWriter, dcp.FileSystemWriter])
+def test_small_archives_are_copied_from_their_record_without_torch_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: Any
+) -> None:
+    base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    state = {
+        "f32": torch.randn(5, 7),
+        "bf16": torch.randn(33).to(torch.bfloat16),
+        "i8": torch.arange(-8, 8, dtype=torch.int8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        "strided": base.t(),  # torch's writer keeps a view's strides in its archive
+    }
+    url = str(tmp_path / "small")
+    dcp.save(state, storage_writer=writer(url))
+    out = {k: torch.full_like(v, 7) for k, v in state.items()}
+    calls = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    dcp.load(out, storage_reader=CloudStorageReader(url))
+    assert calls == []
+    for k, v in state.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+
+
+def test_a_small_archive_whose_slice_is_out_of_range_is_refused(tmp_path: Path) -> None:
+    url = str(tmp_path / "small")
+    dcp.save({"b": torch.arange(16.0)}, storage_writer=CloudStorageWriter(url))
+    reader = _reader(url)
+    item = _slice_item("b", (8,), (16,))  # past the saved chunk of 16 elements
+    with pytest.raises(CorruptCheckpointError, match="asks for offsets"):
+        reader.read_data(LoadPlan([item]), _Planner({"b": torch.empty(16)}))
 
 
 def test_every_store_round_trip(store_url: Any, weight: torch.Tensor) -> None:

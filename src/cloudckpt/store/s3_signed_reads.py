@@ -7,7 +7,7 @@ its headers (``host``, ``x-amz-date`` and ``x-amz-content-sha256``; the ``Range`
 header is left unsigned, as presigned URLs leave it) by the client's own signer, so
 with the credentials it refreshes; the signature is reused for :data:`REUSE_SECONDS`,
 well inside the 15 minutes S3 accepts after ``x-amz-date``. Every range is then a bare
-``GET`` on the client's pool (its TLS and timeout settings): about 0.2 ms. A presigned
+``GET`` on the client's pool (its TLS and timeout settings): about 0.3 ms. A presigned
 URL costs more, since urllib3 re-encodes its long query twice per request; signing
 every request costs more still. Without a proxy the request goes straight to the
 pool's ``urlopen``; through one it takes botocore's HTTP session, which knows how to
