@@ -169,14 +169,16 @@ def targets(figs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     dd, rr = figs.get("cloudckpt-dcp", {}), figs.get("cloudckpt-dcp-2to3", {})
     check("DCP save vs ceiling PUT", dd.get("save_vs_ceiling"), DCP_RATIO, True, "x")
     check("DCP load vs ceiling GET", dd.get("load_vs_ceiling"), DCP_RATIO, True, "x")
-    # Against the store's ceiling (the target), then against the ceiling run by
-    # the same process layout (stricter: three clients share the cores with the server).
+    # Against the store's one-process ceiling (the target), then against the raw
+    # transfer run by the same process layout (2 uploading, 3 downloading processes
+    # sharing the cores with the server): above the one-process ceiling for the save,
+    # below it for the load on a machine with fewer cores than processes.
     check("DCP 2-rank save vs ceiling PUT", rr.get("save_vs_ceiling"), DCP_RATIO, True, "x")
     check("DCP 2->3 resharded load vs ceiling GET", rr.get("load_vs_ceiling"), DCP_RATIO,
           True, "x")  # fmt: skip
-    check("DCP 2-rank save vs ceiling-2to3 PUT (stricter)", rr.get("save_vs_ceiling_2to3"),
+    check("DCP 2-rank save vs ceiling-2to3 PUT (same layout)", rr.get("save_vs_ceiling_2to3"),
           DCP_RATIO, True, "x")  # fmt: skip
-    check("DCP 2->3 resharded load vs ceiling-2to3 GET (stricter)",
+    check("DCP 2->3 resharded load vs ceiling-2to3 GET (same layout)",
           rr.get("load_vs_ceiling_2to3"), DCP_RATIO, True, "x")  # fmt: skip
     for fig, higher, label in (
         ("save_GBps", True, "save throughput"),
