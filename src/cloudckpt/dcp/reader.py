@@ -444,17 +444,11 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         if all(i.type != LoadItemType.BYTE_IO for i in a.items):
             record = self._record_in(a, url)
             if record is not None:
-                saved, storage = record
+                saved, flat = record
                 for item in a.items:
-                    offsets, lengths = self._check_slice(a, saved, item, url)
-                    target = planner.resolve_tensor(item).detach()
-                    if tuple(target.shape) != lengths:
-                        raise CorruptCheckpointError(
-                            f"{url}: {item.storage_index.fqn} slice has shape {lengths}, the "
-                            f"destination {tuple(target.shape)}"
-                        )
-                    source = storage.as_strided(saved.size, saved.stride, saved.storage_offset)
-                    target.copy_(_narrow(source, offsets, lengths))
+                    target, lengths, first = self._slice_of(a, saved, item, planner, url)
+                    if math.prod(lengths):
+                        target.copy_(flat.as_strided(lengths, saved.stride, first))
                     planner.commit_tensor(item, target)
                 return
         loaded: torch.Tensor | None = None
@@ -523,23 +517,17 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         if saved.record_size % itemsize or saved.data_offset % itemsize:
             return None
         count = saved.record_size // itemsize
-        last = saved.storage_offset + sum(
-            (n - 1) * st for n, st in zip(saved.size, saved.stride, strict=True)
-        )
-        if math.prod(saved.size) and (
-            saved.storage_offset < 0 or any(st < 0 for st in saved.stride) or last >= count
-        ):
-            return None  # the tensor does not fit its record: torch.load names the damage
         if count == 0:
             return saved, torch.empty(0, dtype=saved.dtype)
         flat = torch.frombuffer(a.whole, dtype=saved.dtype, count=count, offset=saved.data_offset)
         return saved, flat
 
-    def _check_slice(
-        self, a: _Archive, saved: SavedTensor, item: ReadItem, url: str
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``item``'s offsets and lengths, once the saved tensor is the one ``.metadata``
-        describes and the slice lies inside it and inside its storage record."""
+    def _slice_of(
+        self, a: _Archive, saved: SavedTensor, item: ReadItem, planner: LoadPlanner, url: str
+    ) -> tuple[torch.Tensor, tuple[int, ...], int]:
+        """``item``'s destination, its lengths and the element of the storage record where
+        the slice starts, once the saved tensor is the one ``.metadata`` describes, the
+        slice lies inside it and inside its record, and the destination has its shape."""
         fqn = item.storage_index.fqn
         sizes, dtype = self._chunk_of(item, url)
         if saved.size != sizes or saved.dtype != dtype:
@@ -555,10 +543,11 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 f"{url}: {fqn} asks for offsets {offsets} lengths {lengths} "
                 f"of a saved chunk of shape {saved.size}"
             )
+        first = saved.storage_offset + sum(
+            o * st for o, st in zip(offsets, saved.stride, strict=True)
+        )
         if math.prod(lengths):
-            last = saved.storage_offset + sum(
-                (o + n - 1) * st for o, n, st in zip(offsets, lengths, saved.stride, strict=True)
-            )
+            last = first + sum((n - 1) * st for n, st in zip(lengths, saved.stride, strict=True))
             if (
                 saved.storage_offset < 0
                 or any(st < 0 for st in saved.stride)
@@ -567,7 +556,12 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 raise CorruptCheckpointError(
                     f"{url}: {fqn} lies past the end of its storage record"
                 )
-        return offsets, lengths
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != lengths:
+            raise CorruptCheckpointError(
+                f"{url}: {fqn} slice has shape {lengths}, the destination {tuple(target.shape)}"
+            )
+        return target, lengths, first
 
     def _plan_slice(
         self,
@@ -587,18 +581,11 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         """
         url = self.location.url_of(a.relative)
         fqn = item.storage_index.fqn
-        offsets, lengths = self._check_slice(a, saved, item, url)
-        target = planner.resolve_tensor(item).detach()
-        if tuple(target.shape) != lengths:
-            raise CorruptCheckpointError(
-                f"{url}: {fqn} slice has shape {lengths}, the destination {tuple(target.shape)}"
-            )
+        target, lengths, first = self._slice_of(a, saved, item, planner, url)
         numel = math.prod(lengths)
         if numel == 0:
             return _Slice(item, target)
         itemsize = saved.dtype.itemsize
-        strides = saved.stride
-        first = saved.storage_offset + sum(o * st for o, st in zip(offsets, strides, strict=True))
         span = sum((n - 1) * st for n, st in zip(lengths, saved.stride, strict=True)) + 1
         dense = span == numel and all(
             n == 1 or st == math.prod(lengths[d + 1 :])
