@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from ..errors import ChecksumError
 from ..format.checksum import crc32
 from ..format.zipdir import check_records as check_zip_records
+from ..store import byte_view
 
 __all__ = [
     "MAX_BLOCK",
@@ -73,10 +74,6 @@ def block_crcs(data: memoryview, block_size: int) -> bytes:
     return bytes(out)
 
 
-def _bytes(view: memoryview) -> memoryview:
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 class BlockCheck:
     """Checks the blocks of a record covered by ``pieces``, once they have been read.
 
@@ -111,7 +108,7 @@ class BlockCheck:
         pos = self.start
         crc = 0
         for piece in self.pieces:
-            view = _bytes(piece)
+            view = byte_view(piece)
             used = 0
             while used < view.nbytes:
                 take = min(view.nbytes - used, block_end - pos)

@@ -41,6 +41,7 @@ from ..engine.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
 from ..errors import AlreadyExistsError, ConfigError
 from ..format.checksum import crc32
 from ..options import TransferOptions, resolve_options
+from ..store import byte_view
 from .archive import SavedTensor
 from .checks import block_crcs, block_size_for
 from .index import encode_index
@@ -116,9 +117,7 @@ class _Tap:
         self.crc: int | None = 0
 
     def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = byte_view(data)
         self.written += view.nbytes
         if self.crc is not None:
             self.crc = crc32(view, self.crc) if self.written <= WHOLE_LIMIT else None

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import StorageError
 from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
-from ..store import MultipartUpload, Store, UploadedPart
+from ..store import MultipartUpload, Store, UploadedPart, byte_view
 from .buffers import SaveBuffers
 from .memview import buffer_address
 from .scheduler import TransferGroup, call_with_retries, get_scheduler
@@ -278,7 +278,7 @@ class BorrowingSink(ObjectSink):
         return self._guarded(lambda d: self._borrow(d, owner), data)
 
     def _borrow(self, data: memoryview, owner: object) -> int:
-        view = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+        view = byte_view(data)
         self._seal_small()
         pos = 0
         while pos < len(view):
@@ -358,9 +358,7 @@ class BorrowingWriter:
         self._smallest = min((n for n, _ in storages.values()), default=0)
 
     def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = byte_view(data)
         if self._smallest and view.nbytes >= self._smallest:
             hit = self.storages.get(buffer_address(view))
             if hit is not None and hit[0] == view.nbytes:

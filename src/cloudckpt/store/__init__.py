@@ -14,7 +14,15 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import InvalidURLError
 from ..options import TransferOptions
-from .base import MultipartUpload, ObjectInfo, Store, UploadedPart, check_key, join_key
+from .base import (
+    MultipartUpload,
+    ObjectInfo,
+    Store,
+    UploadedPart,
+    byte_view,
+    check_key,
+    join_key,
+)
 
 __all__ = [
     "SUPPORTED_SCHEMES",
@@ -22,6 +30,7 @@ __all__ = [
     "ObjectInfo",
     "Store",
     "UploadedPart",
+    "byte_view",
     "check_key",
     "join_key",
     "open_url",

@@ -31,7 +31,15 @@ from ..errors import (
     StorageError,
     TransientError,
 )
-from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+from .base import (
+    Buffer,
+    MultipartUpload,
+    ObjectInfo,
+    Store,
+    UploadedPart,
+    byte_view,
+    check_key,
+)
 
 __all__ = ["AZURE_OPTIONS", "AzureStore"]
 
@@ -250,7 +258,7 @@ class AzureStore(Store):
 
     def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
         check_key(key, self.root_url)
-        views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+        views = [byte_view(b) for b in buffers]
         length = sum(len(v) for v in views)
         if length == 0:
             return
@@ -279,7 +287,7 @@ class AzureStore(Store):
     # -- writes ----------------------------------------------------------------------------
     def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
         check_key(key, self.root_url)
-        view = _bytes_view(data)
+        view = byte_view(data)
         self._call(
             "put",
             key,
@@ -304,7 +312,7 @@ class AzureStore(Store):
     def upload_part(
         self, upload: MultipartUpload, number: int, data: Buffer, offset: int
     ) -> UploadedPart:
-        view = _bytes_view(data)
+        view = byte_view(data)
         if view.nbytes > _MAX_BLOCK:
             raise ConfigError(
                 f"part of {view.nbytes} bytes is above Azure's 4000 MiB block limit "
@@ -458,11 +466,6 @@ def _info(key: str, props: Any) -> ObjectInfo:
         mtime=modified.timestamp() if modified is not None else None,
         etag=(getattr(props, "etag", None) or "").strip('"') or None,  # unquoted, as S3's
     )
-
-
-def _bytes_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _body(view: memoryview) -> bytes:

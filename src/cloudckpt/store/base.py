@@ -28,9 +28,23 @@ from typing import Any
 
 from ..errors import InvalidURLError
 
-__all__ = ["MultipartUpload", "ObjectInfo", "Store", "UploadedPart", "check_key", "join_key"]
+__all__ = [
+    "MultipartUpload",
+    "ObjectInfo",
+    "Store",
+    "UploadedPart",
+    "byte_view",
+    "check_key",
+    "join_key",
+]
 
 Buffer = bytes | bytearray | memoryview
+
+
+def byte_view(data: Buffer) -> memoryview:
+    """A flat byte view of ``data`` without a copy (``len`` is then its size in bytes)."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 @dataclass(frozen=True)

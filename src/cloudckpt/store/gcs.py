@@ -38,7 +38,15 @@ from ..errors import (
     StorageError,
     TransientError,
 )
-from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+from .base import (
+    Buffer,
+    MultipartUpload,
+    ObjectInfo,
+    Store,
+    UploadedPart,
+    byte_view,
+    check_key,
+)
 
 __all__ = ["GCS_OPTIONS", "UPLOADS_PREFIX", "GCSStore"]
 
@@ -274,7 +282,7 @@ class GCSStore(Store):
     # -- writes ---------------------------------------------------------------------------
     def _upload(self, key: str, data: Buffer, *, if_none_match: bool) -> dict[str, Any]:
         """One media upload with its CRC32C, checked against the service's own."""
-        view = _bytes_view(data)
+        view = byte_view(data)
         params = {"uploadType": "media", "name": key}
         if if_none_match:
             params["ifGenerationMatch"] = "0"
@@ -318,7 +326,7 @@ class GCSStore(Store):
     ) -> UploadedPart:
         name = _upload_dir(upload.key, upload.upload_id) + f"part-{number:05d}"
         meta = self._upload(name, data, if_none_match=False)
-        size = _bytes_view(data).nbytes
+        size = byte_view(data).nbytes
         return UploadedPart(number=number, etag=str(meta.get("generation", "")), size=size)
 
     def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
@@ -461,11 +469,6 @@ def _timestamp(value: Any) -> float | None:
         return None
 
 
-def _bytes_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 def _crc32c(view: memoryview) -> str:
     """The base64 big-endian CRC32C GCS reports for ``view``.
 
@@ -497,7 +500,7 @@ def read_response_into(raw: Any, skip: int, buffers: Sequence[memoryview], url: 
             raise TransientError(f"reading {url}: connection closed mid-body")
         remaining -= len(chunk)
     for buf in buffers:
-        view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        view = byte_view(buf)
         filled = 0
         while filled < len(view):
             if direct and fp is not None:

@@ -23,7 +23,15 @@ from ..errors import (
     NotFoundError,
     StorageError,
 )
-from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+from .base import (
+    Buffer,
+    MultipartUpload,
+    ObjectInfo,
+    Store,
+    UploadedPart,
+    byte_view,
+    check_key,
+)
 
 __all__ = ["LocalStore"]
 
@@ -81,7 +89,7 @@ class LocalStore(Store):
         except OSError as exc:
             raise self._oserror(exc, key) from None
         try:
-            pending = [b.cast("B") if b.format != "B" else b for b in buffers if b.nbytes]
+            pending = [byte_view(b) for b in buffers if b.nbytes]
             first = 0  # pending[first:] still needs filling
             offset = start
             while first < len(pending):
@@ -200,7 +208,7 @@ class LocalStore(Store):
         pos = offset
         try:
             for data in views:
-                view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+                view = byte_view(data)
                 written = 0
                 while written < len(view):
                     written += os.pwrite(fd, view[written:], pos + written)

@@ -40,7 +40,15 @@ from ..errors import (
     StorageError,
     TransientError,
 )
-from .base import Buffer, MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+from .base import (
+    Buffer,
+    MultipartUpload,
+    ObjectInfo,
+    Store,
+    UploadedPart,
+    byte_view,
+    check_key,
+)
 from .s3_signed_reads import SignedReads
 
 __all__ = ["S3_OPTIONS", "S3Store"]
@@ -324,7 +332,7 @@ class S3Store(Store):
     def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
         check_key(key, self.root_url)
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
-        self._call("put_object", key, Key=key, Body=_body(data), **extra)
+        self._call("put_object", key, Key=key, Body=byte_view(data), **extra)
 
     def delete(self, key: str) -> None:
         check_key(key, self.root_url)
@@ -338,7 +346,7 @@ class S3Store(Store):
     def upload_part(
         self, upload: MultipartUpload, number: int, data: Buffer, offset: int
     ) -> UploadedPart:
-        return self._upload_part(upload, number, _body(data))
+        return self._upload_part(upload, number, byte_view(data))
 
     def upload_part_views(
         self, upload: MultipartUpload, number: int, views: Sequence[memoryview], offset: int
@@ -428,7 +436,7 @@ class _Views:
     """A request body of several buffers: its length, then its buffers in order."""
 
     def __init__(self, views: Sequence[memoryview]) -> None:
-        self.views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+        self.views = [byte_view(v) for v in views]
         self._length = sum(v.nbytes for v in self.views)
 
     def __len__(self) -> int:
@@ -436,12 +444,6 @@ class _Views:
 
     def __iter__(self) -> Iterator[memoryview]:
         return iter([v for v in self.views if v.nbytes])
-
-
-def _body(data: Buffer) -> bytes | bytearray | memoryview:
-    """A request body botocore sends with one ``sendall`` and no copy."""
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _stream(body: Any) -> Any:
@@ -476,7 +478,7 @@ def _read_body_into(stream: Any, skip: int, buffers: Sequence[memoryview], url: 
     if skip:
         _discard(stream, skip, url)
     for buf in buffers:
-        view = buf.cast("B") if buf.format != "B" else buf
+        view = byte_view(buf)
         filled = 0
         while filled < len(view):
             if direct and fp is not None:
