@@ -61,3 +61,22 @@ def test_damaged_tails_raise_corrupt_checkpoint(cut):
 def test_not_a_zip():
     with pytest.raises(CorruptCheckpointError, match="not a zip archive"):
         parse_directory(b"\x80\x02hello" * 10, 0, 70, "mem://y")
+
+
+def test_a_stored_record_with_two_sizes_is_refused():
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr("arch/data/0", b"x" * 100)
+    data = bytearray(buf.getvalue())
+    central = data.index(b"PK\x01\x02")
+    data[central + 24 : central + 28] = (5000).to_bytes(4, "little")  # uncompressed size
+    with pytest.raises(CorruptCheckpointError, match="stored uncompressed"):
+        parse_directory(bytes(data), 0, len(data), "mem://sizes")
+
+
+def test_a_directory_with_no_entries_is_parsed_empty():
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w"):
+        pass
+    data = buf.getvalue()
+    assert parse_directory(data, 0, len(data), "mem://empty").entries == {}

@@ -257,12 +257,6 @@ def load(
     if any(e.method != 0 for e in entries.values()):
         result = _fallback_torch_load(store, key, info.size, opts, map_location, weights_only)
         return _select(result, keys, target) if keys is not None else result
-    for entry in entries.values():
-        if entry.compressed_size != entry.size:  # a stored record holds its bytes as they are
-            raise CorruptCheckpointError(
-                f"{target}: record {entry.name!r} is stored uncompressed, yet its directory "
-                f"entry gives {entry.compressed_size} stored and {entry.size} original bytes"
-            )
 
     started = time.perf_counter()
     payload = sum(e.size for n, e in entries.items() if n.startswith(prefix + "data/"))

@@ -146,6 +146,11 @@ def parse_directory(tail: bytes, tail_start: int, object_size: int, url: str) ->
             raise CorruptCheckpointError(
                 f"{url}: record {entry.name!r} claims bytes past the end of the archive"
             )
+        if entry.method == 0 and entry.compressed_size != entry.size:
+            raise CorruptCheckpointError(
+                f"{url}: record {entry.name!r} is stored uncompressed, yet its directory "
+                f"entry gives {entry.compressed_size} stored and {entry.size} original bytes"
+            )
     _infer_local_headers(entries, cd_offset, url)
     return Directory(entries=entries, cd_offset=cd_offset, cd_size=cd_size)
 
