@@ -40,10 +40,10 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python -m benchmarks.run
 
 bench-quick: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/run.py --quick
+	$(BIN)/python -m benchmarks.run --quick
 
 lint: venv
 	$(BIN)/ruff check

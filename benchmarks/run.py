@@ -1,12 +1,12 @@
-#!/usr/bin/env python3
 """Benchmark cloudckpt against a raw-transfer ceiling and its peers, in one run.
 
-    .venv/bin/python benchmarks/run.py            # full: 1 GiB in 100 tensors + 10k tensors
-    .venv/bin/python benchmarks/run.py --quick    # the same shape, smaller, under 5 minutes
+    .venv/bin/python -m benchmarks.run            # full: 1 GiB in 100 tensors + 10k tensors
+    .venv/bin/python -m benchmarks.run --quick    # the same shape, smaller, under 5 minutes
 
-Starts ``rclone serve s3`` with its data on tmpfs, then for every repetition runs every
-system once (in a rotated order, so the systems interleave), each in a fresh worker
-process (``worker.py``) that saves the state and loads it back. Writes
+Run from the repository root (``make bench`` does). Starts ``rclone serve s3`` with its
+data on tmpfs (``server.py``), then for every repetition runs every system once (in a
+rotated order, so the systems interleave), each in a fresh worker process
+(``python -m benchmarks.worker``) that saves the state and loads it back. Writes
 ``benchmarks/results/latest.json`` (one record per variant, system and figure, with the
 machine description), ``docs/benchmarks.md`` and ``docs/benchmarks.png``, and prints
 the table.
@@ -26,11 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import report, server
+from benchmarks.systems import SYSTEMS
 
-from benchmarks import report, server  # noqa: E402
-from benchmarks.systems import SYSTEMS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MiB = 1024 * 1024
 BUCKET = "bench"
@@ -40,7 +39,7 @@ FULL = [("default", 1024, 100, 5), ("many-small", 160, 10_000, 3)]
 QUICK = [("default", 128, 100, 3), ("many-small", 20, 10_000, 1)]
 
 
-def _worker_env(srv: server.Server) -> dict[str, str]:
+def _worker_env(srv: server.S3Server) -> dict[str, str]:
     """The worker's environment: the server's, no user AWS/MSC/cloudckpt settings, and the
     benchmark's own ``CLOUDCKPT_BENCH_*`` switches (the profiling one)."""
     env = {
@@ -49,12 +48,18 @@ def _worker_env(srv: server.Server) -> dict[str, str]:
         if (k.startswith("CLOUDCKPT_BENCH_") or not k.startswith(("AWS_", "MSC_", "CLOUDCKPT_")))
         and k not in ("HTTP_PROXY", "HTTPS_PROXY")
     }
-    env.update(srv.env(), NO_PROXY="127.0.0.1,localhost", PYTHONWARNINGS="ignore")
+    env.update(
+        srv.env(),
+        AWS_ENDPOINT_URL_S3=srv.endpoint_url,  # for peers that read the service-specific one
+        AWS_EC2_METADATA_DISABLED="true",
+        NO_PROXY="127.0.0.1,localhost",
+        PYTHONWARNINGS="ignore",
+    )
     return env
 
 
 def run_worker(
-    srv: server.Server, system: str, variant: tuple[str, int, int, int], rep: int, timeout: float
+    srv: server.S3Server, system: str, variant: tuple[str, int, int, int], rep: int, timeout: float
 ) -> dict[str, Any]:
     """One system, one repetition, in a fresh process; its objects are removed afterwards."""
     name, mib, tensors, _reps = variant
@@ -67,11 +72,12 @@ def run_worker(
         "tensors": tensors,
         "seed": rep,
         "log": str(srv.log_path),
+        "server": srv.name,
         "ctx": {
-            "endpoint": srv.endpoint,
-            "access_key": server.ACCESS_KEY,
-            "secret_key": server.SECRET_KEY,
-            "region": server.REGION,
+            "endpoint": srv.endpoint_url,
+            "access_key": srv.access_key_id,
+            "secret_key": srv.secret_access_key,
+            "region": srv.region,
             "bucket": BUCKET,
             "prefix": prefix,
         },
@@ -81,8 +87,7 @@ def run_worker(
         spec_path.write_text(json.dumps(spec))
         try:
             proc = subprocess.run(
-                [sys.executable, str(ROOT / "benchmarks" / "worker.py"), str(spec_path),
-                 str(out_path)],
+                [sys.executable, "-m", "benchmarks.worker", str(spec_path), str(out_path)],
                 env=_worker_env(srv), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
             )  # fmt: skip
             if out_path.exists():
@@ -94,7 +99,8 @@ def run_worker(
         except subprocess.TimeoutExpired:
             err = f"timed out after {timeout:.0f}s"
             result = {"save": {"error": err}, "load": {"error": err}}
-    shutil.rmtree(srv.workdir / "data" / BUCKET / prefix, ignore_errors=True)
+    assert srv.data_dir is not None  # rclone: a bucket is a directory
+    shutil.rmtree(srv.data_dir / BUCKET / prefix, ignore_errors=True)
     result.update(system=system, variant=name, rep=rep)
     return result
 
@@ -156,7 +162,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     try:
         srv.make_bucket(BUCKET)
-        print(f"# {srv.version}, data on {args.tmpfs}, endpoint {srv.endpoint}", flush=True)
+        print(f"# {srv.version}, data in {srv.workdir}, endpoint {srv.endpoint_url}", flush=True)
         for variant in variants:
             name, mib, tensors, reps = variant
             print(f"# {name}: {mib} MiB in {tensors} fp32 tensors, {reps} reps", flush=True)

@@ -1,6 +1,6 @@
 """One system, one repetition, in its own process: build the state, save it, load it back.
 
-Run by ``run.py`` as ``python benchmarks/worker.py SPEC.json RESULT.json``. Each operation
+Run by ``run.py`` as ``python -m benchmarks.worker SPEC.json RESULT.json``. Each operation
 is measured for wall time, client CPU (getrusage of this process and its children),
 peak extra RSS (VmHWM after resetting it through /proc/self/clear_refs, minus VmRSS at
 the start) and the S3 requests the server logged. A failure is recorded with its error.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import os
 import resource
 import sys
 import time
@@ -19,13 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from benchmarks.server import count_requests, log_offset
 from benchmarks.systems import SYSTEMS
 from benchmarks.systems.common import Ctx
+from cloudckpt.testing import count_requests
 
 #: Columns of the benchmark's weight matrices.
 COLUMNS = 1024
@@ -70,11 +69,12 @@ def _cpu() -> float:
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
-def measure(fn: Callable[[], Any], log_path: str) -> tuple[Any, dict[str, Any]]:
+def measure(fn: Callable[[], Any], log_path: str, server: str) -> tuple[Any, dict[str, Any]]:
+    """Run ``fn``; its result and figures (time, CPU, peak extra RSS, requests logged)."""
     gc.collect()
     exact = _reset_peak()
     rss0 = _status_kib("VmRSS")
-    cpu0, off, t0 = _cpu(), log_offset(log_path), time.perf_counter()
+    cpu0, off, t0 = _cpu(), os.path.getsize(log_path), time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - t0
     cpu = _cpu() - cpu0
@@ -84,7 +84,7 @@ def measure(fn: Callable[[], Any], log_path: str) -> tuple[Any, dict[str, Any]]:
         "cpu_s": cpu,
         "peak_extra_rss": (peak - rss0) * 1024,
         "peak_exact": exact,
-        "requests": count_requests(log_path, off),
+        "requests": count_requests(log_path, off, server=server),
     }
 
 
@@ -103,6 +103,7 @@ def _check(loaded: Any, state: dict[str, torch.Tensor]) -> None:
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     name = spec["system"]
+    server = spec.get("server", "rclone")
     ctx = Ctx(**spec["ctx"])
     out: dict[str, Any] = {"system": name, "variant": spec["variant"], "rep": spec["rep"]}
     try:
@@ -120,7 +121,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         out["traceback"] = traceback.format_exc()[-3000:]
         return out
     try:
-        extra, figures = measure(lambda: mod.save(payload, ctx), spec["log"])
+        extra, figures = measure(lambda: mod.save(payload, ctx), spec["log"], server)
         if isinstance(extra, dict):
             figures.update(extra)
         out["save"] = figures
@@ -133,14 +134,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         return out
     try:
         if name == "ceiling":
-            loaded, figures = measure(lambda: mod.load(ctx, size), spec["log"])
+            loaded, figures = measure(lambda: mod.load(ctx, size), spec["log"], server)
             if not mod.same(loaded, payload):
                 raise AssertionError("ceiling GET returned different bytes")
         elif getattr(mod, "SELF_CHECKED", False):  # checked inside, returns figures
-            extra, figures = measure(lambda: mod.load(ctx, state), spec["log"])
+            extra, figures = measure(lambda: mod.load(ctx, state), spec["log"], server)
             figures.update(extra)
         else:
-            loaded, figures = measure(lambda: mod.load(ctx, state), spec["log"])
+            loaded, figures = measure(lambda: mod.load(ctx, state), spec["log"], server)
             _check(loaded, state)
         out["load"] = figures
     except BaseException as exc:

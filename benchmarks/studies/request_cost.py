@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Client and server CPU per ranged GET, by the route an S3 store's read takes.
 
 Usage::
 
-    .venv/bin/python benchmarks/request_cost.py              # ~1 min
-    .venv/bin/python benchmarks/request_cost.py --count 200 --reps 3
+    .venv/bin/python -m benchmarks.studies.request_cost              # ~1 min
+    .venv/bin/python -m benchmarks.studies.request_cost --count 200 --reps 3
 
 Starts ``rclone serve s3`` on tmpfs (benchmarks/server.py), stores one 8 MiB object,
 and reads ranges of it with ``S3Store.read_into`` by three routes, interleaved, each
@@ -19,11 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import server as srv
 from cloudckpt.options import resolve_options

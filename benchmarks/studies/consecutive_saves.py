@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Consecutive saves in one process: what warm buffers change from the first save on.
 
-    .venv/bin/python benchmarks/consecutive_saves.py [MiB]   # default 256
+    .venv/bin/python -m benchmarks.studies.consecutive_saves [MiB]   # default 256
 
 Starts ``rclone serve s3`` on tmpfs (as ``make bench`` does), then saves a state of MiB
 in 100 fp32 tensors four times with ``cloudckpt.save`` and four times with
@@ -15,9 +14,6 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cloudckpt
 from benchmarks import server

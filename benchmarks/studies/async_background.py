@@ -7,9 +7,9 @@ alone and while an async save of a large state uploads to ``rclone serve s3`` on
 - process: the same snapshot into shared-memory buffers, handed to a persistent worker
            process that serializes and uploads (the alternative design)
 
-    .venv/bin/python benchmarks/async_background.py [--state-mib 512] [--reps 3]
+    .venv/bin/python -m benchmarks.studies.async_background [--state-mib 512] [--reps 3]
 
-Prints a table and writes benchmarks/results/async_background.json.
+Prints a table and writes benchmarks/studies/results/async_background_{s3,file}.json.
 """
 
 from __future__ import annotations
@@ -20,18 +20,15 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 import cloudckpt
 from cloudckpt.engine.staging import Snapshot, StagingPool, snapshot
-from servers import launch, stop
+from cloudckpt.testing import launch, stop
 
 
 class SharedPool(StagingPool):
