@@ -11,7 +11,7 @@ Fixtures
 ``store_url`` (function, params ``file``/``moto``/``rclone``/``gcs``/``azure``) -- a
     fresh, empty :class:`StoreTarget`: a temp directory as ``file://`` URL, or a new
     bucket as ``s3://``, ``gs://`` or ``az://<bucket>`` with the server's
-    ``storage_options``.
+    ``storage_options``. The store contract adds ``memory`` (:func:`make_target`).
 
 Servers start lazily, i.e. only when a collected test actually needs them, and
 are stopped at the end of the session. Select a backend with ``-k``, e.g.
@@ -146,19 +146,37 @@ def s3_server(request: pytest.FixtureRequest) -> S3Server:
 _SCHEMES = {"moto": "s3", "rclone": "s3", "gcs": "gs", "azure": "az"}
 
 
-@pytest.fixture(params=["file", "moto", "rclone", "gcs", "azure"])
+#: The stores every integration test runs on (each in its own process where it spawns).
+STORES = ["file", "moto", "rclone", "gcs", "azure"]
+
+
+@pytest.fixture(params=STORES)
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreTarget]:
     """A fresh storage target per test: a temp dir, or a new bucket on a server."""
-    if request.param == "file":
+    yield from make_target(request, request.param, tmp_path)
+
+
+def make_target(
+    request: pytest.FixtureRequest, name: str, tmp_path: Path
+) -> Iterator[StoreTarget]:
+    """A fresh target on the store ``name``; ``memory`` is the in-memory store (one
+    process only: the store contract runs on it, multi-process tests do not)."""
+    if name == "file":
         root = tmp_path / "store"
         root.mkdir()
         yield StoreTarget("file", root.as_uri(), {})
         return
+    if name == "memory":
+        from cloudckpt.store import memory
 
-    server: S3Server | Emulator = request.getfixturevalue(f"{request.param}_server")
+        bucket = unique_bucket_name()
+        yield StoreTarget("memory", f"memory://{bucket}", {})
+        memory.clear(bucket)
+        return
+    server: S3Server | Emulator = request.getfixturevalue(f"{name}_server")
     bucket = server.make_bucket(unique_bucket_name())
-    scheme = _SCHEMES[request.param]
-    yield StoreTarget(request.param, f"{scheme}://{bucket}", server.storage_options(), server)
+    scheme = _SCHEMES[name]
+    yield StoreTarget(name, f"{scheme}://{bucket}", server.storage_options(), server)
     # Free memory (moto, emulators) / disk (rclone) between tests; never fail a test over it.
     with contextlib.suppress(Exception):
         server.remove_bucket(bucket)

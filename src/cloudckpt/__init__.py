@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .engine.save import SaveResult, save
     from .manager import CheckpointInfo, CheckpointManager
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "CheckpointInfo",

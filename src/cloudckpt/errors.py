@@ -103,8 +103,8 @@ class StorageError(CloudCkptError, OSError):
 class TransientError(StorageError):
     """A fault worth retrying: throttling, 5xx, timeout, reset, truncated body.
 
-    The scheduler retries these; one that outlasts the retry budget is re-raised
-    as :class:`RetriesExhaustedError`.
+    Every store method retries these (cloudckpt.store.retry); one that outlasts the
+    retry budget is re-raised as :class:`RetriesExhaustedError`.
     """
 
 

@@ -23,6 +23,9 @@ MiB = 1024 * 1024
 MIN_PART_SIZE = 5 * MiB
 MAX_PART_SIZE = 5 * 1024 * MiB
 MAX_PARTS = 10_000
+#: Threads in the process's I/O pool (engine.scheduler); every transfer's requests run
+#: there, so no store needs fewer connections than this.
+IO_THREADS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +96,12 @@ class TransferOptions:
                 raise ConfigError(f"option {name} must be positive")
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError("option storage_options must be a mapping")
+
+    @property
+    def connection_pool_size(self) -> int:
+        """Connections a store keeps: a full-concurrency load and save at once, and never
+        fewer than the I/O pool's threads (a connection per running request)."""
+        return max(IO_THREADS, self.read_concurrency + self.write_concurrency)
 
     def replace(self, **changes: Any) -> TransferOptions:
         """Return a copy with ``changes`` applied (unknown names raise ConfigError)."""

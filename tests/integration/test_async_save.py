@@ -87,7 +87,7 @@ def test_a_new_save_waits_for_the_oldest_beyond_max_in_flight(tmp_path, monkeypa
     from faults import FaultyStore
 
     store = FaultyStore(LocalStore(tmp_path))
-    monkeypatch.setattr(async_mod, "open_url", lambda url, opts: (store, url))
+    monkeypatch.setattr(async_mod, "open_target", store.opener())
     gate = threading.Event()
 
     def held(n):

@@ -8,7 +8,7 @@ talks to the store object itself, below the engine. Where a server is known to d
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -24,13 +24,15 @@ from cloudckpt.errors import (
 )
 from cloudckpt.options import resolve_options
 from cloudckpt.store import Store, open_url
+from conftest import STORES, make_target
+from servers import StoreTarget
 
 MiB = 1 << 20
 
 #: Stores that refuse a create-only write over an existing object. rclone ignores
 #: ``If-None-Match``; gcp-storage-emulator ignores ``ifGenerationMatch`` (real GCS
 #: enforces it).
-ENFORCES_IF_NONE_MATCH = {"file", "moto", "azure"}
+ENFORCES_IF_NONE_MATCH = {"file", "memory", "moto", "azure"}
 #: Stores that check credentials (moto accepts any; the GCS emulator takes none).
 CHECKS_CREDENTIALS = {"rclone", "azure"}
 
@@ -45,6 +47,12 @@ class Place:
 
     def key(self, relative: str) -> str:
         return f"{self.prefix}/{relative}" if self.prefix else relative
+
+
+@pytest.fixture(params=["memory", *STORES])
+def store_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[StoreTarget]:
+    """Every store of the suite, and the in-memory one: the same contract for all."""
+    yield from make_target(request, request.param, tmp_path)
 
 
 @pytest.fixture
@@ -307,7 +315,7 @@ def test_missing_object(place: Place) -> None:
 
 def _missing_bucket(store_url) -> tuple[Store, str]:
     if store_url.server is None:
-        pytest.skip("the filesystem has no buckets")
+        pytest.skip(f"{store_url.name} has no buckets that can be missing")
     scheme = store_url.base_url.split("://", 1)[0]
     url = f"{scheme}://no-such-bucket-{store_url.bucket}"[:60] + "/k"
     return open_url(url, resolve_options(storage_options=store_url.storage_options))

@@ -8,9 +8,9 @@ import json
 import pytest
 
 import cloudckpt.store.gcs as gcs
-from cloudckpt.errors import ConfigError, CredentialsError, TransientError
+from cloudckpt.errors import ConfigError, CredentialsError, RetriesExhaustedError
 from cloudckpt.options import resolve_options
-from cloudckpt.store import open_url
+from cloudckpt.store import RetryPolicy, open_url
 from cloudckpt.store.gcs import UPLOADS_PREFIX, GCSStore
 from servers import unique_bucket_name
 
@@ -57,9 +57,11 @@ def test_each_part_upload_names_its_generation(gcs_server, bucket: str) -> None:
 def test_checksum_mismatch_after_upload_is_transient(
     gcs_server, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = GCSStore(bucket, gcs_server.storage_options())
+    store = GCSStore(bucket, gcs_server.storage_options()).with_retry(
+        RetryPolicy(max_attempts=2, backoff_base=0.001)
+    )
     monkeypatch.setattr(gcs, "_crc32c", lambda view: "AAAAAA==")  # not what was sent
-    with pytest.raises(TransientError, match="CRC32C"):
+    with pytest.raises(RetriesExhaustedError, match=r"after 2 attempts.*CRC32C"):
         store.put("c", b"some bytes")
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from cloudckpt.errors import NotFoundError, TransientError
+from cloudckpt.errors import NotFoundError, RetriesExhaustedError, TransientError
 from cloudckpt.options import MiB, resolve_options
-from cloudckpt.store import open_url
+from cloudckpt.store import RetryPolicy, open_url
 from cloudckpt.store.s3_signed_reads import MAX_MISSES
 from fault_proxy import FaultProxy
 from servers import free_port
@@ -123,18 +123,24 @@ def test_throttling_is_transient_and_sent_once(rclone_server):
     store.put(key, PAYLOAD)
     with FaultProxy(rclone_server.endpoint_url, schedule={1: "slowdown"}) as proxy:
         store, key = _store(rclone_server, "throttled", make=False, endpoint_url=proxy.url)
-        with pytest.raises(TransientError, match="503"):
-            _read(store, key, 0, 10)
-        assert proxy.requests == 1
+        once = store.with_retry(RetryPolicy(max_attempts=1))
+        with pytest.raises(RetriesExhaustedError, match="after 1 attempts") as info:
+            _read(once, key, 0, 10)
+        assert isinstance(info.value.__cause__, TransientError)
+        assert "503" in str(info.value.__cause__)
+        assert proxy.requests == 1  # classified transient on the fast path, not sent again
         assert _read(store, key, 0, 10) == PAYLOAD[:10]
 
 
 def test_network_errors_never_show_credentials(moto_server):
     opts = {**moto_server.storage_options(), "endpoint_url": f"http://127.0.0.1:{free_port()}"}
-    store, key = open_url("s3://any-bucket/obj", resolve_options(storage_options=opts))
-    with pytest.raises(TransientError) as info:
+    store, key = open_url(
+        "s3://any-bucket/obj", resolve_options(storage_options=opts, max_attempts=2)
+    )
+    with pytest.raises(RetriesExhaustedError) as info:
         _read(store, key, 0, 10)
-    text = str(info.value)
+    assert isinstance(info.value.__cause__, TransientError)
+    text = f"{info.value} {info.value.__cause__}"
     assert "s3://any-bucket/obj" in text
     secrets = ("Signature", "Credential", opts["aws_access_key_id"], opts["aws_secret_access_key"])
     for secret_part in secrets:

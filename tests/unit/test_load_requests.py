@@ -14,7 +14,7 @@ from faults import FaultyStore
 @pytest.fixture
 def counting(tmp_path, monkeypatch):
     store = FaultyStore(LocalStore(tmp_path))
-    monkeypatch.setattr(load_mod, "open_url", lambda url, opts: (store, url))
+    monkeypatch.setattr(load_mod, "open_target", store.opener())
     return store
 
 

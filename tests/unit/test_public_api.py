@@ -33,7 +33,7 @@ def test_all_is_sorted_and_pinned():
 
 
 # Each layer may import only itself and the layers listed (plus the shared leaf modules).
-LEAVES = {"errors", "options", "profiles"}
+LEAVES = {"errors", "options", "profiles", "_version"}
 ALLOWED = {
     "store": {"store"},
     "format": {"format"},
@@ -42,6 +42,7 @@ ALLOWED = {
     "dcp": {"dcp", "engine", "store", "format"},
     "manager": {"manager", "dcp", "engine", "store", "format"},
     "cli": {"cli", "manager", "dcp", "engine", "store", "format"},
+    "testing": {"testing"},
 }
 
 
@@ -57,6 +58,29 @@ def _imports(path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level >= 2 and not node.module:
             found.add("")
     return found
+
+
+def test_subpackage_surfaces_are_pinned():
+    from cloudckpt import store, testing
+
+    assert list(testing.__all__) == sorted(testing.__all__)
+    assert set(testing.__all__) == {
+        "AzureServer",
+        "GCSServer",
+        "LocalServer",
+        "S3Server",
+        "ServerStartError",
+        "count_requests",
+        "free_port",
+        "launch",
+        "launch_emulator",
+        "start_server",
+        "stop",
+        "unique_bucket_name",
+    }
+    assert set(store.__all__) >= {"Store", "Target", "open_target", "register_store"}
+    for module in (store, testing):
+        assert all(hasattr(module, name) for name in module.__all__)
 
 
 def test_layers_only_import_downward():

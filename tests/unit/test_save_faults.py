@@ -19,8 +19,8 @@ FAST = {"backoff_base": 0.001, "backoff_max": 0.002, "max_attempts": 3}
 @pytest.fixture
 def faulty(tmp_path, monkeypatch):
     store = FaultyStore(LocalStore(tmp_path))
-    monkeypatch.setattr(save_mod, "open_url", lambda url, opts: (store, url))
-    monkeypatch.setattr(load_mod, "open_url", lambda url, opts: (store, url))
+    monkeypatch.setattr(save_mod, "open_target", store.opener())
+    monkeypatch.setattr(load_mod, "open_target", store.opener())
     return store
 
 

@@ -1,4 +1,4 @@
-"""The scheduler: retries, backoff bounds, concurrency caps, cancellation, byte budget."""
+"""The scheduler (concurrency caps, cancellation, byte budget) and the store's retry policy."""
 
 from __future__ import annotations
 
@@ -6,11 +6,17 @@ import threading
 
 import pytest
 
-from cloudckpt.engine.scheduler import ByteBudget, TransferGroup, call_with_retries
+from cloudckpt.engine.scheduler import ByteBudget, Cancelled, TransferGroup
 from cloudckpt.errors import AccessDeniedError, RetriesExhaustedError, TransientError
 from cloudckpt.options import TransferOptions
+from cloudckpt.store.retry import RetryPolicy
 
 FAST = TransferOptions(backoff_base=0.001, backoff_max=0.002, max_attempts=4)
+POLICY = RetryPolicy.from_options(FAST)
+
+
+def call_with_retries(fn, options, what):
+    return RetryPolicy.from_options(options).run(fn, what)
 
 
 def test_transient_errors_are_retried_until_success():
@@ -111,3 +117,18 @@ def test_byte_budget_lets_an_oversized_request_run_alone():
     budget = ByteBudget(10)
     budget.acquire(50)  # would deadlock if it waited for room that can never exist
     assert budget.used == 50
+
+
+def test_cancelling_a_group_ends_a_retry_wait():
+    slow = RetryPolicy(max_attempts=5, backoff_base=30.0, backoff_max=30.0)
+    group = TransferGroup(FAST, 1)
+    attempts = threading.Semaphore(0)
+
+    def always():
+        attempts.release()
+        raise TransientError("503 SlowDown")
+
+    future = group.submit(lambda: slow.run(always, "put x"), "t")
+    assert attempts.acquire(timeout=10)  # now waiting up to 30 s before the next attempt
+    group.cancel()  # returns once the request ended: the wait did not run its course
+    assert isinstance(future.exception(timeout=0), Cancelled)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..engine.directory import read_directory
-from ..engine.scheduler import TransferGroup, call_with_retries
+from ..engine.scheduler import TransferGroup
 from ..errors import ChecksumError, CorruptCheckpointError
 from ..format.checksum import crc32
 from ..format.unpickle import parse_persistent_id, unpickle
@@ -84,13 +84,11 @@ def _walk(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, torch.Tens
             yield from _walk(v, f"{path}[{i}]", depth + 1)
 
 
-def describe(
-    store: Store, key: str, options: TransferOptions, *, weights_only: bool = True
-) -> ArchiveInfo:
+def describe(store: Store, key: str, *, weights_only: bool = True) -> ArchiveInfo:
     """Names, dtypes, shapes and bytes of the tensors in the archive at ``key``."""
     url = store.url(key)
-    size = call_with_retries(lambda: store.head(key), options, f"head {url}").size
-    directory = read_directory(store, key, size, options).directory
+    size = store.head(key).size
+    directory = read_directory(store, key, size).directory
     fmt = "torch zip archive" + (
         " (zip64)" if any(e.zip64 for e in directory.entries.values()) else ""
     )
@@ -99,9 +97,7 @@ def describe(
     if entry.method != 0:
         info.note = "data.pkl is compressed; tensor listing skipped"
         return info
-    data = call_with_retries(
-        functools.partial(store.get_range, key, entry.data_offset, entry.end), options, url
-    )
+    data = store.get_range(key, entry.data_offset, entry.end)
 
     def persistent_load(saved_id: Any) -> Any:
         ref = parse_persistent_id(saved_id, url)
@@ -139,13 +135,13 @@ def verify_archive(
     damaged or truncated archive (or a size different from ``expected_size``).
     """
     url = store.url(key)
-    size = call_with_retries(lambda: store.head(key), options, f"head {url}").size
+    size = store.head(key).size
     if expected_size is not None and size != expected_size:
         raise CorruptCheckpointError(
             f"{url} holds {size} bytes, but its checkpoint marker recorded {expected_size}"
         )
-    directory = read_directory(store, key, size, options).directory
-    group = TransferGroup(options, min(options.read_concurrency, 8), prefix=key.rpartition("/")[0])
+    directory = read_directory(store, key, size).directory
+    group = TransferGroup(options, min(options.read_concurrency, 8))
     lock = threading.Lock()
     total = 0
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.scheduler import TransferGroup, call_with_retries
+from ..engine.scheduler import TransferGroup
 from ..engine.sink import ObjectSink
 from ..options import MIN_PART_SIZE, MiB, TransferOptions
 from ..store import Store
@@ -110,7 +110,7 @@ def run_bench(
                 ("get", functools.partial(store.get_range, k, 0, len(small))),
             ):
                 t = time.perf_counter()
-                call_with_retries(fn, options, f"{op} {store.url(k)}")
+                fn()
                 times[op].append(time.perf_counter() - t)
             written.append(k)
         result.latency_ms = {op: _percentiles(v) for op, v in times.items()}
@@ -137,7 +137,7 @@ def run_bench(
 
         for c in concurrencies:
             report(f"read {size / MiB:.0f} MiB, {c} ranges in flight")
-            group = TransferGroup(options, c, prefix=base.rstrip("/"))
+            group = TransferGroup(options, c)
             buffers = [bytearray(min(part_size, size)) for _ in range(c)]
             t = time.perf_counter()
             for i, start in enumerate(range(0, size, part_size)):
@@ -151,6 +151,6 @@ def run_bench(
             result.read_gbps[c] = round(size / (time.perf_counter() - t) / 1e9, 4)
     finally:
         for k in written:
-            call_with_retries(functools.partial(store.delete, k), options, f"delete {k}")
+            store.delete(k)
     result.suggestion = suggest(result)
     return result

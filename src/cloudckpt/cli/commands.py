@@ -12,11 +12,12 @@ import functools
 import os
 import posixpath
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.scheduler import TransferGroup, call_with_retries
+from ..engine.scheduler import TransferGroup
 from ..errors import CloudCkptError, ConfigError, NotFoundError
 from ..manager.gc import collect_garbage, delete_prefix
 from ..manager.marker import (
@@ -27,16 +28,16 @@ from ..manager.marker import (
     read_marker,
     root_prefix,
 )
-from ..options import TransferOptions
-from ..store import ObjectInfo, Store, join_key, split_url
-from ..store import open_url as _open_url
+from ..options import TransferOptions, resolve_options
+from ..store import ObjectInfo, Store, join_key, open_target, split_url
+from ..store import Target as Opened
 from ..store.local import LocalStore
 from .archive import describe, verify_archive, verify_archive_bytes
 from .bench import run_bench
 from .copy import PARTIAL_SUFFIX, copy_object
 from .output import Printer, human_bytes, human_time, progress
 
-__all__ = ["COMMANDS", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_VERIFY_FAILED"]
+__all__ = ["COMMANDS", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_VERIFY_FAILED", "Settings"]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -52,6 +53,7 @@ class Target:
     kind: str  # "run" | "checkpoint" | "object" | "prefix" | "missing"
     store: Store
     key: str  # without trailing "/"
+    options: TransferOptions
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
     checkpoint: CheckpointInfo | None = None
     objects: list[ObjectInfo] = field(default_factory=list)
@@ -66,34 +68,42 @@ class Target:
         return self.store.url(root_prefix(self.key))
 
 
-def open_url(url: str, options: TransferOptions) -> tuple[Store, str]:
-    """Like :func:`cloudckpt.store.open_url`, but S3 flags never reach a local path."""
-    if options.storage_options and split_url(url)[0] == "file":
-        options = options.replace(storage_options={})
-    return _open_url(url, options)
+@dataclass(frozen=True)
+class Settings:
+    """The command line's transfer settings, resolved for each URL a command opens (so
+    the profile a URL selects applies beneath them)."""
+
+    overrides: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        resolve_options(None, **self.overrides)  # a bad flag fails before any request
+
+    def open(self, url: str) -> Opened:
+        """The store, key and options for ``url``; S3 flags never reach a local path."""
+        overrides = dict(self.overrides)
+        if overrides.get("storage_options") and split_url(url)[0] == "file":
+            del overrides["storage_options"]
+        return open_target(url, **overrides)
 
 
-def _list(store: Store, prefix: str, options: TransferOptions) -> list[ObjectInfo]:
-    return call_with_retries(lambda: list(store.list(prefix)), options, f"list {store.url(prefix)}")
-
-
-def resolve(url: str, options: TransferOptions) -> Target:
+def resolve(url: str, settings: Settings) -> Target:
     """Classify ``url`` with at most one HEAD and one listing (plus marker reads)."""
-    store, key = open_url(url, options)
-    key = key.rstrip("/")
+    opened = settings.open(url)
+    store, options = opened.store, opened.options
+    key = opened.key.rstrip("/")
     if key and not url.endswith("/"):
         try:
-            call_with_retries(lambda: store.head(key), options, f"head {store.url(key)}")
-            return Target("object", store, key)
+            store.head(key)
+            return Target("object", store, key, options)
         except (NotFoundError, IsADirectoryError):
             pass
     prefix = root_prefix(key)
-    listing = _list(store, prefix, options)
+    listing = list(store.list(prefix))
     base = posixpath.basename(key)
     if parse_step(base) is not None:
-        marker = read_marker(store, prefix + MARKER_NAME, options)
+        marker = read_marker(store, prefix + MARKER_NAME)
         if marker is not None:
-            return Target("checkpoint", store, key, checkpoint=marker, objects=listing)
+            return Target("checkpoint", store, key, options, checkpoint=marker, objects=listing)
     checkpoints = list_checkpoints(store, key, options, listing=listing)
     if checkpoints:
         committed = {root_prefix(key) + posixpath.basename(c.url.rstrip("/")) for c in checkpoints}
@@ -103,11 +113,17 @@ def resolve(url: str, options: TransferOptions) -> Target:
             if sep and parse_step(head) is not None and prefix + head not in committed:
                 steps.add(store.url(prefix + head + "/"))
         return Target(
-            "run", store, key, checkpoints=checkpoints, objects=listing, uncommitted=sorted(steps)
+            "run",
+            store,
+            key,
+            options,
+            checkpoints=checkpoints,
+            objects=listing,
+            uncommitted=sorted(steps),
         )
     if listing:
-        return Target("prefix", store, key, objects=listing)
-    return Target("missing", store, key)
+        return Target("prefix", store, key, options, objects=listing)
+    return Target("missing", store, key, options)
 
 
 def _not_found(p: Printer, what: str, url: str) -> int:
@@ -124,7 +140,7 @@ def _metrics_text(metrics: Any) -> str:
 # -- ls ------------------------------------------------------------------------------------
 
 
-def cmd_ls(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
+def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     t = resolve(args.url, opts)
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
@@ -178,7 +194,7 @@ def cmd_ls(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
         return EXIT_OK
     objects = t.objects
     if t.kind == "object":
-        objects = [call_with_retries(lambda: t.store.head(t.key), opts, f"head {t.url}")]
+        objects = [t.store.head(t.key)]
     if p.json_mode:
         p.json(
             {
@@ -206,9 +222,10 @@ def cmd_ls(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
 # -- latest --------------------------------------------------------------------------------
 
 
-def cmd_latest(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
-    store, key = open_url(args.root, opts)
-    found = list_checkpoints(store, key.rstrip("/"), opts)
+def cmd_latest(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    o = opts.open(args.root)
+    store, key = o.store, o.key
+    found = list_checkpoints(store, key.rstrip("/"), o.options)
     if not found:
         return _not_found(p, "no committed checkpoint under", store.url(root_prefix(key)))
     c = found[-1]
@@ -227,7 +244,7 @@ def _archive_keys(c: CheckpointInfo, prefix: str) -> list[str]:
     return [prefix + f.name for f in c.files if f.name.endswith((".pt", ".pth", ".ckpt", ".bin"))]
 
 
-def cmd_info(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
+def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     t = resolve(args.url, opts)
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
@@ -244,7 +261,7 @@ def cmd_info(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int
         step_prefix = t.store.url("")  # root of the store
         prefix = checkpoint.url[len(step_prefix) :]
         keys = _archive_keys(checkpoint, prefix)
-    archives = [describe(t.store, k, opts, weights_only=not args.unsafe) for k in keys]
+    archives = [describe(t.store, k, weights_only=not args.unsafe) for k in keys]
     if p.json_mode:
         body: dict[str, Any] = {
             "checkpoint": checkpoint.as_dict() if checkpoint is not None else None,
@@ -302,7 +319,7 @@ def cmd_info(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int
 # -- verify --------------------------------------------------------------------------------
 
 
-def cmd_verify(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
+def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     t = resolve(args.url, opts)
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
@@ -324,7 +341,7 @@ def cmd_verify(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> i
                 archive = f.name.endswith((".pt", ".pth", ".ckpt", ".bin"))
                 jobs.append((prefix + f.name, f.size, f.etag, archive))
             if any(f.name == ".metadata" for f in c.files):
-                dcp_slices.update(_dcp_tensor_slices(t.store, prefix, opts))
+                dcp_slices.update(_dcp_tensor_slices(t.store, prefix))
     results: list[dict[str, Any]] = []
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
     with progress("verify", enabled and not p.json_mode) as (advance, _set_total):
@@ -332,20 +349,16 @@ def cmd_verify(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> i
             url = t.store.url(key)
             entry: dict[str, Any] = {"url": url, "ok": True, "bytes": 0, "error": None}
             try:
-                info = call_with_retries(functools.partial(t.store.head, key), opts, f"head {url}")
+                info = t.store.head(key)
                 if size is not None and info.size != size:
                     raise _Mismatch(f"{url} holds {info.size} bytes; its marker says {size}")
                 if etag and info.etag and etag.strip('"') != info.etag.strip('"'):
                     raise _Mismatch(f"{url} changed since it was committed (ETag differs)")
                 entry["bytes"] = info.size
                 if archive:
-                    entry["bytes"] = verify_archive(t.store, key, opts, advance=advance)
+                    entry["bytes"] = verify_archive(t.store, key, t.options, advance=advance)
                 for offset, length in dcp_slices.get(key, ()):
-                    data = call_with_retries(
-                        functools.partial(t.store.get_range, key, offset, offset + length),
-                        opts,
-                        f"read {url}",
-                    )
+                    data = t.store.get_range(key, offset, offset + length)
                     verify_archive_bytes(data, f"{url} bytes {offset}+{length}")
                     advance(length)
             except (_Mismatch, NotFoundError, CloudCkptError) as exc:
@@ -365,9 +378,7 @@ def cmd_verify(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> i
     return EXIT_OK if ok else EXIT_VERIFY_FAILED
 
 
-def _dcp_tensor_slices(
-    store: Store, prefix: str, opts: TransferOptions
-) -> dict[str, list[tuple[int, int]]]:
+def _dcp_tensor_slices(store: Store, prefix: str) -> dict[str, list[tuple[int, int]]]:
     """Where each tensor's ``torch.save`` archive sits in a DCP checkpoint's data objects."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -375,9 +386,7 @@ def _dcp_tensor_slices(
 
     key = prefix + ".metadata"
     url = store.url(key)
-    metadata = decode_metadata(
-        call_with_retries(functools.partial(store.get, key), opts, f"read {url}"), url
-    )
+    metadata = decode_metadata(store.get(key), url)
     slices: dict[str, list[tuple[int, int]]] = {}
     for index, info in (metadata.storage_data or {}).items():
         if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
@@ -399,17 +408,17 @@ def _is_corrupt(exc: BaseException) -> bool:
 # -- rm ------------------------------------------------------------------------------------
 
 
-def cmd_rm(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
+def cmd_rm(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     t = resolve(args.url, opts)
     removed: list[str] = []
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
     if t.kind == "object":
-        call_with_retries(lambda: t.store.delete(t.key), opts, f"delete {t.url}")
+        t.store.delete(t.key)
         removed.append(t.url)
     elif t.kind == "checkpoint" or parse_step(posixpath.basename(t.key)) is not None:
         prefix = root_prefix(t.key)
-        delete_prefix(t.store, prefix, opts, t.objects)
+        delete_prefix(t.store, prefix, t.options, t.objects)
         removed += [t.store.url(o.key) for o in t.objects]
     else:
         if not args.recursive:
@@ -417,15 +426,14 @@ def cmd_rm(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
                 f"{t.dir_url} is a prefix with {len(t.objects)} object(s); "
                 "pass --recursive (-r) to delete all of them"
             )
-        root = root_prefix(t.key)
         # Markers first, so no checkpoint looks committed while its files go.
         for c in t.checkpoints:
             step_prefix = c.url[len(t.store.url("")) :]
             mine = [o for o in t.objects if o.key.startswith(step_prefix)]
-            delete_prefix(t.store, step_prefix, opts, mine)
+            delete_prefix(t.store, step_prefix, t.options, mine)
         done = {c.url[len(t.store.url("")) :] for c in t.checkpoints}
         rest = [o for o in t.objects if not any(o.key.startswith(d) for d in done)]
-        group = TransferGroup(opts, opts.write_concurrency, prefix=root.rstrip("/"))
+        group = TransferGroup(t.options, t.options.write_concurrency)
         for o in rest:
             group.submit(functools.partial(t.store.delete, o.key), f"delete {t.store.url(o.key)}")
         group.wait()
@@ -440,10 +448,10 @@ def cmd_rm(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
 # -- gc ------------------------------------------------------------------------------------
 
 
-def cmd_gc(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
-    store, key = open_url(args.root, opts)
+def cmd_gc(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    o = opts.open(args.root)
     report = collect_garbage(
-        store, key.rstrip("/"), opts, grace_seconds=args.grace, dry_run=args.dry_run
+        o.store, o.key.rstrip("/"), o.options, grace_seconds=args.grace, dry_run=args.dry_run
     )
     if p.json_mode:
         p.json(
@@ -475,21 +483,25 @@ def cmd_gc(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
 # -- cp ------------------------------------------------------------------------------------
 
 
-def _destination(src_key: str, dst_url: str, opts: TransferOptions) -> tuple[Store, str]:
-    store, key = open_url(dst_url, opts)
+def _destination(src_key: str, dst_url: str, settings: Settings) -> tuple[Opened, str]:
+    """The destination opened, and the key the copy lands at."""
+    opened = settings.open(dst_url)
+    store, key = opened.store, opened.key
     name = posixpath.basename(src_key)
     if dst_url.endswith("/") or not key:
-        return store, root_prefix(key) + name
+        return opened, root_prefix(key) + name
     if isinstance(store, LocalStore) and (store.root / key).is_dir():
-        return store, f"{key}/{name}"
-    return store, key
+        return opened, f"{key}/{name}"
+    return opened, key
 
 
-def cmd_cp(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
-    src_store, src_key = open_url(args.src, opts)
+def cmd_cp(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    src = opts.open(args.src)
+    src_store, src_key = src.store, src.key
     if not src_key or args.src.endswith("/"):
         raise ConfigError(f"{args.src} names a prefix; cp copies one object")
-    dst_store, dst_key = _destination(src_key, args.dst, opts)
+    dst, dst_key = _destination(src_key, args.dst, opts)
+    dst_store = dst.store
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
     state_dir = Path(args.state_dir) if args.state_dir else None
     name = posixpath.basename(src_key)
@@ -500,7 +512,7 @@ def cmd_cp(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
                 src_key,
                 dst_store,
                 dst_key,
-                opts,
+                dst.options,
                 state_dir=state_dir,
                 advance=advance,
                 on_size=set_total,
@@ -536,12 +548,12 @@ def cmd_cp(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
 # -- bench ---------------------------------------------------------------------------------
 
 
-def cmd_bench(args: argparse.Namespace, opts: TransferOptions, p: Printer) -> int:
-    store, key = open_url(args.url, opts)
+def cmd_bench(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    o = opts.open(args.url)
     result = run_bench(
-        store,
-        key,
-        opts,
+        o.store,
+        o.key,
+        o.options,
         size=args.size,
         part_size=args.bench_part_size,
         concurrencies=args.concurrency,

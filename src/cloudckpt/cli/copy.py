@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.scheduler import TransferGroup, call_with_retries
+from ..engine.scheduler import TransferGroup
+from ..engine.sink import choose_part_size
 from ..errors import NotFoundError
-from ..options import MAX_PARTS, TransferOptions
+from ..options import TransferOptions
 from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart
 from ..store.local import LocalStore
 
@@ -99,7 +100,7 @@ def copy_object(
     """Copy ``src_key`` to ``dst_key``, continuing an interrupted copy of the same source."""
     started = time.perf_counter()
     src_url = src.url(src_key)
-    info = call_with_retries(lambda: src.head(src_key), options, f"head {src_url}")
+    info = src.head(src_key)
     on_size(info.size)
     if isinstance(dst, LocalStore):
         resumed = _download(src, info, dst, dst_key, options, advance)
@@ -173,7 +174,7 @@ def _download(
                 )
             advance(n)
 
-        group = TransferGroup(options, options.read_concurrency, prefix=info.key.rpartition("/")[0])
+        group = TransferGroup(options, options.read_concurrency)
         if info.size:
             for i in range(count):
                 if i not in done:
@@ -204,16 +205,11 @@ def _upload(
     advance: Callable[[int], None],
 ) -> int:
     dst_url = dst.url(dst_key)
-    part_size = options.part_size
-    while -(-info.size // part_size) > MAX_PARTS:
-        part_size *= 2
+    # The rule save uses (engine/sink.py), so a profile's part_size means the same here.
+    part_size = choose_part_size(info.size, options.part_size, options.write_concurrency)
     if info.size <= part_size:
-        data = call_with_retries(
-            lambda: src.get_range(info.key, 0, info.size) if info.size else b"",
-            options,
-            f"read {src.url(info.key)}",
-        )
-        call_with_retries(lambda: dst.put(dst_key, data), options, f"put {dst_url}")
+        data = src.get_range(info.key, 0, info.size) if info.size else b""
+        dst.put(dst_key, data)
         advance(info.size)
         return 0
 
@@ -232,9 +228,7 @@ def _upload(
     ):
         open_ids = {
             u.upload_id
-            for u in call_with_retries(
-                lambda: list(dst.list_multipart(dst_key)), options, f"list uploads {dst_url}"
-            )
+            for u in dst.list_multipart(dst_key)
             if u.key == dst_key
         }
         if journal.get("upload_id") in open_ids:
@@ -244,9 +238,7 @@ def _upload(
                 for n, (etag, size) in journal.get("parts", {}).items()
             }
     if upload is None:
-        upload = call_with_retries(
-            lambda: dst.create_multipart(dst_key), options, f"create upload {dst_url}"
-        )
+        upload = dst.create_multipart(dst_key)
         parts = {}
     resumed = sum(p.size for p in parts.values())
     advance(resumed)
@@ -279,7 +271,7 @@ def _upload(
             save_journal()
         advance(n)
 
-    group = TransferGroup(options, options.write_concurrency, prefix=dst_key.rpartition("/")[0])
+    group = TransferGroup(options, options.write_concurrency)
     for number in range(1, count + 1):
         if number not in parts:
             group.submit(functools.partial(send, number), f"copy part {number} to {dst_url}")
@@ -290,9 +282,7 @@ def _upload(
         raise  # the journal and the open upload stay for the next run
     ordered = [parts[n] for n in range(1, count + 1)]
     try:
-        call_with_retries(
-            lambda: dst.complete_multipart(upload, ordered), options, f"complete {dst_url}"
-        )
+        dst.complete_multipart(upload, ordered)
     except NotFoundError:
         journal_path.unlink(missing_ok=True)  # the upload vanished; start over next time
         raise

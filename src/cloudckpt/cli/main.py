@@ -17,8 +17,8 @@ from ..errors import (
     CredentialsError,
     NotFoundError,
 )
-from ..options import MiB, resolve_options
-from .commands import COMMANDS
+from ..options import MiB
+from .commands import COMMANDS, Settings
 from .output import Printer
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from .. import __version__
+    from .._version import __version__
 
     parser.add_argument("--version", action="version", version=f"cloudckpt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -245,7 +245,7 @@ def _options(args: argparse.Namespace) -> Any:
         overrides["part_size"] = args.part_size
     if getattr(args, "concurrency", None) and args.command == "cp":
         overrides["write_concurrency"] = overrides["read_concurrency"] = args.concurrency
-    return resolve_options(None, **overrides)
+    return Settings(overrides)
 
 
 def _exit_code(exc: BaseException) -> int:

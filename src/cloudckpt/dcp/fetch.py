@@ -144,7 +144,7 @@ class RangeFetcher:
         chunk, max_gap = opts.read_chunk_size, opts.read_gap
         pending, self._requests, self._waiting = self._requests, defaultdict(list), 0
         if self._group is None:
-            self._group = TransferGroup(opts, opts.read_concurrency, prefix=self.location.prefix)
+            self._group = TransferGroup(opts, opts.read_concurrency)
         group = self._group
 
         def submit(

@@ -51,7 +51,7 @@ class CheckpointLocation:
 
     @property
     def prefix(self) -> str:
-        """Store key of the checkpoint's prefix (requests are rate-limited per prefix)."""
+        """Store key of the checkpoint's prefix."""
         return self._open()[1]
 
     def key(self, relative: str) -> str:
@@ -63,7 +63,7 @@ class CheckpointLocation:
         return self.store.url(self.key(relative))
 
     def exists(self, relative: str) -> bool:
-        """Whether ``relative`` is an object (a HEAD; retried by the caller if needed)."""
+        """Whether ``relative`` is an object (one HEAD, retried by the store)."""
         try:
             self.store.head(self.key(relative))
         except BucketNotFoundError:

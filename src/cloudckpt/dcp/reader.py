@@ -23,7 +23,6 @@ block boundaries into small scratch buffers), chunks read whole by their CRC-32 
 
 from __future__ import annotations
 
-import functools
 import io
 import math
 import os
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..engine.memview import writable_view
-from ..engine.scheduler import TransferGroup, call_with_retries
+from ..engine.scheduler import TransferGroup
 from ..errors import (
     BucketNotFoundError,
     ChecksumError,
@@ -161,9 +160,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
     def _layout_document(self, rank: int | None) -> dict[str, Any] | None:
         """The layout index as a JSON object; None when absent."""
         url = self.location.url_of(layout_name(rank))
-        payload = call_with_retries(
-            lambda: self._layout_payload(rank), self.location.options, f"read {url}"
-        )
+        payload = self._layout_payload(rank)
         return None if payload is None else read_document(payload, url)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -177,7 +174,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         name = metadata_name(rank)
         url = self.location.url_of(name)
         store, key = self.location.store, self.location.key(name)
-        group = TransferGroup(self.location.options, 2, prefix=self.location.prefix)
+        group = TransferGroup(self.location.options, 2)
         try:
             marker = group.submit(lambda: store.get(key), f"read {url}")
             layout = group.submit(lambda: self._layout_payload(rank), f"read layout of {url}")
@@ -376,11 +373,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
             if a.length <= WHOLE_LIMIT:
                 continue
             if a.relative not in sizes:
-                head = functools.partial(self.location.store.head, self.location.key(a.relative))
-                url = self.location.url_of(a.relative)
-                sizes[a.relative] = call_with_retries(
-                    head, self.location.options, f"head {url}"
-                ).size
+                sizes[a.relative] = self.location.store.head(self.location.key(a.relative)).size
             if a.offset + a.length > sizes[a.relative]:
                 raise CorruptCheckpointError(
                     f"{self.location.url_of(a.relative)} holds {sizes[a.relative]} bytes; "

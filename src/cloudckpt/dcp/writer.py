@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..engine.memview import writable_view
-from ..engine.scheduler import Cancelled, call_with_retries
+from ..engine.scheduler import Cancelled
 from ..engine.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
 from ..errors import AlreadyExistsError, ConfigError
 from ..format.checksum import crc32
@@ -193,17 +193,15 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
 
     def _clear_marker(self, name: str) -> None:
         """Remove a previous commit marker before any data is rewritten (or refuse)."""
-        opts = self.location.options
         url = self.location.url_of(name)
-        if not call_with_retries(lambda: self.location.exists(name), opts, f"head {url}"):
+        if not self.location.exists(name):
             return
         if not self.overwrite:
             raise AlreadyExistsError(
                 f"a committed checkpoint already exists at {self.url} ({url}); pass "
                 "overwrite=True or save to a new URL"
             )
-        key = self.location.key(name)
-        call_with_retries(lambda: self.location.store.delete(key), opts, f"delete {url}")
+        self.location.store.delete(self.location.key(name))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Without collectives each rank names its own objects and clears its own marker."""
@@ -352,26 +350,19 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         if hasattr(metadata, "storage_meta"):
             metadata.storage_meta = self.storage_meta()
         rank = None if self.use_collectives or self.rank is None else self.rank
-        opts = self.location.options
         payload = pickle.dumps(metadata)
         # Before the marker: a committed checkpoint always has its index, which also
         # holds the CRC-32 of the marker's bytes.
         index = encode_index(self.save_id, crc32(payload), archives, chunks)
         name = layout_name(rank)
-        key, url = self.location.key(name), self.location.url_of(name)
-        store = self.location.store
-        call_with_retries(lambda: store.put(key, index), opts, f"put {url}")
+        self.location.store.put(self.location.key(name), index)
         name = self._own_marker()
         store, key, url = self.location.store, self.location.key(name), self.location.url_of(name)
         try:
-            call_with_retries(
-                lambda: store.put(key, payload, if_none_match=True),
-                self.location.options,
-                f"put {url}",
-            )
+            store.put(key, payload, if_none_match=True)
         except AlreadyExistsError:
             # Our own earlier attempt may have landed before its answer was lost.
-            existing = call_with_retries(lambda: store.get(key), self.location.options, url)
+            existing = store.get(key)
             if existing != payload:
                 raise AlreadyExistsError(
                     f"another save committed {url} while this one was writing; the data "

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import SerializationError
-from ..options import TransferOptions, resolve_options
-from ..store import open_url
+from ..options import TransferOptions
+from ..store import open_target
 from .save import _PICKLE_ERRORS, SaveResult, _unpicklable_error, write_object
 from .staging import get_pool, snapshot
 
@@ -156,8 +156,8 @@ def async_save(
         raise ConfigError(f"max_in_flight={max_in_flight} must be at least 1")
     started = time.perf_counter()
     _raise_unreported()
-    opts = resolve_options(options, url=url, **overrides)
-    store, key = open_url(url, opts)
+    where = open_target(url, options, **overrides)
+    store, key, opts = where.store, where.key, where.options
     target = store.url(key)
     # Room for this save: wait for the oldest ones beyond max_in_flight.
     while True:

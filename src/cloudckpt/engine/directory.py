@@ -5,7 +5,6 @@ Shared by ``load``, and by the command line's ``info`` and ``verify``.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError
@@ -17,9 +16,7 @@ from ..format.zipdir import (
     local_header_size,
     parse_directory,
 )
-from ..options import TransferOptions
 from ..store import Store
-from .scheduler import call_with_retries
 
 __all__ = ["DirectoryRead", "read_directory"]
 
@@ -36,16 +33,14 @@ class DirectoryRead:
     tail_start: int
 
 
-def read_directory(store: Store, key: str, size: int, options: TransferOptions) -> DirectoryRead:
+def read_directory(store: Store, key: str, size: int) -> DirectoryRead:
     """The zip directory of the ``size``-byte object at ``key``, every local header located.
 
     Raises CorruptCheckpointError when the object is not a zip archive or is damaged.
     """
     url = store.url(key)
     start = max(0, size - max(TAIL_READ, TAIL_PROBE))
-    tail = call_with_retries(
-        functools.partial(store.get_range, key, start, size), options, f"read {url}"
-    )
+    tail = store.get_range(key, start, size)
     while True:
         try:
             directory = parse_directory(tail, start, size, url)
@@ -54,18 +49,11 @@ def read_directory(store: Store, key: str, size: int, options: TransferOptions) 
             if more.start >= start or more.start < 0:
                 raise CorruptCheckpointError(f"{url}: damaged zip directory") from None
             lo, hi = more.start, start
-            head = call_with_retries(
-                functools.partial(store.get_range, key, lo, hi), options, f"read {url}"
-            )
+            head = store.get_range(key, lo, hi)
             tail, start = head + tail, lo
     for e in directory.entries.values():
         if e.local_header_size < 0:  # not inferable from the layout: read the header
-            fixed = call_with_retries(
-                functools.partial(
-                    store.get_range, key, e.header_offset, e.header_offset + LOCAL_HEADER_SIZE
-                ),
-                options,
-                f"read {url}",
-            )
+            end = e.header_offset + LOCAL_HEADER_SIZE
+            fixed = store.get_range(key, e.header_offset, end)
             e.local_header_size = local_header_size(fixed)
     return DirectoryRead(directory, tail, start)

@@ -36,12 +36,12 @@ from ..format.zipdir import (
     Entry,
     check_local_header,
 )
-from ..options import TransferOptions, resolve_options
-from ..store import ObjectInfo, Store, open_url
+from ..options import TransferOptions
+from ..store import ObjectInfo, Store, open_target
 from .directory import read_directory
 from .memview import writable_view
 from .progress import progress_bar
-from .scheduler import TransferGroup, call_with_retries
+from .scheduler import TransferGroup
 
 __all__ = ["load"]
 
@@ -73,7 +73,7 @@ class _Fetcher:
         self.url = store.url(key)
         self.options = options
         self.advance = advance
-        self.group = TransferGroup(options, options.read_concurrency, prefix=key.rpartition("/")[0])
+        self.group = TransferGroup(options, options.read_concurrency)
         self._lock = threading.Lock()
         self._batch: list[_Record] = []
         self._batch_bytes = 0
@@ -170,7 +170,7 @@ class _Fetcher:
 def _head(store: Store, key: str, options: TransferOptions) -> ObjectInfo:
     url = store.url(key)
     try:
-        return call_with_retries(lambda: store.head(key), options, f"head {url}")
+        return store.head(key)
     except BucketNotFoundError:
         raise BucketNotFoundError(f"bucket does not exist: {store.root_url} (for {url})") from None
     except NotFoundError:
@@ -198,7 +198,7 @@ def _fallback_torch_load(
 ) -> Any:
     """Archives we cannot read record by record (legacy format, compressed records)."""
     url = store.url(key)
-    data = call_with_retries(lambda: store.get_range(key, 0, size), options, f"read {url}")
+    data = store.get_range(key, 0, size)
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except Exception as exc:
@@ -233,16 +233,16 @@ def load(
     Returns what ``torch.load`` returns for the same bytes. ``keys`` loads only those
     top-level entries of a dict checkpoint, fetching only the bytes they need.
     """
-    opts = resolve_options(options, url=url, **overrides)
     if isinstance(keys, str):
         keys = [keys]
-    store, key = open_url(url, opts)
+    where = open_target(url, options, **overrides)
+    store, key, opts = where.store, where.key, where.options
     target = store.url(key)
     info = _head(store, key, opts)
     if info.size == 0:
         raise CorruptCheckpointError(f"{target} is empty")
     try:
-        found = read_directory(store, key, info.size, opts)
+        found = read_directory(store, key, info.size)
     except CorruptCheckpointError:
         if info.size < 8 or store.get_range(key, 0, 2) == b"PK":
             raise

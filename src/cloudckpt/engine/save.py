@@ -13,8 +13,8 @@ import torch
 from ..errors import SerializationError, UnpicklableError
 from ..format.picklability import find_unpicklable
 from ..format.tensors import scan_storages
-from ..options import TransferOptions, resolve_options
-from ..store import Store, open_url
+from ..options import TransferOptions
+from ..store import Store, open_target
 from .progress import progress_bar
 from .sink import BORROW_MIN, BorrowingSink, BorrowingWriter, ObjectSink
 
@@ -99,6 +99,5 @@ def save(
     ``overrides`` are :class:`~cloudckpt.TransferOptions` fields for this call (e.g.
     ``part_size``, ``write_concurrency``, ``storage_options``).
     """
-    opts = resolve_options(options, url=url, **overrides)
-    store, key = open_url(url, opts)
-    return write_object(obj, store, key, opts)
+    where = open_target(url, options, **overrides)
+    return write_object(obj, where.store, where.key, where.options)

@@ -5,71 +5,34 @@ It owns one thread pool for all requests and gives each operation a
 read or write concurrency of that call), ``submit`` blocks when the group is full
 (back-pressure that bounds memory), and the first failure cancels the rest.
 
-Each request is retried on :class:`~cloudckpt.errors.TransientError` with exponential
-backoff and full jitter, after waiting for a token from the per-prefix rate limiter.
-A process-wide byte budget (``max_bytes_in_flight``) caps write buffers across all
-concurrent saves.
+Retries are not the scheduler's: each store call retries by its store's policy
+(cloudckpt.store.retry). A group runs its requests inside a cancel scope, so that
+cancelling the group also ends their backoff and rate-limit waits. A process-wide byte
+budget (``max_bytes_in_flight``) caps write buffers across all concurrent saves.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, TypeVar
 
-from ..errors import RetriesExhaustedError, TransientError
-from ..options import TransferOptions
+from ..options import IO_THREADS, TransferOptions
+from ..store.retry import Cancelled, cancel_scope
 
 __all__ = [
     "ByteBudget",
     "Cancelled",
-    "RateLimiter",
     "TransferGroup",
-    "call_with_retries",
     "get_scheduler",
 ]
 
 log = logging.getLogger("cloudckpt")
 T = TypeVar("T")
-
-#: Threads in the shared pool: enough for several concurrent operations at the
-#: default concurrencies; each group still caps its own share.
-_POOL_THREADS = 64
-
-
-class Cancelled(Exception):
-    """Raised inside a request whose group was cancelled; never reaches the user."""
-
-
-class RateLimiter:
-    """A token bucket: ``rate`` requests per second with a burst of ``rate`` tokens."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self._tokens = rate
-        self._stamp = time.monotonic()
-        self._lock = threading.Lock()
-
-    def acquire(self, cancel: threading.Event | None = None) -> None:
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                self._tokens = min(self.rate, self._tokens + (now - self._stamp) * self.rate)
-                self._stamp = now
-                if self._tokens >= 1:
-                    self._tokens -= 1
-                    return
-                wait = (1 - self._tokens) / self.rate
-            if cancel is not None and cancel.wait(wait):
-                raise Cancelled()
-            if cancel is None:
-                time.sleep(wait)
 
 
 class ByteBudget:
@@ -101,20 +64,9 @@ class ByteBudget:
 
 class _Scheduler:
     def __init__(self) -> None:
-        self.executor = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="cloudckpt-io")
-        self._limiters: dict[tuple[str, float], RateLimiter] = {}
+        self.executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="cloudckpt-io")
         self._lock = threading.Lock()
         self.budget = ByteBudget(None)
-
-    def limiter(self, prefix: str, rate: float | None) -> RateLimiter | None:
-        if rate is None:
-            return None
-        with self._lock:
-            key = (prefix, rate)
-            lim = self._limiters.get(key)
-            if lim is None:
-                lim = self._limiters[key] = RateLimiter(rate)
-            return lim
 
     def set_budget(self, capacity: int | None) -> ByteBudget:
         with self._lock:
@@ -146,45 +98,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def call_with_retries(
-    fn: Callable[[], T],
-    options: TransferOptions,
-    what: str,
-    *,
-    prefix: str = "",
-    cancel: threading.Event | None = None,
-) -> T:
-    """Run ``fn`` until it succeeds, retrying transient faults with jittered backoff."""
-    limiter = get_scheduler().limiter(prefix, options.requests_per_second)
-    attempt = 0
-    while True:
-        if cancel is not None and cancel.is_set():
-            raise Cancelled()
-        if limiter is not None:
-            limiter.acquire(cancel)
-        try:
-            return fn()
-        except TransientError as exc:
-            attempt += 1
-            if attempt >= options.max_attempts:
-                raise RetriesExhaustedError(
-                    f"{what} failed after {attempt} attempts; last error: {exc}"
-                ) from exc
-            delay = random.uniform(0, min(options.backoff_max, options.backoff_base * 2**attempt))
-            log.debug("retrying %s in %.2fs (attempt %d): %s", what, delay, attempt + 1, exc)
-            if cancel is not None:
-                if cancel.wait(delay):
-                    raise Cancelled() from exc
-            else:
-                time.sleep(delay)
-
-
 class TransferGroup:
     """Requests of one operation: bounded concurrency, first error wins, cancel on failure."""
 
-    def __init__(self, options: TransferOptions, limit: int, *, prefix: str = "") -> None:
+    def __init__(self, options: TransferOptions, limit: int) -> None:
         self.options = options
-        self.prefix = prefix
         self._slots = threading.BoundedSemaphore(limit)
         self._futures: list[tuple[Future[Any], Callable[[], None] | None]] = []
         self._lock = threading.Lock()
@@ -198,17 +116,22 @@ class TransferGroup:
         *,
         on_done: Callable[[], None] | None = None,
     ) -> Future[T]:
-        """Run ``fn`` (with retries) on the pool; blocks while ``limit`` requests are running."""
+        """Run ``fn`` on the pool; blocks while ``limit`` requests are running.
+
+        ``what`` names the request in the debug log when it fails.
+        """
         while not self._slots.acquire(timeout=0.5):
             self.raise_if_failed()
         self.raise_if_failed_releasing()
 
         def run() -> T:
             try:
-                return call_with_retries(
-                    fn, self.options, what, prefix=self.prefix, cancel=self.cancel_event
-                )
+                if self.cancel_event.is_set():
+                    raise Cancelled()
+                with cancel_scope(self.cancel_event):
+                    return fn()
             except BaseException as exc:
+                log.debug("%s failed: %s", what, exc)
                 with self._lock:
                     if self.error is None and not isinstance(exc, Cancelled):
                         self.error = exc

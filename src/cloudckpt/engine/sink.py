@@ -25,7 +25,7 @@ from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
 from ..store import MultipartUpload, Store, UploadedPart, byte_view
 from .buffers import SaveBuffers
 from .memview import buffer_address
-from .scheduler import TransferGroup, call_with_retries, get_scheduler
+from .scheduler import TransferGroup, get_scheduler
 
 __all__ = [
     "BORROW_MIN",
@@ -84,8 +84,7 @@ class ObjectSink:
         self.part_size = choose_part_size(size_hint, options.part_size, options.write_concurrency)
         self._pool = SaveBuffers(options.write_concurrency, self.part_size)
         self._budget = get_scheduler().set_budget(options.max_bytes_in_flight)
-        prefix = key.rpartition("/")[0]
-        self._group = TransferGroup(options, options.write_concurrency, prefix=prefix)
+        self._group = TransferGroup(options, options.write_concurrency)
         self._buf: bytearray | None = None
         self._fill = 0
         self._offset = 0  # bytes handed to parts so far
@@ -173,11 +172,7 @@ class ObjectSink:
         offset = self._offset
         self._offset += size
         if self._upload is None:
-            self._upload = call_with_retries(
-                lambda: self.store.create_multipart(self.key),
-                self.options,
-                f"create multipart upload {self.store.url(self.key)}",
-            )
+            self._upload = self.store.create_multipart(self.key)
         upload = self._upload
         number = self._next_part
         self._next_part += 1
@@ -200,10 +195,9 @@ class ObjectSink:
     def commit(self) -> int:
         """Store the last bytes and make the object visible; returns its size."""
         self._closed = True
-        url = self.store.url(self.key)
         if self._upload is None:
             data = memoryview(self._buf)[: self._fill] if self._buf is not None else b""
-            call_with_retries(lambda: self.store.put(self.key, data), self.options, f"put {url}")
+            self.store.put(self.key, data)
             if self._buf is not None:
                 self._release_buffer(self._buf)
                 self._buf = None
@@ -218,11 +212,7 @@ class ObjectSink:
         self._group.wait()
         parts = sorted(self._parts, key=lambda p: p.number)
         upload = self._upload
-        call_with_retries(
-            lambda: self.store.complete_multipart(upload, parts),
-            self.options,
-            f"complete multipart upload {url}",
-        )
+        self.store.complete_multipart(upload, parts)
         return self.bytes_written
 
     def abort_after(self, exc: BaseException) -> BaseException:
@@ -246,11 +236,7 @@ class ObjectSink:
             self._buf = None
         upload, self._upload = self._upload, None
         if upload is not None:
-            call_with_retries(
-                lambda: self.store.abort_multipart(upload),
-                self.options,
-                f"abort multipart upload {self.store.url(self.key)}",
-            )
+            self.store.abort_multipart(upload)
 
 
 class BorrowingSink(ObjectSink):
@@ -328,8 +314,7 @@ class BorrowingSink(ObjectSink):
             self._seal_small()
             data = b"".join(self._views)
             self._views, self._owners, self._pending = [], [], 0
-            url = self.store.url(self.key)
-            call_with_retries(lambda: self.store.put(self.key, data), self.options, f"put {url}")
+            self.store.put(self.key, data)
             if self._on_progress is not None:
                 self._on_progress(len(data))
             return self.bytes_written

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from ..options import TransferOptions, resolve_options
-from ..store import open_url
 from ._compat import ModelCheckpoint
-from .fs import CloudFileSystem, register_options, unwrap, wrap
+from .fs import CloudFileSystem, register_options, target_for, unwrap, wrap
 
 __all__ = ["CloudModelCheckpoint", "is_remote"]
 
@@ -54,13 +53,12 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
         remote = is_remote(dirpath)
         super().__init__(None if remote else dirpath, *args, **kwargs)
         self._remote = remote
-        self._options = resolve_options(
-            options, **({"storage_options": storage_options} if storage_options else {})
-        )
+        settings = {"storage_options": storage_options} if storage_options else {}
+        resolve_options(options, **settings)  # a bad option fails here, not at the first save
         if remote:
             self.dirpath = unwrap(dirpath).rstrip("/")
             self._fs = CloudFileSystem()
-            register_options(self.dirpath, self._options)
+            register_options(self.dirpath, options, **settings)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not self._remote:
@@ -80,7 +78,8 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
         is_zero = is_zero or torch.distributed.get_rank() == 0
         found: list[str] = []
         if is_zero:
-            store, key = open_url(str(self.dirpath), self._options)
+            where = target_for(str(self.dirpath))
+            store, key = where.store, where.key
             pattern = re.compile(
                 rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-v?\d+)?{re.escape(self.FILE_EXTENSION)}$"
             )

@@ -19,9 +19,8 @@ from ..engine.async_save import SaveHandle, async_save
 from ..engine.load import load
 from ..engine.save import save
 from ..options import TransferOptions, resolve_options
-from ..store import open_url
 from ._compat import CheckpointIO
-from .fs import register_options, unwrap
+from .fs import register_options, target_for, unwrap
 
 __all__ = ["CloudCheckpointIO"]
 
@@ -42,8 +41,10 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         super().__init__()
         self.async_save = async_save
         self.max_in_flight = max_in_flight
-        self.options = resolve_options(options, **overrides)
-        register_options("", self.options)
+        # Kept as given and resolved per URL, so a profile a URL selects still applies.
+        self._options, self._overrides = options, overrides
+        resolve_options(options, **overrides)  # a bad option fails here, not at the first save
+        register_options("", options, **overrides)
         self._pending: list[SaveHandle] = []
         self._removals: list[Future[None]] = []
         self._remover: ThreadPoolExecutor | None = None
@@ -54,12 +55,14 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         """Write ``checkpoint`` to ``path``; in async mode return once it is staged."""
-        opts = self.options.replace(**storage_options) if storage_options else self.options
+        settings = {**self._overrides, **(storage_options or {})}
         url = unwrap(path)
         if not self.async_save:
-            save(checkpoint, url, options=opts)
+            save(checkpoint, url, options=self._options, **settings)
             return
-        handle = async_save(checkpoint, url, max_in_flight=self.max_in_flight, options=opts)
+        handle = async_save(
+            checkpoint, url, max_in_flight=self.max_in_flight, options=self._options, **settings
+        )
         with self._lock:
             self._pending = [h for h in self._pending if not h.done() or h._error] + [handle]
 
@@ -69,15 +72,16 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
     ) -> dict[str, Any]:
         """Read a checkpoint; waits for a pending save of the same path first."""
         url = unwrap(path)
-        store, key = open_url(url, self.options)
+        target = target_for(url)
         for h in self._pending_handles():
-            if h.url == store.url(key):
+            if h.url == target.store.url(target.key):
                 h.result()
         result: dict[str, Any] = load(
             url,
             map_location=map_location,
             weights_only=True if weights_only is None else weights_only,
-            options=self.options,
+            options=self._options,
+            **self._overrides,
         )
         return result
 
@@ -107,8 +111,8 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._delete(url)
 
     def _delete(self, url: str) -> None:
-        store, key = open_url(url, self.options)
-        store.delete(key)  # absent already is fine
+        target = target_for(url)
+        target.store.delete(target.key)  # absent already is fine
 
     def _pending_handles(self) -> list[SaveHandle]:
         with self._lock:

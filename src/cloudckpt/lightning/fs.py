@@ -12,36 +12,46 @@ from __future__ import annotations
 import datetime as dt
 import io
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
 from ..errors import NotAnObjectError, NotFoundError
-from ..options import TransferOptions, get_defaults
-from ..store import Store, open_url
+from ..options import TransferOptions
+from ..store import Store, Target, open_target
 
-__all__ = ["PROTOCOL", "CloudFileSystem", "register_options", "unwrap", "wrap"]
+__all__ = ["PROTOCOL", "CloudFileSystem", "register_options", "target_for", "unwrap", "wrap"]
 
 PROTOCOL = "cloudckpt"
 _PREFIX = PROTOCOL + "://"
 
-_options: dict[str, TransferOptions] = {}
-_options_lock = threading.Lock()
+#: URL prefix -> the settings given for it: an options object (or None) and overrides.
+_settings: dict[str, tuple[TransferOptions | None, Mapping[str, Any]]] = {}
+_settings_lock = threading.Lock()
 
 
-def register_options(url_prefix: str, options: TransferOptions) -> None:
-    """Use ``options`` (credentials, endpoint) for paths under ``url_prefix``."""
-    with _options_lock:
-        _options[url_prefix.rstrip("/")] = options
+def register_options(
+    url_prefix: str, options: TransferOptions | None = None, **overrides: Any
+) -> None:
+    """Use these settings (credentials, endpoint, knobs) for paths under ``url_prefix``.
+
+    They are resolved per URL (cloudckpt.store.open_target), so a profile that a URL
+    selects still applies beneath them.
+    """
+    with _settings_lock:
+        _settings[url_prefix.rstrip("/")] = (options, dict(overrides))
 
 
-def options_for(url: str) -> TransferOptions:
-    """The registered options with the longest prefix matching ``url``, else the defaults."""
-    with _options_lock:
-        matches = [p for p in _options if url == p or url.startswith(p + "/") or p == ""]
+def target_for(url: str) -> Target:
+    """The store, key and options for ``url``: the registered settings with the longest
+    prefix matching it (else none), resolved for this URL."""
+    with _settings_lock:
+        matches = [p for p in _settings if url == p or url.startswith(p + "/") or p == ""]
         best = max(matches, key=len, default=None)
-        return _options[best] if best is not None else get_defaults()
+        options, overrides = _settings[best] if best is not None else (None, {})
+    return open_target(url, options, **overrides)
 
 
 def wrap(url: str) -> str:
@@ -80,8 +90,8 @@ class CloudFileSystem(AbstractFileSystem):  # type: ignore[misc]
         return unwrap(path).rstrip("/")
 
     def _store(self, path: str) -> tuple[Store, str]:
-        url = unwrap(path)
-        return open_url(url, options_for(url))
+        where = target_for(unwrap(path))
+        return where.store, where.key
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         url = unwrap(path).rstrip("/")

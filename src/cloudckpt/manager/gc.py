@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..engine.scheduler import TransferGroup, call_with_retries
+from ..engine.scheduler import TransferGroup
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store
 from .marker import MARKER_NAME, parse_step, root_prefix
@@ -36,16 +36,14 @@ def delete_prefix(
     with missing files. Returns the number of objects deleted.
     """
     if objects is None:
-        objects = call_with_retries(
-            lambda: list(store.list(prefix)), options, f"list {store.url(prefix)}"
-        )
+        objects = list(store.list(prefix))
     keys = [o.key for o in objects]
     total = len(keys)
     marker = prefix + MARKER_NAME
     if marker in keys:
-        call_with_retries(lambda: store.delete(marker), options, f"delete {store.url(marker)}")
+        store.delete(marker)
         keys.remove(marker)
-    group = TransferGroup(options, options.write_concurrency, prefix=prefix.rstrip("/"))
+    group = TransferGroup(options, options.write_concurrency)
     for key in keys:
         group.submit(functools.partial(store.delete, key), f"delete {store.url(key)}")
     group.wait()
@@ -84,9 +82,7 @@ def collect_garbage(
     prefix = root_prefix(root_key)
     protected = set(protected)
     report = GcReport(dry_run=dry_run)
-    listing = call_with_retries(
-        lambda: list(store.list(prefix)), options, f"list {store.url(prefix)}"
-    )
+    listing = list(store.list(prefix))
     by_step: dict[str, list[ObjectInfo]] = {}
     for obj in listing:
         head, sep, _ = obj.key[len(prefix) :].partition("/")
@@ -103,18 +99,12 @@ def collect_garbage(
         report.prefixes.append((store.url(step_prefix), len(objects), sum(o.size for o in objects)))
         if not dry_run:
             delete_prefix(store, step_prefix, options, objects)
-    uploads = call_with_retries(
-        lambda: list(store.list_multipart(prefix)), options, f"list uploads {store.url(prefix)}"
-    )
+    uploads = list(store.list_multipart(prefix))
     for upload in uploads:
         age = now - upload.initiated if upload.initiated is not None else float("inf")
         if age < grace_seconds:
             continue
         report.uploads.append((store.url(upload.key), upload.upload_id, age))
         if not dry_run:
-            call_with_retries(
-                functools.partial(store.abort_multipart, upload),
-                options,
-                f"abort upload {store.url(upload.key)}",
-            )
+            store.abort_multipart(upload)
     return report

@@ -28,10 +28,9 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ..engine.scheduler import call_with_retries
 from ..errors import AlreadyExistsError, ConfigError, NotFoundError
-from ..options import TransferOptions, resolve_options
-from ..store import Store, open_url
+from ..options import TransferOptions
+from ..store import Store, open_target
 from .distributed import barrier, on_rank0
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
 from .marker import (
@@ -118,8 +117,9 @@ class CheckpointManager:
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
-        self.options = resolve_options(options, url=root_url, **overrides)
-        store, key = open_url(root_url, self.options)
+        where = open_target(root_url, options, **overrides)
+        self.options = where.options
+        store, key = where.store, where.key
         self.store: Store = store
         self.root_key = key.strip("/")
         self.root_url = store.url(root_prefix(self.root_key))
@@ -186,7 +186,7 @@ class CheckpointManager:
         self._check_step(step)
 
         def read() -> CheckpointInfo:
-            found = read_marker(self.store, marker_key(self.root_key, step), self.options)
+            found = read_marker(self.store, marker_key(self.root_key, step))
             if found is None:
                 raise NotFoundError(
                     f"no committed checkpoint for step {step} at {self.step_url(step)}"
@@ -275,9 +275,7 @@ class CheckpointManager:
         def check() -> None:
             key = marker_key(self.root_key, step)
             try:
-                call_with_retries(
-                    lambda: self.store.head(key), self.options, f"head {self.store.url(key)}"
-                )
+                self.store.head(key)
             except NotFoundError:
                 return
             raise AlreadyExistsError(
@@ -292,9 +290,7 @@ class CheckpointManager:
     ) -> CheckpointInfo:
         """List the step's objects and write its marker (rank 0, after the payload)."""
         prefix = self._step_prefix(step)
-        objects = call_with_retries(
-            lambda: list(self.store.list(prefix)), self.options, f"list {self.store.url(prefix)}"
-        )
+        objects = list(self.store.list(prefix))
         files = tuple(
             FileEntry(o.key[len(prefix) :], o.size, o.etag.strip('"') if o.etag else None)
             for o in objects
@@ -303,7 +299,7 @@ class CheckpointManager:
         if not files:
             where = self.store.url(prefix)
             raise NotFoundError(f"the payload of step {step} is missing under {where}")
-        from .. import __version__
+        from .._version import __version__
 
         info = CheckpointInfo(
             step=step,
@@ -316,7 +312,7 @@ class CheckpointManager:
             metadata=dict(metadata),
             library_version=__version__,
         )
-        write_marker(self.store, prefix + MARKER_NAME, info, self.options)
+        write_marker(self.store, prefix + MARKER_NAME, info)
         return info
 
     # -- retention -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.scheduler import TransferGroup, call_with_retries
+from ..engine.scheduler import TransferGroup
 from ..errors import CorruptCheckpointError, InvalidURLError, NotFoundError
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, check_key
@@ -187,19 +187,15 @@ def decode_marker(data: bytes, url: str) -> CheckpointInfo:
         raise CorruptCheckpointError(f"{url} is not a valid checkpoint marker: {exc}") from exc
 
 
-def write_marker(store: Store, key: str, info: CheckpointInfo, options: TransferOptions) -> None:
+def write_marker(store: Store, key: str, info: CheckpointInfo) -> None:
     """Commit a checkpoint: create its marker, create-only where the store enforces it.
 
     Raises AlreadyExistsError when the marker is already there (on stores that check).
     """
-    data = encode_marker(info)
-    url = store.url(key)
-    call_with_retries(
-        lambda: store.put(key, data, if_none_match=True), options, f"commit marker {url}"
-    )
+    store.put(key, encode_marker(info), if_none_match=True)
 
 
-def read_marker(store: Store, key: str, options: TransferOptions) -> CheckpointInfo | None:
+def read_marker(store: Store, key: str) -> CheckpointInfo | None:
     """The checkpoint committed by the marker at ``key``; None when there is no marker.
 
     A marker in a ``step-N/`` directory that names another step is corrupt (as in
@@ -207,7 +203,7 @@ def read_marker(store: Store, key: str, options: TransferOptions) -> CheckpointI
     """
     url = store.url(key)
     try:
-        data = call_with_retries(lambda: store.get(key), options, f"read marker {url}")
+        data = store.get(key)
     except NotFoundError:
         return None
     info = decode_marker(data, url)
@@ -238,9 +234,7 @@ def list_checkpoints(
     prefix = root_prefix(root_key)
     found: list[tuple[str, int]] = []
     if listing is None:
-        listing = call_with_retries(
-            lambda: list(store.list(prefix)), options, f"list {store.url(prefix)}"
-        )
+        listing = list(store.list(prefix))
     for obj in listing:
         rest = obj.key[len(prefix) :]
         parts = rest.split("/")
@@ -255,7 +249,7 @@ def list_checkpoints(
         else:
             todo.append((key, size))
     if todo:
-        group = TransferGroup(options, options.read_concurrency, prefix=prefix)
+        group = TransferGroup(options, options.read_concurrency)
 
         def fetch(key: str, size: int) -> None:
             try:

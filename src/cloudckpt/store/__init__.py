@@ -1,7 +1,10 @@
 """Backends behind one :class:`Store` interface, chosen by URL scheme.
 
-``open_url(url)`` returns the store and the key inside it. Stores are cached per
-process (and per set of storage options) so connections are reused across calls.
+:func:`open_target` is the one place a URL and a call's settings (an options object,
+keyword overrides, the profile the URL selects) become a store, a key and the options
+in force. Stores are cached per process (and per set of storage options and connection
+settings) so connections are reused across calls; each call gets a view of the cached
+store that retries by its own options.
 """
 
 from __future__ import annotations
@@ -9,11 +12,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from ..errors import InvalidURLError
-from ..options import TransferOptions
+from ..options import TransferOptions, resolve_options
 from .base import (
     MultipartUpload,
     ObjectInfo,
@@ -23,22 +27,29 @@ from .base import (
     check_key,
     join_key,
 )
+from .registry import register_store, schemes, store_factory, unsupported
+from .retry import RetryPolicy
 
 __all__ = [
     "SUPPORTED_SCHEMES",
     "MultipartUpload",
     "ObjectInfo",
+    "RetryPolicy",
     "Store",
+    "Target",
     "UploadedPart",
     "byte_view",
     "check_key",
     "join_key",
+    "open_target",
     "open_url",
+    "register_store",
     "split_url",
 ]
 
 PROFILE_SCHEME = "profile://"
-SUPPORTED_SCHEMES = ("file", "s3", "gs", "az", "abfs")
+#: The built-in schemes (third-party stores add theirs: cloudckpt.store.registry).
+SUPPORTED_SCHEMES = ("file", "s3", "gs", "az", "abfs", "memory")
 
 _cache: dict[tuple[Any, ...], Store] = {}
 _cache_lock = threading.Lock()
@@ -83,11 +94,11 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str, str]:
         elif canonical == "abfs":
             canonical = "az"
         return canonical, netloc, parts.path.lstrip("/")
-    raise InvalidURLError(
-        f"unsupported URL scheme {scheme!r} in {url}; supported: "
-        + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
-        + " and plain paths"
-    )
+    if scheme in schemes():  # memory:// and third-party stores: scheme://bucket/key
+        if not parts.netloc:
+            raise InvalidURLError(f"missing bucket name in {url} (expected {scheme}://bucket/key)")
+        return scheme, parts.netloc, parts.path.lstrip("/")
+    raise unsupported(scheme, url)
 
 
 def _freeze(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -101,65 +112,56 @@ def _profile_for(url: str) -> Any:
 
 
 def open_url(url: str | os.PathLike[str], options: TransferOptions) -> tuple[Store, str]:
-    """The (cached) store serving ``url`` and the key of ``url`` inside it.
+    """The (cached) store serving ``url`` with ``options``, and the key of ``url`` in it.
 
-    A ``profile://NAME/...`` URL, or one under a profile's ``match`` prefix, takes the
-    profile's storage options under the call's own (see cloudckpt.profiles).
+    ``options`` are taken as resolved (profiles applied): callers with a URL and a
+    call's settings use :func:`open_target`, which resolves them once.
     """
     scheme, bucket, key = split_url(url)
-    profile = _profile_for(url) if isinstance(url, str) and "://" in url else None
-    if profile is not None and profile.storage_options:
-        options = options.replace(
-            storage_options={**profile.storage_options, **options.storage_options}
-        )
-    storage_options = options.storage_options
+    factory = store_factory(scheme)
+    if factory is None:  # pragma: no cover - split_url refuses unknown schemes
+        raise unsupported(scheme, str(url))
     if scheme == "file":
-        from .local import LocalStore
-
-        if storage_options:
-            from ..errors import ConfigError
-
-            given = ", ".join(sorted(storage_options))
-            raise ConfigError(f"the filesystem takes no storage options (got {given})")
-        store_key: tuple[Any, ...] = (os.getpid(), "file")
-        with _cache_lock:
-            store = _cache.get(store_key)
-            if store is None:
-                store = _cache[store_key] = LocalStore("/")
-        return store, key.lstrip("/")
+        bucket, key = "", key.lstrip("/")
     store_key = (
         os.getpid(),
         scheme,
         bucket,
-        _freeze(storage_options),
+        _freeze(options.storage_options),
         options.connect_timeout,
         options.request_timeout,
+        options.connection_pool_size,
     )
     with _cache_lock:
         store = _cache.get(store_key)
-        if store is None:
-            store = _cache[store_key] = _make_store(scheme, bucket, options)
-    return store, key
+    if store is None:
+        made = factory(bucket, options)
+        with _cache_lock:
+            store = _cache.setdefault(store_key, made)
+        if store is not made:
+            made.close()
+    return store.with_retry(RetryPolicy.from_options(options)), key
 
 
-def _make_store(scheme: str, bucket: str, options: TransferOptions) -> Store:
-    """A new store for ``scheme``; cloud SDKs are imported only when their scheme is used."""
-    connect, read = options.connect_timeout, options.request_timeout
-    if scheme == "gs":
-        from .gcs import GCSStore
+@dataclass(frozen=True)
+class Target:
+    """Where a URL lives: the store (retrying by ``options``), the key in it, the options."""
 
-        return GCSStore(bucket, options.storage_options, connect_timeout=connect, read_timeout=read)
-    if scheme in ("az", "abfs"):
-        from .azure import AzureStore
+    url: str
+    store: Store
+    key: str
+    options: TransferOptions
 
-        container, _, account = bucket.partition("@")
-        return AzureStore(
-            container,
-            options.storage_options,
-            account=account or None,
-            connect_timeout=connect,
-            read_timeout=read,
-        )
-    from .s3 import S3Store
 
-    return S3Store(bucket, options.storage_options, connect_timeout=connect, read_timeout=read)
+def open_target(
+    url: str | os.PathLike[str], options: TransferOptions | None = None, **overrides: Any
+) -> Target:
+    """Resolve a call's settings for ``url`` and open its store: the one place that does.
+
+    Precedence: keyword ``overrides`` > ``options`` > the profile ``url`` selects >
+    :func:`cloudckpt.configure` (see :func:`cloudckpt.options.resolve_options`).
+    """
+    text = os.fspath(url) if isinstance(url, os.PathLike) else url
+    resolved = resolve_options(options, url=text, **overrides)
+    store, key = open_url(text, resolved)
+    return Target(str(text), store, key, resolved)

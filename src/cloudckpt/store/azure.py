@@ -1,7 +1,7 @@
 """Azure Blob Storage through the ``azure-storage-blob`` SDK (block blobs).
 
 Shared-key and SAS signing are intricate and the SDK does them well, so this backend
-uses it, with the SDK's own retries switched off (the scheduler retries) and one
+uses it, with the SDK's own retries switched off (the store retries, store/retry.py) and one
 pooled HTTP session sized for the configured concurrency.
 
 A multipart upload is a set of staged blocks (``Put Block``) made visible at once by
@@ -21,9 +21,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import (
-    AccessDeniedError,
     AlreadyExistsError,
     BucketNotFoundError,
+    CloudCkptError,
     ConfigError,
     CorruptCheckpointError,
     CredentialsError,
@@ -32,14 +32,15 @@ from ..errors import (
     TransientError,
 )
 from .base import (
-    Buffer,
     MultipartUpload,
     ObjectInfo,
+    Page,
     Store,
     UploadedPart,
-    byte_view,
-    check_key,
+    check_storage_options,
 )
+from .body import body_skip
+from .status import error_for
 
 __all__ = ["AZURE_OPTIONS", "AzureStore"]
 
@@ -59,21 +60,30 @@ AZURE_OPTIONS = frozenset(
 
 _MAX_BLOCK = 4000 * 1024 * 1024  # the service's largest block
 _BLOCK_ID_DIGITS = 6  # block ids must all have the same length within a blob
-_CREDENTIAL_CODES = frozenset(
-    {"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"}
-)
-_TRANSIENT_CODES = frozenset(
-    {
-        "ServerBusy",
-        "OperationTimedOut",
-        "InternalError",
-        "TooManyRequests",
-        # The body arrived damaged: sending it again is the fix.
-        "Md5Mismatch",
-        "Crc64Mismatch",
-    }
-)
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: Azure error codes whose meaning the status alone does not give (store/status.py).
+_CODES: dict[str, type[CloudCkptError]] = {
+    "ContainerNotFound": BucketNotFoundError,
+    "BlobNotFound": NotFoundError,
+    "BlobAlreadyExists": AlreadyExistsError,
+    "ConditionNotMet": AlreadyExistsError,
+    "InvalidRange": CorruptCheckpointError,
+    **dict.fromkeys(
+        ("AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"),
+        CredentialsError,
+    ),
+    **dict.fromkeys(
+        (
+            "ServerBusy",
+            "OperationTimedOut",
+            "InternalError",
+            "TooManyRequests",
+            # The body arrived damaged: sending it again is the fix.
+            "Md5Mismatch",
+            "Crc64Mismatch",
+        ),
+        TransientError,
+    ),
+}
 
 try:
     import requests
@@ -111,13 +121,7 @@ class AzureStore(Store):
                 f"az:// URLs need the Azure extra ({_IMPORT_ERROR.name} is missing): "
                 "pip install 'cloudckpt[azure]'"
             )
-        opts = dict(storage_options or {})
-        unknown = sorted(set(opts) - AZURE_OPTIONS)
-        if unknown:
-            raise ConfigError(
-                f"unknown Azure storage option(s) {', '.join(unknown)}; "
-                f"valid: {', '.join(sorted(AZURE_OPTIONS))}"
-            )
+        opts = check_storage_options("Azure", storage_options or {}, AZURE_OPTIONS)
         checksum = opts.get("checksum", "md5")
         if checksum not in ("md5", "crc64", "none"):
             raise ConfigError(
@@ -147,7 +151,7 @@ class AzureStore(Store):
         )
         kwargs: dict[str, Any] = {
             "transport": transport,
-            "retry_total": 0,  # the scheduler retries, not the SDK
+            "retry_total": 0,  # the store retries, not the SDK
             "max_single_put_size": 256 * 1024 * 1024,
             "max_single_get_size": 256 * 1024 * 1024,
             "max_chunk_get_size": 64 * 1024 * 1024,
@@ -202,31 +206,26 @@ class AzureStore(Store):
         return BlobServiceClient(account_url=str(url), credential=credential, **kwargs)
 
     # -- error mapping ---------------------------------------------------------------------
-    def _error(self, exc: Exception, key: str | None, op: str) -> Exception:
+    def _map_error(self, exc: Exception, key: str | None, op: str) -> Exception:
         where = self.url(key) if key is not None else self.root_url
         if isinstance(exc, HttpResponseError):
             raw = getattr(exc, "error_code", None) or ""
             code = str(getattr(raw, "value", raw))  # a StorageErrorCode enum or a str
             status = int(getattr(exc, "status_code", None) or 0)
-            if code == "ContainerNotFound":
-                return BucketNotFoundError(
-                    f"container does not exist: {self.root_url} (for {where})"
-                )
-            if code == "BlobNotFound" or (status == 404 and key is not None):
-                return NotFoundError(f"no such object: {where}")
-            if status == 404:
-                return BucketNotFoundError(f"container does not exist: {self.root_url}")
-            if code in _CREDENTIAL_CODES or isinstance(exc, ClientAuthenticationError):
-                return CredentialsError(f"credentials rejected for {where}: {code or status}")
-            if status == 403:
-                return AccessDeniedError(f"access denied: {op} {where} ({code or status})")
-            if code in ("BlobAlreadyExists", "ConditionNotMet") or status == 412:
-                return AlreadyExistsError(f"{where} already exists")
-            if code == "InvalidRange" or status == 416:
-                return CorruptCheckpointError(f"{where} is shorter than the range being read")
-            if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS:
-                return TransientError(f"{op} {where}: {code or status}")
-            return StorageError(f"{op} {where} failed: {code or status}")
+            if status == 404 and key is None and code not in _CODES:
+                code = "ContainerNotFound"
+            if isinstance(exc, ClientAuthenticationError) and code not in _CODES:
+                code = "AuthenticationFailed"
+            return error_for(
+                status,
+                code,
+                "",
+                url=where,
+                root_url=self.root_url,
+                op=op,
+                codes=_CODES,
+                container="container",
+            )
         if isinstance(exc, (ServiceRequestError, ServiceResponseError, ConnectionError)):
             return TransientError(f"{op} {where}: {type(exc).__name__}")
         if isinstance(exc, AzureError):
@@ -237,7 +236,7 @@ class AzureStore(Store):
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            mapped = self._error(exc, key, op)
+            mapped = self._map_error(exc, key, op)
             if mapped is exc:
                 raise
             raise mapped from None
@@ -246,48 +245,35 @@ class AzureStore(Store):
         return self._container.get_blob_client(key)
 
     # -- reads -----------------------------------------------------------------------------
-    def head(self, key: str) -> ObjectInfo:
-        check_key(key, self.root_url)
+    def _head(self, key: str) -> ObjectInfo:
         props = self._call("head", key, self._blob(key).get_blob_properties)
         return _info(key, props)
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        buf = bytearray(end - start)
-        self.read_into(key, start, [memoryview(buf)])
-        return bytes(buf)
-
-    def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
-        check_key(key, self.root_url)
-        views = [byte_view(b) for b in buffers]
-        length = sum(len(v) for v in views)
-        if length == 0:
-            return
+    def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+        length = sum(len(v) for v in buffers)
         blob = self._blob(key)
         stream = self._call(
             "read", key, blob.download_blob, offset=start, length=length, max_concurrency=1
         )
-        if stream.size != length:
-            raise CorruptCheckpointError(
-                f"{self.url(key)}: asked for {length} bytes at {start}, got {stream.size}"
-            )
-        sink = _ScatterWriter(views)
+        total = getattr(getattr(stream, "properties", None), "size", None)
+        if body_skip(self.url(key), start, length, stream.size, total):
+            raise TransientError(f"reading {self.url(key)}: the range was not honoured")
+        sink = _ScatterWriter(buffers)
         self._call("read", key, stream.readinto, sink)
         if not sink.full:
             raise TransientError(f"reading {self.url(key)}: connection closed mid-body")
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        pages = self._call("list", prefix, self._container.list_blobs, name_starts_with=prefix)
-        it = iter(pages)
-        while True:
-            props = self._call("list", prefix, next, it, None)
-            if props is None:
-                return
-            yield _info(props.name, props)
+    def _list_page(self, prefix: str, token: Any) -> Page:
+        listing = self._container.list_blobs(name_starts_with=prefix)
+        pages = listing.by_page(continuation_token=token)
+        page = self._call("list", prefix, next, pages, None)
+        if page is None:
+            return [], None
+        items = [_info(p.name, p) for p in self._call("list", prefix, list, page)]
+        return items, getattr(pages, "continuation_token", None) or None
 
     # -- writes ----------------------------------------------------------------------------
-    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
-        check_key(key, self.root_url)
-        view = byte_view(data)
+    def _put(self, key: str, view: memoryview, if_none_match: bool) -> None:
         self._call(
             "put",
             key,
@@ -299,20 +285,17 @@ class AzureStore(Store):
             max_concurrency=1,
         )
 
-    def delete(self, key: str) -> None:
-        check_key(key, self.root_url)
+    def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
             self._call("delete", key, self._blob(key).delete_blob, delete_snapshots="include")
 
-    def create_multipart(self, key: str) -> MultipartUpload:
-        check_key(key, self.root_url)
+    def _create_multipart(self, key: str) -> MultipartUpload:
         # Nothing to create server-side: the id lives in the block ids.
         return MultipartUpload(key=key, upload_id=uuid.uuid4().hex)
 
-    def upload_part(
-        self, upload: MultipartUpload, number: int, data: Buffer, offset: int
+    def _upload_part(
+        self, upload: MultipartUpload, number: int, view: memoryview, offset: int
     ) -> UploadedPart:
-        view = byte_view(data)
         if view.nbytes > _MAX_BLOCK:
             raise ConfigError(
                 f"part of {view.nbytes} bytes is above Azure's 4000 MiB block limit "
@@ -330,11 +313,11 @@ class AzureStore(Store):
         )
         return UploadedPart(number=number, etag=block_id, size=view.nbytes)
 
-    def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+    def _complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
         blocks = [BlobBlock(block_id=p.etag) for p in sorted(parts, key=lambda p: p.number)]
         self._call("complete", upload.key, self._blob(upload.key).commit_block_list, blocks)
 
-    def abort_multipart(self, upload: MultipartUpload) -> None:
+    def _abort_multipart(self, upload: MultipartUpload) -> None:
         """Discard staged blocks where the service allows it.
 
         Azure has no call that drops uncommitted blocks. When no committed blob exists,
@@ -364,9 +347,9 @@ class AzureStore(Store):
                     match_condition=_if_match(),
                 )
 
-    def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
+    def _list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
         """Uploads staged to keys that have no committed blob yet (the service lists those)."""
-        committed = {info.key for info in self.list(prefix)}
+        committed = {info.key for info in self._list_all(prefix)}
         pages = self._call(
             "list uploads",
             prefix,

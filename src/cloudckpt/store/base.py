@@ -13,20 +13,27 @@ Parts are contiguous: part ``n`` starts where part ``n - 1`` ended, and ``offset
 says where (object stores ignore it; the filesystem writes there). Every part but
 the last is at least 5 MiB.
 
-Errors: backends raise the typed errors of :mod:`cloudckpt.errors`, naming the URL;
-:class:`~cloudckpt.errors.TransientError` for faults worth retrying. Retrying is the
-scheduler's job, not the backend's.
+Every public method does the same four things, here and nowhere else: check the key
+(no ``..``, no absolute keys), retry with the store's :class:`~.retry.RetryPolicy`
+(transient faults, backoff, the per-prefix rate limit), map a backend failure to the
+typed errors of :mod:`cloudckpt.errors` naming the URL, and call one backend primitive
+(``_head``, ``_read_into``, ``_put``...). A backend implements only the primitives: each
+makes one attempt and raises a typed error (``TransientError`` for faults worth
+retrying) or lets its SDK's exception reach :meth:`Store._map_error`. Callers never
+retry by hand. docs/architecture.md shows how to add a backend.
 """
 
 from __future__ import annotations
 
+import copy
 import posixpath
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from ..errors import InvalidURLError
+from ..errors import CloudCkptError, ConfigError, InvalidURLError, TransientError
+from .retry import Cancelled, RetryPolicy
 
 __all__ = [
     "MultipartUpload",
@@ -35,10 +42,14 @@ __all__ = [
     "UploadedPart",
     "byte_view",
     "check_key",
+    "check_storage_options",
     "join_key",
 ]
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
+#: One page of a listing and the token of the next (``None`` after the last page).
+Page = tuple[Sequence["ObjectInfo"], Any]
 
 
 def byte_view(data: Buffer) -> memoryview:
@@ -86,6 +97,19 @@ def check_key(key: str, url: str) -> str:
     return key
 
 
+def check_storage_options(
+    backend: str, given: Mapping[str, Any], valid: frozenset[str]
+) -> dict[str, Any]:
+    """``given`` as a dict, or a ConfigError naming the options ``backend`` does not take."""
+    unknown = sorted(set(given) - valid)
+    if unknown:
+        raise ConfigError(
+            f"unknown {backend} storage option(s) {', '.join(unknown)}; "
+            f"valid: {', '.join(sorted(valid))}"
+        )
+    return dict(given)
+
+
 def join_key(prefix: str, relative: str, url: str = "") -> str:
     """Join a prefix and a relative key, refusing any relative key that escapes it."""
     check_key(relative, url or prefix)
@@ -94,75 +118,219 @@ def join_key(prefix: str, relative: str, url: str = "") -> str:
 
 
 class Store(ABC):
-    """A bucket (or a filesystem root) addressed by keys with ``/`` separators."""
+    """A bucket (or a filesystem root) addressed by keys with ``/`` separators.
+
+    The public methods are the contract every caller uses; subclasses implement the
+    ``_primitives`` below them (one attempt each) and may override :meth:`_map_error`.
+    """
 
     #: URL of the store's root, e.g. ``s3://bucket``; used in messages.
     root_url: str
+    #: How failed requests are retried; :meth:`with_retry` gives a copy with another.
+    retry: RetryPolicy = RetryPolicy()
 
     def url(self, key: str) -> str:
         """The user-facing URL of ``key``."""
         return f"{self.root_url.rstrip('/')}/{key}"
 
-    @abstractmethod
+    def with_retry(self, policy: RetryPolicy) -> Store:
+        """This store (same connections) retrying by ``policy``."""
+        if policy == self.retry:
+            return self
+        clone = copy.copy(self)
+        clone.retry = policy
+        return clone
+
+    # -- the one path every request takes ---------------------------------------------------
+    def _map_error(self, exc: Exception, key: str | None, op: str) -> Exception:
+        """A backend failure as a typed error naming the URL (``exc`` itself if unknown).
+
+        This default knows only the builtin network errors; HTTP backends map their
+        SDK's exceptions through :func:`cloudckpt.store.status.error_for`.
+        """
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            where = self.url(key) if key is not None else self.root_url
+            return TransientError(f"{op} {where}: {type(exc).__name__}: {exc}")
+        return exc
+
+    def _attempt(self, op: str, key: str, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except (CloudCkptError, Cancelled):
+            raise
+        except Exception as exc:
+            mapped = self._map_error(exc, key, op)
+            if mapped is exc:
+                raise
+            raise mapped from None
+
+    def _retrying(self, op: str, key: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run one primitive under the retry policy, its failures mapped to typed errors."""
+        scope = f"{self.root_url}|{key.rpartition('/')[0]}"
+        return self.retry.run(
+            lambda: self._attempt(op, key, fn, *args), f"{op} {self.url(key)}", scope=scope
+        )
+
+    # -- the contract -----------------------------------------------------------------------
     def head(self, key: str) -> ObjectInfo:
         """Size and metadata of one object; NotFoundError if absent."""
+        check_key(key, self.root_url)
+        return self._retrying("head", key, self._head, key)
 
-    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """A whole object (small ones: manifests, markers)."""
+        check_key(key, self.root_url)
+        return self._retrying("read", key, self._get, key)
+
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of an object."""
+        check_key(key, self.root_url)
+        return self._retrying("read", key, self._get_range, key, start, end)
 
-    @abstractmethod
     def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` in order from the bytes starting at ``start`` (a scatter read)."""
+        check_key(key, self.root_url)
+        views = [byte_view(b) for b in buffers]
+        if sum(v.nbytes for v in views):
+            self._retrying("read", key, self._read_into, key, start, views)
 
-    @abstractmethod
     def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
         """Store ``data`` at ``key`` atomically; with ``if_none_match`` only if absent."""
+        check_key(key, self.root_url)
+        self._retrying("put", key, self._put, key, byte_view(data), if_none_match)
 
-    @abstractmethod
     def delete(self, key: str) -> None:
         """Remove one object; absent objects are not an error."""
+        check_key(key, self.root_url)
+        self._retrying("delete", key, self._delete, key)
 
-    @abstractmethod
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        """Every object whose key starts with ``prefix``, recursively, in key order."""
+        """Every object whose key starts with ``prefix``, recursively, in key order.
 
-    @abstractmethod
+        Each page is one request, retried on its own.
+        """
+        token: Any = None
+        while True:
+            items, token = self._retrying("list", prefix, self._list_page, prefix, token)
+            yield from items
+            if token is None:
+                return
+
     def create_multipart(self, key: str) -> MultipartUpload:
         """Open a multipart upload to ``key``; nothing is visible until completed."""
+        check_key(key, self.root_url)
+        return self._retrying("create multipart upload", key, self._create_multipart, key)
 
-    @abstractmethod
     def upload_part(
         self, upload: MultipartUpload, number: int, data: Buffer, offset: int
     ) -> UploadedPart:
         """Store part ``number`` (1-based) of ``upload``."""
+        return self._retrying(
+            f"upload part {number} of",
+            upload.key,
+            self._upload_part,
+            upload,
+            number,
+            byte_view(data),
+            offset,
+        )
 
     def upload_part_views(
         self, upload: MultipartUpload, number: int, views: Sequence[memoryview], offset: int
     ) -> UploadedPart:
-        """Store part ``number`` made of ``views`` back to back (a scatter list).
+        """Store part ``number`` made of ``views`` back to back (a scatter list)."""
+        flat = [byte_view(v) for v in views]
+        return self._retrying(
+            f"upload part {number} of",
+            upload.key,
+            self._upload_part_views,
+            upload,
+            number,
+            flat,
+            offset,
+        )
 
-        This default joins them (one copy); stores that can send a scatter list as it
-        is override it.
-        """
-        return self.upload_part(upload, number, b"".join(views), offset)
-
-    @abstractmethod
     def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
         """Make the object visible, made of ``parts`` in order."""
+        self._retrying(
+            "complete multipart upload", upload.key, self._complete_multipart, upload, parts
+        )
 
-    @abstractmethod
     def abort_multipart(self, upload: MultipartUpload) -> None:
         """Discard an upload and every part stored for it."""
+        self._retrying("abort multipart upload", upload.key, self._abort_multipart, upload)
 
-    @abstractmethod
     def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
         """Open (never completed or aborted) uploads under ``prefix``."""
-
-    def get(self, key: str) -> bytes:
-        """A whole object."""
-        info = self.head(key)
-        return self.get_range(key, 0, info.size) if info.size else b""
+        yield from self._retrying(
+            "list multipart uploads", prefix, lambda: list(self._list_multipart(prefix))
+        )
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the store may not be used afterwards."""
+
+    # -- backend primitives: one attempt each, keys already checked --------------------------
+    @abstractmethod
+    def _head(self, key: str) -> ObjectInfo: ...
+
+    def _get(self, key: str) -> bytes:
+        """Default: HEAD, then one ranged read of the whole object."""
+        size = self._head(key).size
+        return self._get_range(key, 0, size) if size else b""
+
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
+        """Default: a scatter read into one new buffer."""
+        buf = bytearray(end - start)
+        if buf:
+            self._read_into(key, start, [memoryview(buf)])
+        return bytes(buf)
+
+    @abstractmethod
+    def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+        """Fill flat byte ``buffers`` (at least one byte in all) from ``start``."""
+
+    @abstractmethod
+    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> None:
+        """Remove ``key``; an absent object is success."""
+
+    @abstractmethod
+    def _list_page(self, prefix: str, token: Any) -> Page:
+        """One page of the listing under ``prefix`` from ``token`` (``None``: the first)."""
+
+    def _list_all(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every page of a listing, for primitives that need one (no retries of their own)."""
+        token: Any = None
+        while True:
+            items, token = self._list_page(prefix, token)
+            yield from items
+            if token is None:
+                return
+
+    @abstractmethod
+    def _create_multipart(self, key: str) -> MultipartUpload: ...
+
+    @abstractmethod
+    def _upload_part(
+        self, upload: MultipartUpload, number: int, data: memoryview, offset: int
+    ) -> UploadedPart: ...
+
+    def _upload_part_views(
+        self, upload: MultipartUpload, number: int, views: Sequence[memoryview], offset: int
+    ) -> UploadedPart:
+        """Default: join the views (one copy); stores that send a scatter list override it."""
+        return self._upload_part(upload, number, memoryview(b"".join(views)), offset)
+
+    @abstractmethod
+    def _complete_multipart(
+        self, upload: MultipartUpload, parts: Sequence[UploadedPart]
+    ) -> None: ...
+
+    @abstractmethod
+    def _abort_multipart(self, upload: MultipartUpload) -> None:
+        """Discard ``upload``; one already gone is success."""
+
+    @abstractmethod
+    def _list_multipart(self, prefix: str) -> Iterator[MultipartUpload]: ...

@@ -28,11 +28,9 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import (
-    AccessDeniedError,
     AlreadyExistsError,
     BucketNotFoundError,
     ConfigError,
-    CorruptCheckpointError,
     CredentialsError,
     NotFoundError,
     StorageError,
@@ -42,11 +40,14 @@ from .base import (
     Buffer,
     MultipartUpload,
     ObjectInfo,
+    Page,
     Store,
     UploadedPart,
     byte_view,
-    check_key,
+    check_storage_options,
 )
+from .body import body_skip, content_range_total, read_body_into
+from .status import error_for
 
 __all__ = ["GCS_OPTIONS", "UPLOADS_PREFIX", "GCSStore"]
 
@@ -70,7 +71,6 @@ _COMPOSE_FANIN = 32  # the most sources one compose call accepts
 _MARKER = "upload"  # name of the empty object that records an open upload
 _PART = re.compile(r"part-(\d{5,})")
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 def _missing_extra(exc: ImportError) -> ConfigError:
@@ -106,13 +106,7 @@ class GCSStore(Store):
     ) -> None:
         if _IMPORT_ERROR is not None:
             raise _missing_extra(_IMPORT_ERROR)
-        opts = dict(storage_options or {})
-        unknown = sorted(set(opts) - GCS_OPTIONS)
-        if unknown:
-            raise ConfigError(
-                f"unknown GCS storage option(s) {', '.join(unknown)}; "
-                f"valid: {', '.join(sorted(GCS_OPTIONS))}"
-            )
+        opts = check_storage_options("GCS", storage_options or {}, GCS_OPTIONS)
         checksum = opts.get("checksum", "crc32c")
         if checksum not in ("crc32c", "none"):
             raise ConfigError(
@@ -196,24 +190,12 @@ class GCSStore(Store):
             message = resp.text[:200]
         finally:
             resp.close()
-        if status == 404:
-            if key is None or not self._bucket_exists():
-                return BucketNotFoundError(f"bucket does not exist: {self.root_url} (for {where})")
-            return NotFoundError(f"no such object: {where}")
-        if status == 401:
-            return CredentialsError(f"credentials rejected for {where} ({op}): {message}")
-        if status == 403:
-            return AccessDeniedError(f"access denied: {op} {where}: {message}")
-        if status == 412:
-            return AlreadyExistsError(f"{where} already exists")
-        if status == 416:
-            return CorruptCheckpointError(f"{where} is shorter than the range being read")
+        if status == 404 and (key is None or not self._bucket_exists()):
+            return BucketNotFoundError(f"bucket does not exist: {self.root_url} (for {where})")
         if status == 400 and ("CRC32C" in message or "MD5" in message):
             # The service computed another checksum than we sent: damaged on the way.
             return TransientError(f"{op} {where}: checksum mismatch: {message}")
-        if status in _TRANSIENT_STATUS:
-            return TransientError(f"{op} {where}: {status} {message}")
-        return StorageError(f"{op} {where} failed: {status}: {message}")
+        return error_for(status, "", message, url=where, root_url=self.root_url, op=op)
 
     def _bucket_exists(self) -> bool:
         """Tell a missing bucket from a missing object (asked only after a 404)."""
@@ -228,56 +210,46 @@ class GCSStore(Store):
         return self._bucket_seen
 
     # -- reads ----------------------------------------------------------------------------
-    def head(self, key: str) -> ObjectInfo:
-        check_key(key, self.root_url)
+    def _head(self, key: str) -> ObjectInfo:
         meta = self._request("GET", self._object_url(key), key, "head").json()
         return _info(meta)
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        buf = bytearray(end - start)
-        self.read_into(key, start, [memoryview(buf)])
-        return bytes(buf)
-
-    def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
-        check_key(key, self.root_url)
-        length = sum(memoryview(b).nbytes for b in buffers)
-        if length == 0:
-            return
+    def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+        length = sum(b.nbytes for b in buffers)
         url = f"{self._download_api}/{quote(key, safe='')}?alt=media"
         headers = {"Range": f"bytes={start}-{start + length - 1}"}
         resp = self._request("GET", url, key, "read", headers=headers, stream=True)
         try:
             got = int(resp.headers.get("Content-Length", -1))
-            skip = 0
-            if got != length:
-                if resp.status_code == 200 and got >= start + length:
-                    skip = start  # the range was ignored: take our slice of the whole object
-                else:
-                    raise CorruptCheckpointError(
-                        f"{self.url(key)}: asked for {length} bytes at {start}, got {got}"
-                    )
-            read_response_into(resp.raw, skip, buffers, self.url(key))
+            total = content_range_total(resp.headers.get("Content-Range"))
+            skip = body_skip(self.url(key), start, length, got, total)
+            read_body_into(resp.raw, skip, buffers, self.url(key))
         except (requests.RequestException, ConnectionError, TimeoutError) as exc:
             raise TransientError(f"reading {self.url(key)}: {type(exc).__name__}") from None
         finally:
             resp.close()
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        for meta in self._list_raw(prefix):
-            if not meta["name"].startswith(UPLOADS_PREFIX):
-                yield _info(meta)
+    def _list_page(self, prefix: str, token: Any) -> Page:
+        items, token = self._raw_page(prefix, token)
+        return [_info(m) for m in items if not m["name"].startswith(UPLOADS_PREFIX)], token
+
+    def _raw_page(self, prefix: str, token: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        params: dict[str, str] = {"prefix": prefix}
+        if token:
+            params["pageToken"] = token
+        resp = self._request("GET", f"{self._bucket_api}/o", prefix, "list", params=params)
+        body = resp.json()
+        # The service returns names in lexicographic order; an emulator may not.
+        items = sorted(body.get("items", ()), key=lambda m: m["name"])
+        return items, body.get("nextPageToken") or None
 
     def _list_raw(self, prefix: str) -> Iterator[dict[str, Any]]:
-        params: dict[str, str] = {"prefix": prefix}
-        for _page in range(1_000_000):
-            resp = self._request("GET", f"{self._bucket_api}/o", prefix, "list", params=params)
-            body = resp.json()
-            # The service returns names in lexicographic order; an emulator may not.
-            yield from sorted(body.get("items", ()), key=lambda m: m["name"])
-            token = body.get("nextPageToken")
-            if not token:
+        token: str | None = None
+        while True:
+            items, token = self._raw_page(prefix, token)
+            yield from items
+            if token is None:
                 return
-            params["pageToken"] = token
 
     # -- writes ---------------------------------------------------------------------------
     def _upload(self, key: str, data: Buffer, *, if_none_match: bool) -> dict[str, Any]:
@@ -306,30 +278,27 @@ class GCSStore(Store):
             raise TransientError(f"put {self.url(key)}: CRC32C mismatch after upload")
         return meta
 
-    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
-        check_key(key, self.root_url)
+    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
         self._upload(key, data, if_none_match=if_none_match)
 
-    def delete(self, key: str) -> None:
-        check_key(key, self.root_url)
+    def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
             self._request("DELETE", self._object_url(key), key, "delete").close()
 
-    def create_multipart(self, key: str) -> MultipartUpload:
-        check_key(key, self.root_url)
+    def _create_multipart(self, key: str) -> MultipartUpload:
         upload_id = uuid.uuid4().hex
         self._upload(_upload_dir(key, upload_id) + _MARKER, b"", if_none_match=False)
         return MultipartUpload(key=key, upload_id=upload_id, initiated=time.time())
 
-    def upload_part(
-        self, upload: MultipartUpload, number: int, data: Buffer, offset: int
+    def _upload_part(
+        self, upload: MultipartUpload, number: int, data: memoryview, offset: int
     ) -> UploadedPart:
         name = _upload_dir(upload.key, upload.upload_id) + f"part-{number:05d}"
         meta = self._upload(name, data, if_none_match=False)
         size = byte_view(data).nbytes
         return UploadedPart(number=number, etag=str(meta.get("generation", "")), size=size)
 
-    def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+    def _complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
         folder = _upload_dir(upload.key, upload.upload_id)
         sources = [
             {"name": folder + f"part-{p.number:05d}", "generation": p.etag}
@@ -351,7 +320,7 @@ class GCSStore(Store):
             self._compose(sources, upload.key, upload.key)
         # The object is committed; leftovers are only untidy (gc finds them), never an error.
         with contextlib.suppress(StorageError):
-            self.abort_multipart(upload)
+            self._abort_multipart(upload)
 
     def _compose(self, sources: Sequence[dict[str, Any]], dest: str, key: str) -> dict[str, Any]:
         body = {
@@ -378,12 +347,12 @@ class GCSStore(Store):
         meta: dict[str, Any] = resp.json()
         return {"name": dest, "generation": str(meta.get("generation", ""))}
 
-    def abort_multipart(self, upload: MultipartUpload) -> None:
+    def _abort_multipart(self, upload: MultipartUpload) -> None:
         folder = _upload_dir(upload.key, upload.upload_id)
         for meta in list(self._list_raw(folder)):
-            self.delete(meta["name"])
+            self._delete(meta["name"])
 
-    def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
+    def _list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
         seen: dict[tuple[str, str], float | None] = {}
         for meta in self._list_raw(UPLOADS_PREFIX + prefix):
             parsed = _parse_upload_name(meta["name"])
@@ -482,35 +451,3 @@ def _crc32c(view: memoryview) -> str:
         for i in range(0, view.nbytes, _CRC_SLICE):
             value = google_crc32c.extend(value, bytes(view[i : i + _CRC_SLICE]))
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
-
-
-def read_response_into(raw: Any, skip: int, buffers: Sequence[memoryview], url: str) -> None:
-    """Read a urllib3 response body into ``buffers``, from the socket where possible.
-
-    urllib3's own ``readinto`` reads into a temporary and copies; for an identity-encoded
-    body the underlying ``http.client`` response fills caller memory directly.
-    """
-    fp = getattr(raw, "_fp", None)
-    encoding = (getattr(raw, "headers", None) or {}).get("content-encoding", "identity")
-    direct = fp is not None and hasattr(fp, "readinto") and encoding in ("identity", "")
-    remaining = skip
-    while remaining:
-        chunk = raw.read(min(remaining, 1 << 20))
-        if not chunk:
-            raise TransientError(f"reading {url}: connection closed mid-body")
-        remaining -= len(chunk)
-    for buf in buffers:
-        view = byte_view(buf)
-        filled = 0
-        while filled < len(view):
-            if direct and fp is not None:
-                n = fp.readinto(view[filled:])
-            else:
-                chunk = raw.read(len(view) - filled)
-                n = len(chunk)
-                view[filled : filled + n] = chunk
-            if not n:
-                raise TransientError(f"reading {url}: connection closed mid-body")
-            filled += n
-    if not skip and direct and hasattr(raw, "release_conn"):
-        raw.release_conn()  # the body was read to its end: the connection can be reused

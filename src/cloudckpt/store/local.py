@@ -24,9 +24,9 @@ from ..errors import (
     StorageError,
 )
 from .base import (
-    Buffer,
     MultipartUpload,
     ObjectInfo,
+    Page,
     Store,
     UploadedPart,
     byte_view,
@@ -67,7 +67,7 @@ class LocalStore(Store):
         return StorageError(f"filesystem error on {url}: {exc.strerror or exc}")
 
     # -- reads ---------------------------------------------------------------------------
-    def head(self, key: str) -> ObjectInfo:
+    def _head(self, key: str) -> ObjectInfo:
         path = self._path(key)
         try:
             st = path.stat()
@@ -77,12 +77,7 @@ class LocalStore(Store):
             raise NotAnObjectError(f"{self.url(key)} is a directory, not a checkpoint object")
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        buf = bytearray(end - start)
-        self.read_into(key, start, [memoryview(buf)])
-        return bytes(buf)
-
-    def read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+    def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -109,11 +104,12 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+    def _list_page(self, prefix: str, token: object) -> Page:
+        """The whole listing is one page."""
         # Walk only the directory the prefix lives in, not the whole root.
         base_dir = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
         if not base_dir.is_dir():
-            return
+            return [], None
         found: list[ObjectInfo] = []
         for dirpath, _dirs, files in os.walk(base_dir):
             for name in files:
@@ -125,7 +121,7 @@ class LocalStore(Store):
                     with contextlib.suppress(FileNotFoundError):
                         st = full.stat()
                         found.append(ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime))
-        yield from sorted(found, key=lambda o: o.key)
+        return sorted(found, key=lambda o: o.key), None
 
     # -- writes --------------------------------------------------------------------------
     def _temp_for(self, path: Path) -> Path:
@@ -153,7 +149,7 @@ class LocalStore(Store):
             tmp.unlink(missing_ok=True)
             raise self._oserror(exc, key) from None
 
-    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
+    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
         path = self._path(key)
         tmp = self._temp_for(path)
         try:
@@ -170,7 +166,7 @@ class LocalStore(Store):
             raise
         self._publish(tmp, path, key, if_none_match)
 
-    def delete(self, key: str) -> None:
+    def _delete(self, key: str) -> None:
         path = self._path(key)
         try:
             path.unlink()
@@ -180,7 +176,7 @@ class LocalStore(Store):
             raise self._oserror(exc, key) from None
 
     # -- multipart -----------------------------------------------------------------------
-    def create_multipart(self, key: str) -> MultipartUpload:
+    def _create_multipart(self, key: str) -> MultipartUpload:
         path = self._path(key)
         tmp = self._temp_for(path)
         try:
@@ -190,12 +186,12 @@ class LocalStore(Store):
             raise self._oserror(exc, key) from None
         return MultipartUpload(key=key, upload_id=tmp.name, backend=[fd, tmp])
 
-    def upload_part(
-        self, upload: MultipartUpload, number: int, data: Buffer, offset: int
+    def _upload_part(
+        self, upload: MultipartUpload, number: int, data: memoryview, offset: int
     ) -> UploadedPart:
-        return self._write_part(upload, number, [memoryview(data)], offset)
+        return self._write_part(upload, number, [data], offset)
 
-    def upload_part_views(
+    def _upload_part_views(
         self, upload: MultipartUpload, number: int, views: Sequence[memoryview], offset: int
     ) -> UploadedPart:
         """Each view written in place at its offset in the upload's file (no copy)."""
@@ -217,19 +213,19 @@ class LocalStore(Store):
             raise self._oserror(exc, upload.key) from None
         return UploadedPart(number=number, etag=str(number), size=pos - offset)
 
-    def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+    def _complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
         fd, tmp = upload.backend
         expected = sum(p.size for p in parts)
         try:
             os.ftruncate(fd, expected)
             os.fsync(fd)
         except OSError as exc:
-            self.abort_multipart(upload)
+            self._abort_multipart(upload)
             raise self._oserror(exc, upload.key) from None
         self._close_fd(upload)
         self._publish(tmp, self._path(upload.key), upload.key, if_none_match=False)
 
-    def abort_multipart(self, upload: MultipartUpload) -> None:
+    def _abort_multipart(self, upload: MultipartUpload) -> None:
         if upload.backend is not None:
             self._close_fd(upload)
             Path(upload.backend[1]).unlink(missing_ok=True)
@@ -243,7 +239,7 @@ class LocalStore(Store):
                 upload.backend[0] = None
                 os.close(fd)
 
-    def list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
+    def _list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
         base_dir = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
         if not base_dir.is_dir():
             return

@@ -14,7 +14,7 @@ pool's ``urlopen``; through one it takes botocore's HTTP session, which knows ho
 address it. Measured in docs/transport.md.
 
 Only answers with a body are handled here. Throttling and server errors become
-:class:`~cloudckpt.errors.TransientError` (retried by the scheduler, never doubled);
+:class:`~cloudckpt.errors.TransientError` (retried by the store, never doubled);
 any other refusal returns None and the caller repeats the request through the client,
 which refreshes credentials, follows redirects and names the error precisely. After
 :data:`MAX_MISSES` refusals in a row that the client then served, the fast path is
@@ -37,6 +37,7 @@ from urllib3.util import Url, parse_url
 from urllib3.util.retry import Retry
 
 from ..errors import TransientError
+from .status import TRANSIENT_STATUS
 
 __all__ = ["MAX_MISSES", "REUSE_SECONDS", "SignedReads"]
 
@@ -48,8 +49,7 @@ REUSE_SECONDS = 300
 MAX_MISSES = 3
 #: Cached signatures per store, at most (one per object read recently).
 _MAX_CACHED = 4096
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-#: The scheduler retries; urllib3 must not (a Retry object is immutable, so shared).
+#: The store retries; urllib3 must not (a Retry object is immutable, so shared).
 _NO_RETRIES = Retry(False)
 
 
@@ -134,7 +134,7 @@ class SignedReads:
         answer.release_conn()
         with self._lock:
             self._signatures.pop(key, None)
-        if status in _RETRY_STATUS:
+        if status in TRANSIENT_STATUS:
             raise TransientError(f"reading {where}: the server answered {status}")
         return None
 
