@@ -136,16 +136,16 @@ def test_partial_load_fetches_only_the_requested_keys(store_url, monkeypatch):
     opts = {"storage_options": store_url.storage_options}
     cloudckpt.save(state, url, **opts)
 
-    from cloudckpt.engine import load as load_mod
+    from cloudckpt.engine.ranges import RangeReader
 
     fetched: list[int] = []
-    real_submit = load_mod._Fetcher._submit
+    real_submit = RangeReader._submit
 
-    def counting_submit(self, start, buffers, recs, n):
+    def counting_submit(self, key, start, buffers, covers, n):
         fetched.append(n)
-        return real_submit(self, start, buffers, recs, n)
+        return real_submit(self, key, start, buffers, covers, n)
 
-    monkeypatch.setattr(load_mod._Fetcher, "_submit", counting_submit)
+    monkeypatch.setattr(RangeReader, "_submit", counting_submit)
     part = cloudckpt.load(url, keys=["model", "step"], **opts)
     assert list(part) == ["model", "step"]
     assert torch.equal(part["model"]["w"], state["model"]["w"]) and part["step"] == 5

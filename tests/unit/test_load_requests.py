@@ -51,3 +51,28 @@ def test_read_gap_joins_ranges_across_records_that_are_not_needed(tmp_path, coun
     # records); with one, a single request spans from "a" across "b" to "c".
     assert separate >= 3
     assert counting.calls["read_into"] == 2, (separate, counting.calls)
+
+
+def test_verify_reads_small_records_together_and_streams_large_ones(tmp_path):
+    from cloudckpt.cli.archive import verify_archive
+    from cloudckpt.errors import ChecksumError
+    from cloudckpt.options import resolve_options
+
+    store = FaultyStore(LocalStore(tmp_path))
+    state = {f"n{i}": torch.randn(64) for i in range(500)}
+    state["big"] = torch.randn(3 << 20)  # 12 MiB: more than one read of 4 MiB
+    cloudckpt.save(state, tmp_path / "v.pt")
+    opts = resolve_options(read_chunk_size=4 << 20)
+    checked = verify_archive(store, "v.pt", opts)
+    assert checked > 12 << 20
+    # 500 records of 256 bytes in a request or two, the big one in 3 pieces + header;
+    # record by record it was over a thousand requests.
+    assert store.calls["read_into"] <= 3, store.calls
+    assert store.calls["get_range"] <= 2 + 4, store.calls
+    # A flipped byte in the big record's last piece is found, named.
+    data = bytearray((tmp_path / "v.pt").read_bytes())
+    entry_end = data.rfind(bytes(state["big"].numpy().tobytes()[-64:])) + 32
+    data[entry_end] ^= 0xFF
+    (tmp_path / "v.pt").write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="data/"):
+        verify_archive(store, "v.pt", opts)

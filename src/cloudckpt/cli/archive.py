@@ -9,15 +9,15 @@ its CRC-32 against the directory.
 from __future__ import annotations
 
 import functools
-import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..engine.directory import read_directory
+from ..engine.ranges import RangeReader, split
 from ..engine.scheduler import TransferGroup
 from ..errors import ChecksumError, CorruptCheckpointError
 from ..format.checksum import crc32
@@ -34,7 +34,6 @@ from ..store import Store
 __all__ = ["ArchiveInfo", "TensorInfo", "describe", "verify_archive", "verify_archive_bytes"]
 
 #: Largest range one verify request reads (bounds memory: read_concurrency of these).
-_VERIFY_CHUNK = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -131,8 +130,12 @@ def verify_archive(
 ) -> int:
     """Check every record's local header and CRC-32; returns the bytes checked.
 
-    Raises ChecksumError naming the first bad record, CorruptCheckpointError for a
-    damaged or truncated archive (or a size different from ``expected_size``).
+    Records of up to ``read_chunk_size`` bytes are read through the shared range
+    planner (neighbours in one request) and checked in the thread that read them;
+    larger ones are streamed in ``read_chunk_size`` pieces, their CRC-32 built in
+    order, so memory stays bounded whatever the record size. Raises ChecksumError
+    naming the first bad record, CorruptCheckpointError for a damaged or truncated
+    archive (or a size different from ``expected_size``).
     """
     url = store.url(key)
     size = store.head(key).size
@@ -141,43 +144,68 @@ def verify_archive(
             f"{url} holds {size} bytes, but its checkpoint marker recorded {expected_size}"
         )
     directory = read_directory(store, key, size).directory
-    group = TransferGroup(options, min(options.read_concurrency, 8))
-    lock = threading.Lock()
-    total = 0
-
-    def check(e: Entry) -> None:
-        nonlocal total
-        header = store.get_range(key, e.header_offset, e.data_offset)
-        check_local_header(header, e, url)
-        crc = 0
-        inflate = zlib.decompressobj(-15) if e.method == 8 else None
+    chunk = options.read_chunk_size
+    records = sorted(directory.entries.values(), key=lambda e: e.header_offset)
+    for e in records:
         if e.method not in (0, 8):
             raise CorruptCheckpointError(f"{url}: record {e.name!r} uses compression {e.method}")
-        pos = e.data_offset
-        while pos < e.end:
-            n = min(_VERIFY_CHUNK, e.end - pos)
-            chunk = store.get_range(key, pos, pos + n)
-            crc = crc32(inflate.decompress(chunk) if inflate else chunk, crc)
-            pos += n
-            advance(n)
-        if inflate is not None:
-            crc = crc32(inflate.flush(), crc)
-        if crc != e.crc32:
-            raise ChecksumError(
-                f"{url}: record {e.name!r} fails its CRC-32 check "
-                f"(stored {e.crc32:08x}, read {crc:08x}): the object is corrupted"
-            )
-        with lock:
-            total += e.compressed_size
+    small = [e for e in records if e.end - e.header_offset <= chunk]
+    large = [e for e in records if e.end - e.header_offset > chunk]
 
-    for e in sorted(directory.entries.values(), key=lambda e: e.header_offset):
-        group.submit(functools.partial(check, e), f"verify {url} record {e.name}")
+    def check(e: Entry, header: memoryview, data: memoryview) -> None:
+        check_local_header(header, e, url)
+        _check_crc(e, _crc_of(e, [data]), url)
+        advance(e.compressed_size)
+
+    def stream(e: Entry) -> None:
+        check_local_header(store.get_range(key, e.header_offset, e.data_offset), e, url)
+        pieces = (
+            store.get_range(key, s, s + n)
+            for s, n in split(e.data_offset, e.compressed_size, chunk)
+        )
+        _check_crc(e, _crc_of(e, pieces, advance), url)
+
+    # A verify holds what it reads only to check it: at most 8 reads in flight.
+    options = options.replace(read_concurrency=min(options.read_concurrency, 8))
+    reader = RangeReader(store, options, stream=True)
+    group = TransferGroup(options, max(1, options.read_concurrency // 2))
     try:
+        for e in large:
+            group.submit(functools.partial(stream, e), f"verify {url} record {e.name}")
+        with reader:
+            for e in small:
+                header = memoryview(bytearray(e.local_header_size))
+                data = memoryview(bytearray(e.compressed_size))
+                reader.add(
+                    key, e.header_offset, [header, data], functools.partial(check, e, header, data)
+                )
+            reader.run()
         group.wait()
     except BaseException:
         group.cancel()
         raise
-    return total
+    return sum(e.compressed_size for e in records)
+
+
+def _crc_of(
+    e: Entry, pieces: Iterable[bytes | memoryview], advance: Callable[[int], None] | None = None
+) -> int:
+    """The CRC-32 of a record's uncompressed bytes, from its stored bytes in order."""
+    crc = 0
+    inflate = zlib.decompressobj(-15) if e.method == 8 else None
+    for piece in pieces:
+        crc = crc32(inflate.decompress(piece) if inflate else piece, crc)
+        if advance is not None:
+            advance(len(piece))
+    return crc32(inflate.flush(), crc) if inflate is not None else crc
+
+
+def _check_crc(e: Entry, crc: int, url: str) -> None:
+    if crc != e.crc32:
+        raise ChecksumError(
+            f"{url}: record {e.name!r} fails its CRC-32 check "
+            f"(stored {e.crc32:08x}, read {crc:08x}): the object is corrupted"
+        )
 
 
 def verify_archive_bytes(data: bytes, url: str) -> int:

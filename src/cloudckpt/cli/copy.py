@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine.ranges import split
 from ..engine.scheduler import TransferGroup
 from ..engine.sink import choose_part_size
 from ..errors import NotFoundError
@@ -131,7 +132,7 @@ def _download(
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     journal_path = path.with_name(path.name + PARTIAL_SUFFIX + ".json")
     chunk = options.read_chunk_size
-    count = max(1, -(-info.size // chunk))
+    pieces = split(0, info.size, chunk)  # the journal records them by index
     identity = _identity(info)
     journal = _read_json(journal_path)
     done: set[int] = set()
@@ -144,7 +145,7 @@ def _download(
         done = {int(i) for i in journal.get("done", [])}
     else:
         partial.unlink(missing_ok=True)
-    resumed = sum(min(chunk, info.size - i * chunk) for i in done)
+    resumed = sum(pieces[i][1] for i in done if i < len(pieces))
     advance(resumed)
     fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
     lock = threading.Lock()
@@ -152,8 +153,7 @@ def _download(
         os.ftruncate(fd, info.size)
 
         def fetch(i: int) -> None:
-            start = i * chunk
-            n = min(chunk, info.size - start)
+            start, n = pieces[i]
             buf = bytearray(n)
             src.read_into(info.key, start, [memoryview(buf)])
             view = memoryview(buf)
@@ -175,10 +175,9 @@ def _download(
             advance(n)
 
         group = TransferGroup(options, options.read_concurrency)
-        if info.size:
-            for i in range(count):
-                if i not in done:
-                    group.submit(functools.partial(fetch, i), f"read {src.url(info.key)} #{i}")
+        for i in range(len(pieces)):
+            if i not in done:
+                group.submit(functools.partial(fetch, i), f"read {src.url(info.key)} #{i}")
         try:
             group.wait()
         except BaseException:
@@ -226,11 +225,7 @@ def _upload(
         and journal.get("identity") == identity
         and journal.get("part_size") == part_size
     ):
-        open_ids = {
-            u.upload_id
-            for u in dst.list_multipart(dst_key)
-            if u.key == dst_key
-        }
+        open_ids = {u.upload_id for u in dst.list_multipart(dst_key) if u.key == dst_key}
         if journal.get("upload_id") in open_ids:
             upload = MultipartUpload(key=dst_key, upload_id=str(journal["upload_id"]))
             parts = {

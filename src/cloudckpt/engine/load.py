@@ -1,21 +1,26 @@
-"""Synchronous load: the archive's directory in one ranged read, then records in parallel.
+"""Synchronous load in three steps: plan, fetch, restore.
 
-Steps: HEAD the object; read its tail and parse the zip directory; fetch ``data.pkl``;
-unpickle it with a storage loader that allocates each tensor's memory and starts the
-ranged reads that fill it (so I/O overlaps unpickling); wait; check every record's
-CRC-32. Adjacent small records are coalesced into one request; large records are split
-into ``read_chunk_size`` pieces. With ``keys=[...]`` only the storages those top-level
-entries reference are fetched.
+- **plan** (:func:`_plan`): HEAD the object, read its tail and parse the zip directory
+  (one ranged read, usually), and find ``data.pkl``. An archive that cannot be read
+  record by record (legacy format, compressed records) is read whole by ``torch.load``.
+- **fetch** (:func:`_fetch`): read ``data.pkl`` (from the tail when it is there), then
+  unpickle it with a storage loader that allocates each tensor's memory and adds the
+  read that fills it to the shared range reader (engine/ranges.py: neighbours joined,
+  large records split, I/O overlapping unpickling), each record's local header and
+  CRC-32 checked in the thread that read it. With ``keys=[...]`` only the storages
+  those top-level entries reference are fetched.
+- **restore** (:func:`_restore`): byte order, and ``map_location`` applied to the
+  storages already in memory.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import sys
-import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,16 +37,13 @@ from ..errors import (
 from ..format.checksum import crc32
 from ..format.tensors import referenced_storages
 from ..format.unpickle import StorageRef, parse_persistent_id, unpickle
-from ..format.zipdir import (
-    Entry,
-    check_local_header,
-)
+from ..format.zipdir import Entry, check_local_header
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, open_target
 from .directory import read_directory
 from .memview import writable_view
 from .progress import progress_bar
-from .scheduler import TransferGroup
+from .ranges import RangeReader
 
 __all__ = ["load"]
 
@@ -51,123 +53,40 @@ def _storage_view(storage: torch.UntypedStorage) -> memoryview:
     return writable_view(storage.data_ptr(), storage.nbytes())
 
 
-class _Record:
-    """A record being fetched: destination, pieces outstanding, header scratch."""
+@dataclass
+class _Plan:
+    """Where everything a load reads sits in the object (no tensor byte read yet)."""
 
-    __slots__ = ("dest", "entry", "header", "pending", "storage")
+    store: Store
+    key: str
+    url: str
+    size: int
+    #: The archive's records by name; empty when the object must be read whole.
+    entries: dict[str, Entry] = field(default_factory=dict)
+    #: Records are named ``{prefix}data.pkl``, ``{prefix}data/0``...
+    prefix: str = ""
+    #: The tail already read for the directory (small records may sit in it).
+    tail: bytes = b""
+    tail_start: int = 0
 
-    def __init__(self, entry: Entry, dest: memoryview, storage: Any = None) -> None:
-        self.entry = entry
-        self.dest = dest
-        self.storage = storage  # keeps the memory behind ``dest`` alive
-        self.header = memoryview(bytearray(entry.local_header_size))
-        self.pending = 0
-
-
-class _Fetcher:
-    """Plans and runs the ranged reads that fill records, and checks them."""
-
-    def __init__(self, store: Store, key: str, options: TransferOptions, advance: Any) -> None:
-        self.store = store
-        self.key = key
-        self.url = store.url(key)
-        self.options = options
-        self.advance = advance
-        self.group = TransferGroup(options, options.read_concurrency)
-        self._lock = threading.Lock()
-        self._batch: list[_Record] = []
-        self._batch_bytes = 0
-
-    def add(self, record: _Record) -> None:
-        self._batch.append(record)
-        self._batch_bytes += record.entry.size
-        if self._batch_bytes >= self.options.read_chunk_size:
-            self.flush()
-
-    def flush(self) -> None:
-        """Submit the batched records, coalescing neighbours into one request."""
-        batch, self._batch = sorted(self._batch, key=lambda r: r.entry.header_offset), []
-        self._batch_bytes = 0
-        chunk, max_gap = self.options.read_chunk_size, self.options.read_gap
-        run: list[_Record] = []
-        run_end = -1
-        run_size = 0
-        for rec in batch:
-            e = rec.entry
-            total = e.local_header_size + e.size
-            gap = e.header_offset - run_end  # data descriptors sit between records
-            if run and (not 0 <= gap <= max_gap or run_size + gap + total > chunk):
-                self._submit_run(run)
-                run, run_size = [], 0
-            if total > chunk:
-                if run:
-                    self._submit_run(run)
-                    run, run_size = [], 0
-                self._submit_split(rec, chunk)
-                continue
-            run.append(rec)
-            run_size += total + (e.header_offset - run_end if len(run) > 1 else 0)
-            run_end = e.end
-        if run:
-            self._submit_run(run)
-
-    def _submit_run(self, run: list[_Record]) -> None:
-        buffers: list[memoryview] = []
-        previous_end = run[0].entry.header_offset
-        for rec in run:
-            rec.pending += 1
-            gap = rec.entry.header_offset - previous_end
-            if gap:
-                buffers.append(memoryview(bytearray(gap)))
-            buffers += [rec.header, rec.dest]
-            previous_end = rec.entry.end
-        start = run[0].entry.header_offset
-        self._submit(start, buffers, run, sum(r.entry.size for r in run))
-
-    def _submit_split(self, rec: _Record, chunk: int) -> None:
-        pieces = [(rec.entry.header_offset, [rec.header, rec.dest[: chunk - len(rec.header)]])]
-        pos = chunk - len(rec.header)
-        while pos < len(rec.dest):
-            pieces.append((rec.entry.data_offset + pos, [rec.dest[pos : pos + chunk]]))
-            pos += chunk
-        rec.pending += len(pieces)
-        for start, buffers in pieces:
-            self._submit(start, buffers, [rec], sum(len(b) for b in buffers))
-
-    def _submit(self, start: int, buffers: list[memoryview], recs: list[_Record], n: int) -> None:
-        def run() -> None:
-            self.store.read_into(self.key, start, buffers)
-            self.advance(n)
-            done: list[_Record] = []
-            with self._lock:
-                for rec in recs:
-                    rec.pending -= 1
-                    if rec.pending == 0:
-                        done.append(rec)
-            for rec in done:
-                self._check(rec)
-
-        self.group.submit(run, f"read {self.url} bytes {start}+{n}")
-
-    def _check(self, rec: _Record) -> None:
-        check_local_header(rec.header, rec.entry, self.url)
-        crc = crc32(rec.dest)
-        if crc != rec.entry.crc32:
-            raise ChecksumError(
-                f"{self.url}: record {rec.entry.name!r} fails its CRC-32 check "
-                f"(stored {rec.entry.crc32:08x}, read {crc:08x}): the object is corrupted"
-            )
-
-    def wait(self) -> None:
-        self.flush()
-        try:
-            self.group.wait()
-        except BaseException:
-            self.group.cancel()
-            raise
+    @property
+    def whole(self) -> bool:
+        """The object is read whole by ``torch.load`` (not record by record)."""
+        return not self.entries
 
 
-def _head(store: Store, key: str, options: TransferOptions) -> ObjectInfo:
+@dataclass
+class _Fetched:
+    """What the fetch step produced: the structure and the storages it filled."""
+
+    result: Any
+    data_pkl: memoryview
+    byteorder: str
+    refs: dict[str, StorageRef]
+    storages: dict[str, torch.UntypedStorage]
+
+
+def _head(store: Store, key: str) -> ObjectInfo:
     url = store.url(key)
     try:
         return store.head(key)
@@ -188,21 +107,133 @@ def _head(store: Store, key: str, options: TransferOptions) -> ObjectInfo:
         raise
 
 
-def _fallback_torch_load(
-    store: Store,
-    key: str,
-    size: int,
-    options: TransferOptions,
-    map_location: Any,
-    weights_only: bool,
-) -> Any:
-    """Archives we cannot read record by record (legacy format, compressed records)."""
+def _plan(store: Store, key: str) -> _Plan:
+    """Locate the archive's records, or decide to read the object whole."""
     url = store.url(key)
-    data = store.get_range(key, 0, size)
+    size = _head(store, key).size
+    if size == 0:
+        raise CorruptCheckpointError(f"{url} is empty")
+    whole = _Plan(store, key, url, size)
+    try:
+        found = read_directory(store, key, size)
+    except CorruptCheckpointError:
+        if size < 8 or store.get_range(key, 0, 2) == b"PK":
+            raise
+        return whole  # not a zip archive: torch's legacy format
+    entries = found.directory.entries
+    pkl_names = [n for n in entries if n.endswith("data.pkl") and n.count("/") == 1]
+    if len(pkl_names) != 1:
+        raise CorruptCheckpointError(f"{url} is a zip archive but not a torch checkpoint")
+    if any(e.method != 0 for e in entries.values()):
+        return whole
+    prefix = pkl_names[0][: -len("data.pkl")]
+    return _Plan(store, key, url, size, entries, prefix, found.tail, found.tail_start)
+
+
+def _checked(plan: _Plan, entry: Entry, header: memoryview, dest: memoryview) -> None:
+    """Refuse a record whose local header or CRC-32 is not the directory's."""
+    check_local_header(header, entry, plan.url)
+    crc = crc32(dest)
+    if crc != entry.crc32:
+        raise ChecksumError(
+            f"{plan.url}: record {entry.name!r} fails its CRC-32 check "
+            f"(stored {entry.crc32:08x}, read {crc:08x}): the object is corrupted"
+        )
+
+
+def _read_record(reader: RangeReader, plan: _Plan, entry: Entry, dest: memoryview) -> None:
+    """Add the read of one record (its local header, then its data into ``dest``)."""
+    header = memoryview(bytearray(entry.local_header_size))
+    check = functools.partial(_checked, plan, entry, header, dest)
+    reader.add(plan.key, entry.header_offset, [header, dest], check)
+
+
+def _small_records(plan: _Plan, options: TransferOptions) -> dict[str, memoryview]:
+    """``data.pkl`` and ``byteorder``, checked: from the tail already read if they are in
+    it, else in one more request."""
+    found: dict[str, memoryview] = {}
+    with RangeReader(plan.store, options) as reader:
+        for name in (plan.prefix + "data.pkl", plan.prefix + "byteorder"):
+            e = plan.entries.get(name)
+            if e is None:
+                continue
+            dest = memoryview(bytearray(e.size))
+            if e.header_offset >= plan.tail_start and e.end <= plan.tail_start + len(plan.tail):
+                rel = e.header_offset - plan.tail_start
+                header = memoryview(plan.tail)[rel : rel + e.local_header_size]
+                dest[:] = plan.tail[rel + e.local_header_size : rel + e.local_header_size + e.size]
+                _checked(plan, e, header, dest)
+            else:
+                _read_record(reader, plan, e, dest)
+            found[name] = dest
+        reader.run()
+    return found
+
+
+def _fetch(
+    plan: _Plan,
+    options: TransferOptions,
+    weights_only: bool,
+    keys: Sequence[str] | None,
+    advance: Callable[[int], None],
+) -> _Fetched:
+    """Unpickle the structure and fill every storage it needs, in parallel, checked."""
+    small = _small_records(plan, options)
+    data_pkl = small[plan.prefix + "data.pkl"]
+    byteorder = plan.prefix + "byteorder"
+    order = bytes(small[byteorder]).decode() if byteorder in small else "little"
+    refs: dict[str, StorageRef] = {}
+    storages: dict[str, torch.UntypedStorage] = {}
+    typed: dict[str, torch.storage.TypedStorage] = {}
+    eager = keys is None
+    with RangeReader(plan.store, options, stream=True, advance=advance) as reader:
+
+        def persistent_load(saved_id: Any) -> Any:
+            ref = parse_persistent_id(saved_id, plan.url)
+            if ref.key in typed:
+                return typed[ref.key]
+            entry = plan.entries.get(f"{plan.prefix}data/{ref.key}")
+            if entry is None:
+                raise CorruptCheckpointError(
+                    f"{plan.url}: storage record data/{ref.key} is missing"
+                )
+            if entry.size != ref.nbytes:
+                raise CorruptCheckpointError(
+                    f"{plan.url}: record data/{ref.key} holds {entry.size} bytes, "
+                    f"expected {ref.nbytes}"
+                )
+            storage = torch.UntypedStorage(ref.nbytes)
+            refs[ref.key] = ref
+            storages[ref.key] = storage
+            if eager:
+                _read_record(reader, plan, entry, _storage_view(storage))
+            typed[ref.key] = torch.storage.TypedStorage(
+                wrap_storage=storage, dtype=ref.dtype, _internal=True
+            )
+            return typed[ref.key]
+
+        result = unpickle(data_pkl, persistent_load, weights_only=weights_only, url=plan.url)
+        if keys is not None:
+            result = _select(result, keys, plan.url)
+            wanted = referenced_storages(result, {s._cdata: k for k, s in storages.items()})
+            for k in sorted(wanted):
+                entry = plan.entries[f"{plan.prefix}data/{k}"]
+                _read_record(reader, plan, entry, _storage_view(storages[k]))
+            for k in set(storages) - wanted:
+                del storages[k]
+        reader.run()
+    return _Fetched(result, data_pkl, order, refs, storages)
+
+
+def _read_whole(plan: _Plan, map_location: Any, weights_only: bool) -> Any:
+    """Archives we cannot read record by record (legacy format, compressed records)."""
+    data = plan.store.get_range(plan.key, 0, plan.size)
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except Exception as exc:
-        raise CorruptCheckpointError(f"{url} is not a readable torch checkpoint: {exc}") from exc
+        raise CorruptCheckpointError(
+            f"{plan.url} is not a readable torch checkpoint: {exc}"
+        ) from exc
 
 
 def _select(result: Any, keys: Sequence[str], url: str) -> dict[str, Any]:
@@ -236,122 +267,34 @@ def load(
     if isinstance(keys, str):
         keys = [keys]
     where = open_target(url, options, **overrides)
-    store, key, opts = where.store, where.key, where.options
-    target = store.url(key)
-    info = _head(store, key, opts)
-    if info.size == 0:
-        raise CorruptCheckpointError(f"{target} is empty")
-    try:
-        found = read_directory(store, key, info.size)
-    except CorruptCheckpointError:
-        if info.size < 8 or store.get_range(key, 0, 2) == b"PK":
-            raise
-        result = _fallback_torch_load(store, key, info.size, opts, map_location, weights_only)
-        return _select(result, keys, target) if keys is not None else result
-    entries = found.directory.entries
-    tail, tail_start = found.tail, found.tail_start
-    pkl_names = [n for n in entries if n.endswith("data.pkl") and n.count("/") == 1]
-    if len(pkl_names) != 1:
-        raise CorruptCheckpointError(f"{target} is a zip archive but not a torch checkpoint")
-    prefix = pkl_names[0][: -len("data.pkl")]
-    if any(e.method != 0 for e in entries.values()):
-        result = _fallback_torch_load(store, key, info.size, opts, map_location, weights_only)
-        return _select(result, keys, target) if keys is not None else result
-
-    started = time.perf_counter()
-    payload = sum(e.size for n, e in entries.items() if n.startswith(prefix + "data/"))
-    with progress_bar(f"load {key.rsplit('/', 1)[-1]}", payload, opts.progress) as advance:
-        # Small records (data.pkl, byteorder) first, from the tail already read if there.
-        meta = {}
-        fetcher = _Fetcher(store, key, opts, lambda n: None)
-        for name in (prefix + "data.pkl", prefix + "byteorder"):
-            e = entries.get(name)
-            if e is None:
-                continue
-            if e.header_offset >= tail_start and e.end <= tail_start + len(tail):
-                rel = e.header_offset - tail_start
-                rec = _Record(e, memoryview(bytearray(e.size)))
-                rec.header[:] = tail[rel : rel + e.local_header_size]
-                rec.dest[:] = tail[rel + e.local_header_size : rel + e.local_header_size + e.size]
-                fetcher._check(rec)
-            else:
-                rec = _Record(e, memoryview(bytearray(e.size)))
-                fetcher.add(rec)
-            meta[name] = rec
-        fetcher.wait()
-        data_pkl = meta[prefix + "data.pkl"].dest
-        byteorder = (
-            bytes(meta[prefix + "byteorder"].dest).decode()
-            if prefix + "byteorder" in meta
-            else "little"
-        )
-
-        fetcher = _Fetcher(store, key, opts, advance)
-        refs: dict[str, StorageRef] = {}
-        storages: dict[str, torch.UntypedStorage] = {}
-        typed: dict[str, torch.storage.TypedStorage] = {}
-        eager = keys is None
-
-        def persistent_load(saved_id: Any) -> Any:
-            ref = parse_persistent_id(saved_id, target)
-            if ref.key in typed:
-                return typed[ref.key]
-            entry = entries.get(f"{prefix}data/{ref.key}")
-            if entry is None:
-                raise CorruptCheckpointError(f"{target}: storage record data/{ref.key} is missing")
-            if entry.size != ref.nbytes:
-                raise CorruptCheckpointError(
-                    f"{target}: record data/{ref.key} holds {entry.size} bytes, "
-                    f"expected {ref.nbytes}"
-                )
-            storage = torch.UntypedStorage(ref.nbytes)
-            refs[ref.key] = ref
-            storages[ref.key] = storage
-            if eager:
-                fetcher.add(_Record(entry, _storage_view(storage), storage))
-            typed[ref.key] = torch.storage.TypedStorage(
-                wrap_storage=storage, dtype=ref.dtype, _internal=True
-            )
-            return typed[ref.key]
-
-        try:
-            result = unpickle(data_pkl, persistent_load, weights_only=weights_only, url=target)
-            if keys is not None:
-                result = _select(result, keys, target)
-                wanted = referenced_storages(result, {s._cdata: k for k, s in storages.items()})
-                for k in sorted(wanted):
-                    fetcher.add(
-                        _Record(
-                            entries[f"{prefix}data/{k}"], _storage_view(storages[k]), storages[k]
-                        )
-                    )
-                for k in set(storages) - wanted:
-                    del storages[k]
-            fetcher.wait()
-        except BaseException:
-            fetcher.group.cancel()
-            raise
-    if byteorder != sys.byteorder:
-        for k, storage in storages.items():
-            storage.byteswap(refs[k].dtype)
-
-    needs_restore = map_location not in (None, "cpu") and map_location != torch.device("cpu")
-    needs_restore = needs_restore or any(r.location != "cpu" for r in refs.values())
-    if needs_restore:
-        result = _restore(data_pkl, storages, map_location, weights_only, target, keys)
-    _ = time.perf_counter() - started
-    return result
+    plan = _plan(where.store, where.key)
+    if plan.whole:
+        result = _read_whole(plan, map_location, weights_only)
+        return _select(result, keys, plan.url) if keys is not None else result
+    data = [e for n, e in plan.entries.items() if n.startswith(plan.prefix + "data/")]
+    total = sum(e.local_header_size + e.size for e in data)
+    name = f"load {where.key.rsplit('/', 1)[-1]}"
+    with progress_bar(name, total, where.options.progress) as advance:
+        fetched = _fetch(plan, where.options, weights_only, keys, advance)
+    return _restore(fetched, map_location, weights_only, plan.url, keys)
 
 
 def _restore(
-    data_pkl: memoryview,
-    storages: dict[str, torch.UntypedStorage],
+    fetched: _Fetched,
     map_location: Any,
     weights_only: bool,
     url: str,
     keys: Sequence[str] | None,
 ) -> Any:
-    """Second, metadata-only unpickle that applies ``map_location`` to the loaded storages."""
+    """Fix the byte order of the loaded storages, then apply ``map_location`` to them
+    (a second, metadata-only unpickle), where either is needed."""
+    storages, refs = fetched.storages, fetched.refs
+    if fetched.byteorder != sys.byteorder:
+        for k, storage in storages.items():
+            storage.byteswap(refs[k].dtype)
+    on_cpu = map_location in (None, "cpu") or map_location == torch.device("cpu")
+    if on_cpu and all(r.location == "cpu" for r in refs.values()):
+        return fetched.result
     restore_location = torch.serialization._get_restore_location(map_location)
     restored: dict[str, torch.storage.TypedStorage] = {}
 
@@ -368,5 +311,5 @@ def _restore(
             )
         return restored[ref.key]
 
-    result = unpickle(data_pkl, persistent_load, weights_only=weights_only, url=url)
+    result = unpickle(fetched.data_pkl, persistent_load, weights_only=weights_only, url=url)
     return _select(result, keys, url) if keys is not None else result
