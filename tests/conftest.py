@@ -156,9 +156,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreT
     yield from make_target(request, request.param, tmp_path)
 
 
-def make_target(
-    request: pytest.FixtureRequest, name: str, tmp_path: Path
-) -> Iterator[StoreTarget]:
+def make_target(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> Iterator[StoreTarget]:
     """A fresh target on the store ``name``; ``memory`` is the in-memory store (one
     process only: the store contract runs on it, multi-process tests do not)."""
     if name == "file":

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
-from cloudckpt.dcp.checks import MAX_BLOCK, block_size_for
 from cloudckpt.errors import ChecksumError, CorruptCheckpointError, UnsafeCheckpointError
+from cloudckpt.format.dcp.checks import MAX_BLOCK, block_size_for
 from cloudckpt.format.zipdir import parse_directory
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
-from cloudckpt.dcp.archive import SavedTensor
 from cloudckpt.dcp.reader import HEAD_PROBE, TAIL_PROBE, _Archive
 from cloudckpt.errors import (
     AlreadyExistsError,
@@ -28,6 +27,7 @@ from cloudckpt.errors import (
     CorruptCheckpointError,
     NotFoundError,
 )
+from cloudckpt.format.dcp.archive import SavedTensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import cloudckpt
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
-from cloudckpt.dcp.reader import decode_metadata
 from cloudckpt.errors import CloudCkptError
+from cloudckpt.format.dcp.metadata import decode_metadata
 from cloudckpt.manager.marker import MARKER_NAME, decode_marker
 from dcp_compat import SINGLE
 
@@ -417,7 +417,7 @@ def _edit(doc: dict[str, Any], path: tuple[Any, ...], how: str, value: Any) -> d
 
 
 def _plausible(entry: list[Any], field: int) -> st.SearchStrategy[Any]:
-    """Values of the right type for an archive entry's field (see dcp/index.py)."""
+    """Values of the right type for an archive entry's field (see format/dcp/index.py)."""
     if field == 0:
         return st.sampled_from(["float32", "float64", "int32", "int64", "bfloat16", "uint8"])
     if field in (1, 2):

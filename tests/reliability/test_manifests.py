@@ -66,7 +66,7 @@ def test_a_tampered_dcp_metadata_fails_the_layout_crc(tmp_path):
 def test_dcp_metadata_memo_indexes_cannot_allocate_without_bound(tmp_path, opcode):
     """One flipped bit makes an opcode LONG_BINPUT; the C unpickler would then zero-fill
     a memo of twice its index (32 GiB here). Refused before unpickling."""
-    from cloudckpt.dcp.reader import decode_metadata
+    from cloudckpt.format.dcp.metadata import decode_metadata
 
     payload = b"\x80\x04N" + opcode + b"."
     with pytest.raises(errors.CorruptCheckpointError, match="memo index"):

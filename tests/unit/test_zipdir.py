@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cloudckpt.errors import CorruptCheckpointError
-from cloudckpt.format.zipdir import _NeedMore, check_local_header, parse_directory
+from cloudckpt.format.zipdir import NeedMoreBytes, check_local_header, parse_directory
 
 
 def _torch_archive() -> bytes:
@@ -46,7 +46,7 @@ def test_short_tail_asks_for_more():
     data = _torch_archive()
     directory = parse_directory(data, 0, len(data), "mem://x")
     start = directory.cd_offset + 10
-    with pytest.raises(_NeedMore) as more:
+    with pytest.raises(NeedMoreBytes) as more:
         parse_directory(data[start:], start, len(data), "mem://x")
     assert more.value.start == directory.cd_offset
 
@@ -54,7 +54,7 @@ def test_short_tail_asks_for_more():
 @pytest.mark.parametrize("cut", [1, 10, 100])
 def test_damaged_tails_raise_corrupt_checkpoint(cut):
     data = _torch_archive()
-    with pytest.raises((CorruptCheckpointError, _NeedMore)):
+    with pytest.raises((CorruptCheckpointError, NeedMoreBytes)):
         parse_directory(data[:-cut], 0, len(data) - cut, "mem://x")
 
 

@@ -382,7 +382,7 @@ def _dcp_tensor_slices(store: Store, prefix: str) -> dict[str, list[tuple[int, i
     """Where each tensor's ``torch.save`` archive sits in a DCP checkpoint's data objects."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..dcp.reader import decode_metadata
+    from ..format.dcp.metadata import decode_metadata
 
     key = prefix + ".metadata"
     url = store.url(key)

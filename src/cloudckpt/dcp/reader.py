@@ -18,7 +18,7 @@ destination tensor when it is a contiguous CPU tensor of the saved dtype (otherw
 into a scratch buffer, copied). Every read is checked in the thread that made it:
 slices of large records by the CRC-32 of each block they cover (the read is widened to
 block boundaries into small scratch buffers), chunks read whole by their CRC-32 (see
-:mod:`cloudckpt.dcp.checks`).
+:mod:`cloudckpt.format.dcp.checks`).
 """
 
 from __future__ import annotations
@@ -48,16 +48,16 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..format.checksum import crc32
+from ..format.dcp.archive import SavedTensor, parse_archive
+from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records
+from ..format.dcp.index import LayoutIndex, parse_index, read_document
+from ..format.dcp.layout import WHOLE_LIMIT, layout_name, metadata_name
+from ..format.dcp.metadata import ChunkIndex, decode_metadata
 from ..options import TransferOptions, resolve_options
-from .archive import SavedTensor, parse_archive
-from .checks import BlockCheck, check_chunk, check_zip_records
 from .fetch import RangeFetcher
-from .index import LayoutIndex, parse_index, read_document
-from .layout import WHOLE_LIMIT, layout_name, metadata_name
 from .location import CheckpointLocation, LocatedCheckpoint
-from .metadata import ChunkIndex, decode_metadata
 
-__all__ = ["CloudStorageReader", "decode_metadata"]
+__all__ = ["CloudStorageReader"]
 #: Bytes read from the start of a large archive: its local headers and data.pkl.
 HEAD_PROBE = 4096
 #: Bytes read from the end of a large archive: its zip directory.

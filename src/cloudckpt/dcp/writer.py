@@ -40,12 +40,10 @@ from ..engine.scheduler import Cancelled
 from ..engine.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
 from ..errors import AlreadyExistsError, ConfigError
 from ..format.checksum import crc32
-from ..options import TransferOptions, resolve_options
-from ..store import byte_view
-from .archive import SavedTensor
-from .checks import block_crcs, block_size_for
-from .index import encode_index
-from .layout import (
+from ..format.dcp.archive import SavedTensor
+from ..format.dcp.checks import block_crcs, block_size_for
+from ..format.dcp.index import encode_index
+from ..format.dcp.layout import (
     DATA_SUFFIX,
     WHOLE_LIMIT,
     StorageInfo,
@@ -55,6 +53,8 @@ from .layout import (
     metadata_name,
     split_items,
 )
+from ..options import TransferOptions, resolve_options
+from ..store import byte_view
 from .location import CheckpointLocation, LocatedCheckpoint
 
 __all__ = ["CloudStorageWriter"]

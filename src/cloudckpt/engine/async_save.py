@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import SerializationError
+from ..format.picklability import PICKLE_ERRORS, raise_if_unpicklable
 from ..options import TransferOptions
 from ..store import open_target
-from .save import _PICKLE_ERRORS, SaveResult, _unpicklable_error, write_object
+from .save import SaveResult, write_object
 from .staging import get_pool, snapshot
 
 __all__ = ["SaveHandle", "async_save", "pending_saves", "wait_all"]
@@ -57,6 +57,16 @@ class SaveHandle:
     def done(self) -> bool:
         """The save has committed or failed."""
         return self._done.is_set()
+
+    def failed(self) -> bool:
+        """The save is done and did not commit."""
+        return self._done.is_set() and self._error is not None
+
+    @property
+    def reported(self) -> bool:
+        """The save's error reached the caller (``result()``, ``exception()`` or a later
+        save), so nobody needs to raise it again."""
+        return self._reported
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the save commits or fails; returns ``done()``. Does not raise."""
@@ -170,12 +180,8 @@ def async_save(
     pool = get_pool()
     try:
         snap = snapshot(obj, pool)
-    except _PICKLE_ERRORS as exc:
-        if isinstance(exc, SerializationError):
-            raise
-        typed = _unpicklable_error(obj, exc, target)
-        if typed is not None:
-            raise typed from exc
+    except PICKLE_ERRORS as exc:
+        raise_if_unpicklable(obj, exc, target)
         raise
     handle = SaveHandle(target)
     handle._staged.set()

@@ -12,7 +12,7 @@ from ..format.zipdir import (
     LOCAL_HEADER_SIZE,
     TAIL_PROBE,
     Directory,
-    _NeedMore,
+    NeedMoreBytes,
     local_header_size,
     parse_directory,
 )
@@ -45,7 +45,7 @@ def read_directory(store: Store, key: str, size: int) -> DirectoryRead:
         try:
             directory = parse_directory(tail, start, size, url)
             break
-        except _NeedMore as more:
+        except NeedMoreBytes as more:
             if more.start >= start or more.start < 0:
                 raise CorruptCheckpointError(f"{url}: damaged zip directory") from None
             lo, hi = more.start, start

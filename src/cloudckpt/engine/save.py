@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import SerializationError, UnpicklableError
-from ..format.picklability import find_unpicklable
+from ..format.picklability import raise_if_unpicklable
 from ..format.tensors import scan_storages
 from ..options import TransferOptions
 from ..store import Store, open_target
@@ -33,25 +31,6 @@ class SaveResult:
     def throughput(self) -> float:
         """Bytes per second, end to end."""
         return self.size / self.seconds if self.seconds > 0 else float("inf")
-
-
-_PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
-
-
-def _unpicklable_error(obj: Any, exc: BaseException, url: str) -> SerializationError | None:
-    found = find_unpicklable(obj)
-    if found is None:
-        return None
-    path, bad, error = found
-    return UnpicklableError(
-        f"cannot save {url}: {path} ({type(bad).__name__}) cannot be pickled: {error}. "
-        "A checkpoint can hold tensors, containers, numbers, strings and importable "
-        "classes, but not local functions, lambdas, open files or locks. Resolve "
-        "factories into tensors before saving, or save sharded state dicts (e.g. "
-        "Megatron's) with torch.distributed.checkpoint and cloudckpt.dcp.CloudStorageWriter "
-        "(docs/dcp.md).",
-        path=path,
-    )
 
 
 def write_object(
@@ -79,10 +58,7 @@ def write_object(
             error = sink.abort_after(exc)
             if error is not exc:  # torch.save turned our failure into a RuntimeError
                 raise error from None
-            if isinstance(exc, _PICKLE_ERRORS) and not isinstance(exc, SerializationError):
-                typed = _unpicklable_error(obj, exc, target)
-                if typed is not None:
-                    raise typed from exc
+            raise_if_unpicklable(obj, exc, target)
             raise
     return SaveResult(url=target, size=size, seconds=time.perf_counter() - started)
 

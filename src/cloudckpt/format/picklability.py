@@ -18,7 +18,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_unpicklable"]
+__all__ = ["PICKLE_ERRORS", "find_unpicklable", "raise_if_unpicklable"]
+
+#: What pickling raises for an object it cannot handle (torch.save lets them through).
+PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
 
 _MAX_DEPTH = 64
 
@@ -98,3 +101,26 @@ def find_unpicklable(obj: Any, root: str = "state") -> tuple[str, Any, BaseExcep
         return _locate(obj, root, 0, set())
     finally:
         sys.setrecursionlimit(limit)
+
+
+def raise_if_unpicklable(obj: Any, exc: BaseException, url: str) -> None:
+    """Turn ``exc``, raised while pickling ``obj`` for ``url``, into an UnpicklableError
+    naming the key path that cannot be pickled and how to save it instead; return
+    quietly when ``exc`` is not such a failure (the caller re-raises it)."""
+    from ..errors import SerializationError, UnpicklableError
+
+    if not isinstance(exc, PICKLE_ERRORS) or isinstance(exc, SerializationError):
+        return
+    found = find_unpicklable(obj)
+    if found is None:
+        return
+    path, bad, error = found
+    raise UnpicklableError(
+        f"cannot save {url}: {path} ({type(bad).__name__}) cannot be pickled: {error}. "
+        "A checkpoint can hold tensors, containers, numbers, strings and importable "
+        "classes, but not local functions, lambdas, open files or locks. Resolve "
+        "factories into tensors before saving, or save sharded state dicts (e.g. "
+        "Megatron's) with torch.distributed.checkpoint and cloudckpt.dcp.CloudStorageWriter "
+        "(docs/dcp.md).",
+        path=path,
+    ) from exc

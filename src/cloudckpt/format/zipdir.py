@@ -70,7 +70,7 @@ class Directory:
     cd_size: int
 
 
-class _NeedMore(Exception):
+class NeedMoreBytes(Exception):
     def __init__(self, start: int) -> None:
         self.start = start
 
@@ -88,7 +88,7 @@ def _eocd(tail: bytes, tail_start: int, url: str) -> tuple[int, int, int]:
         (_, _, z64_offset, _) = struct.unpack_from("<4sIQI", tail, loc)
         rel = z64_offset - tail_start
         if rel < 0:
-            raise _NeedMore(z64_offset)
+            raise NeedMoreBytes(z64_offset)
         if tail[rel : rel + 4] != _ZIP64_EOCD or rel + 56 > len(tail):
             raise CorruptCheckpointError(f"{url}: zip64 end-of-directory record missing")
         (_, _, _, _, _, _, _, count, cd_size, cd_offset) = struct.unpack_from(
@@ -100,7 +100,7 @@ def _eocd(tail: bytes, tail_start: int, url: str) -> tuple[int, int, int]:
 def parse_directory(tail: bytes, tail_start: int, object_size: int, url: str) -> Directory:
     """Parse the central directory from ``tail`` (the object's bytes from ``tail_start``).
 
-    Raises ``_NeedMore(start)`` when ``tail`` does not reach back far enough; the caller
+    Raises ``NeedMoreBytes(start)`` when ``tail`` does not reach back far enough; the caller
     fetches from ``start`` and calls again.
     """
     count, cd_size, cd_offset = _eocd(tail, tail_start, url)
@@ -108,7 +108,7 @@ def parse_directory(tail: bytes, tail_start: int, object_size: int, url: str) ->
         raise CorruptCheckpointError(f"{url}: central directory lies past the end (truncated?)")
     rel = cd_offset - tail_start
     if rel < 0:
-        raise _NeedMore(cd_offset)
+        raise NeedMoreBytes(cd_offset)
     entries: dict[str, Entry] = {}
     pos = rel
     for _ in range(count):
@@ -234,7 +234,7 @@ def check_records(data: bytes | bytearray | memoryview, where: str) -> None:
         try:
             directory = parse_directory(bytes(view[start:]), start, len(view), where)
             break
-        except _NeedMore as more:
+        except NeedMoreBytes as more:
             if not 0 <= more.start < start:
                 raise CorruptCheckpointError(f"{where}: damaged zip directory") from None
             start = more.start

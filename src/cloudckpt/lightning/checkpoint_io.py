@@ -64,7 +64,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             checkpoint, url, max_in_flight=self.max_in_flight, options=self._options, **settings
         )
         with self._lock:
-            self._pending = [h for h in self._pending if not h.done() or h._error] + [handle]
+            self._pending = [h for h in self._pending if not h.done() or h.failed()] + [handle]
 
     # -- load ----------------------------------------------------------------------------
     def load_checkpoint(
@@ -90,7 +90,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         """Delete ``path``, but only after every earlier save has committed."""
         url = unwrap(path)
         with self._lock:  # still running, or failed: either way the removal must wait
-            earlier = [h for h in self._pending if not h.done() or h._error is not None]
+            earlier = [h for h in self._pending if not h.done() or h.failed()]
         if not earlier:
             self._delete(url)
             return
@@ -102,7 +102,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def _delete_after(self, url: str, earlier: list[SaveHandle]) -> None:
         for h in earlier:
             h.wait()
-        failed = [h.url for h in earlier if h._error is not None]
+        failed = [h.url for h in earlier if h.failed()]
         if failed:
             log.warning(
                 "not removing %s: the newer checkpoint(s) %s did not commit", url, ", ".join(failed)
@@ -127,7 +127,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         error: BaseException | None = None
         for h in handles:
             h.wait()
-            if error is None and h._error is not None and not h._reported:
+            if error is None and h.failed() and not h.reported:
                 error = h.exception()
         for f in removals:
             f.result()

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ChecksumError, CorruptCheckpointError
-from ..format.checksum import crc32
-from ..format.unpickle import StorageRef, parse_persistent_id
-from ..format.zipdir import _NeedMore, check_local_header, parse_directory
+from ...errors import ChecksumError, CorruptCheckpointError
+from ..checksum import crc32
+from ..unpickle import StorageRef, parse_persistent_id
+from ..zipdir import NeedMoreBytes, check_local_header, parse_directory
 from .checks import block_count, valid_block_size
 
 __all__ = ["SavedTensor", "parse_archive", "saved_from_json"]
@@ -178,7 +178,7 @@ def parse_archive(head: bytes, tail: bytes, length: int, url: str) -> SavedTenso
     """The tensor in an archive of ``length`` bytes, from its first and last bytes."""
     try:
         directory = parse_directory(tail, length - len(tail), length, url)
-    except _NeedMore:
+    except NeedMoreBytes:
         return None
     entries = directory.entries
     pkl = next((e for n, e in entries.items() if n.rpartition("/")[2] == "data.pkl"), None)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import ChecksumError
-from ..format.checksum import crc32
-from ..format.zipdir import check_records as check_zip_records
-from ..store import byte_view
+from ...errors import ChecksumError
+from ...store import byte_view
+from ..checksum import crc32
+from ..zipdir import check_records as check_zip_records
 
 __all__ = [
     "MAX_BLOCK",

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ...errors import CorruptCheckpointError
 from .archive import SavedTensor, saved_from_json
 
 __all__ = ["INDEX_FORMAT", "LayoutIndex", "encode_index", "parse_index", "read_document"]

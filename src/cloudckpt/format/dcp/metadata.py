@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from .layout import StorageInfo
 
 __all__ = ["ChunkIndex", "check_metadata", "decode_metadata"]
