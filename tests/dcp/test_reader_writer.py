@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
-from cloudckpt.dcp.reader import HEAD_PROBE, TAIL_PROBE, _Archive
+from cloudckpt.dcp.slices import HEAD_PROBE, TAIL_PROBE, Archive, SliceReader
 from cloudckpt.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -230,11 +230,12 @@ def test_a_saved_tensor_reaching_past_its_record_is_refused(tmp_path: Path) -> N
     url = str(tmp_path / "small")
     dcp.save({"b": torch.arange(4.0)}, storage_writer=CloudStorageWriter(url))
     reader = _reader(url)
-    archive = _Archive("__0_0.distcp", 0, 1000)
+    archive = Archive("__0_0.distcp", 0, 1000)
     # Strides of 2 over a record of 4 floats: the last element would lie at byte 24.
     saved = SavedTensor(torch.float32, 0, (4,), (2,), data_offset=64, record_size=16)
     with pytest.raises(CorruptCheckpointError, match="past the end of its storage record"):
-        reader._slice_of(archive, saved, _slice_item("b", (0,), (4,)), _Planner({}), url)
+        slices = SliceReader(reader.location, reader._chunks, weights_only=True)
+        slices.slice_of(archive, saved, _slice_item("b", (0,), (4,)), _Planner({}), url)
 
 
 def test_every_store_round_trip(store_url: Any, weight: torch.Tensor) -> None:

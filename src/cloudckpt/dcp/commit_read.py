@@ -1,0 +1,102 @@
+"""Reading what commits a DCP checkpoint: ``.metadata`` and the layout index beside it.
+
+The coordinator writes the layout index (format/dcp/index.py) just before ``.metadata``
+and puts the CRC-32 of ``.metadata``'s bytes in it. :func:`read_commit` reads both at
+once; the index is used only when it belongs to the same save (its save id is the one
+in ``.metadata``) and its CRC-32 matches, so a stale index left by an earlier save is
+ignored and a damaged ``.metadata`` is refused. :func:`adopt` refuses an index that
+describes bytes ``.metadata`` does not name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..engine.scheduler import TransferGroup
+from ..errors import BucketNotFoundError, ChecksumError, CorruptCheckpointError, NotFoundError
+from ..format.checksum import crc32
+from ..format.dcp.index import LayoutIndex, parse_index, read_document
+from ..format.dcp.layout import layout_name, metadata_name
+from ..format.dcp.metadata import decode_metadata
+from .location import CheckpointLocation
+
+__all__ = ["adopt", "layout_document", "read_commit", "save_id_of"]
+
+
+def save_id_of(metadata: Metadata) -> str | None:
+    """The id cloudckpt's writer gave the save (None for other writers)."""
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return save_id if isinstance(save_id, str) else None
+
+
+def _layout_payload(location: CheckpointLocation, rank: int | None) -> bytes | None:
+    """The layout index's bytes beside ``metadata_name(rank)``; None when absent."""
+    try:
+        return location.store.get(location.key(layout_name(rank)))
+    except BucketNotFoundError:
+        raise
+    except NotFoundError:
+        return None
+
+
+def layout_document(location: CheckpointLocation, rank: int | None) -> dict[str, Any] | None:
+    """The layout index as a JSON object; None when absent."""
+    payload = _layout_payload(location, rank)
+    return None if payload is None else read_document(payload, location.url_of(layout_name(rank)))
+
+
+def read_commit(
+    location: CheckpointLocation, rank: int | None
+) -> tuple[Metadata, tuple[str, LayoutIndex] | None]:
+    """``.metadata`` (checked against the layout index written with it), and that index
+    with its save id when it is the same save's.
+
+    A checkpoint without ``.metadata`` is not loadable: NotFoundError saying so.
+    """
+    name = metadata_name(rank)
+    url = location.url_of(name)
+    store, key = location.store, location.key(name)
+    group = TransferGroup(location.options, 2)
+    try:
+        marker = group.submit(lambda: store.get(key), f"read {url}")
+        layout = group.submit(lambda: _layout_payload(location, rank), f"read layout of {url}")
+        group.wait()
+    except BucketNotFoundError:
+        raise
+    except NotFoundError:
+        raise NotFoundError(
+            f"no committed checkpoint at {location.url}: {url} does not exist (a save that "
+            "did not finish leaves none)"
+        ) from None
+    payload, raw = marker.result(), layout.result()
+    layout_url = location.url_of(layout_name(rank))
+    doc = None if raw is None else read_document(raw, layout_url)
+    expected = doc.get("metadata_crc32") if doc is not None else None
+    vouched = type(expected) is int and expected == crc32(payload)
+    metadata = decode_metadata(payload, url, scan=not vouched)
+    save_id = save_id_of(metadata)
+    if doc is None or not save_id or doc.get("save_id") != save_id:
+        return metadata, None
+    index = parse_index(doc, layout_url)  # checks metadata_crc32 is a CRC-32
+    if expected is not None and not vouched:
+        raise ChecksumError(
+            f"{url} fails the CRC-32 check recorded in {layout_url} (stored "
+            f"{expected:08x}, read {crc32(payload):08x}): the object is corrupted"
+        )
+    return metadata, (save_id, index)
+
+
+def adopt(index: LayoutIndex, storage_data: Mapping[Any, Any], layout_url: str) -> LayoutIndex:
+    """The index, once every chunk it names is one ``.metadata`` has (else damaged)."""
+    chunks = {(info.relative_path, info.offset) for info in storage_data.values()}
+    for where in (*index.archives, *index.chunks):
+        if where not in chunks:
+            raise CorruptCheckpointError(
+                f"{layout_url} is damaged: it describes bytes {where[1]}+ of {where[0]}, "
+                "where .metadata has no item; delete it to load the checkpoint without the "
+                "checksums of partial reads"
+            )
+    return index

@@ -1,0 +1,381 @@
+"""How a DCP load's chunks reach their destinations: checked, sliced, delivered.
+
+:class:`SliceReader` serves :class:`~cloudckpt.dcp.reader.CloudStorageReader`'s
+``read_data``: it schedules the byte span of each requested slice of a saved tensor
+(straight into the destination where it can, widened to checksum blocks), the check of
+every chunk read whole, and hands what was read to DCP's planner (tensor archives of
+the usual shape parsed where they lie, anything else through ``torch.load``). Every
+refusal is a :class:`~cloudckpt.errors.CorruptCheckpointError` naming the object, the
+bytes and the item.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ..engine.memview import writable_view
+from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
+from ..format.dcp.archive import SavedTensor, parse_archive
+from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records
+from ..format.dcp.layout import WHOLE_LIMIT
+from ..format.dcp.metadata import ChunkIndex
+from .fetch import RangeFetcher
+from .location import CheckpointLocation
+
+__all__ = [
+    "HEAD_PROBE",
+    "TAIL_PROBE",
+    "Archive",
+    "Slice",
+    "SliceReader",
+    "item_names",
+    "read_whole",
+]
+
+#: Bytes read from the start of a large archive: its local headers and data.pkl.
+HEAD_PROBE = 4096
+#: Bytes read from the end of a large archive: its zip directory.
+TAIL_PROBE = 8192
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    return writable_view(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The slice of ``tensor`` at ``offsets`` with ``lengths`` (a view)."""
+    for dim, (off, n) in enumerate(zip(offsets, lengths, strict=True)):
+        if off != 0 or n != tensor.size(dim):
+            tensor = tensor.narrow(dim, off, n)
+    return tensor
+
+
+@dataclass
+class Archive:
+    """One stored chunk (a ``torch.save`` archive, or raw bytes) and the reads it serves."""
+
+    relative: str
+    offset: int
+    length: int
+    items: list[ReadItem] = field(default_factory=list)
+    whole: bytearray | None = None
+    head: bytearray | None = None
+    tail: bytearray | None = None
+
+
+@dataclass
+class Slice:
+    """A planned read of part of a saved tensor into its destination."""
+
+    item: ReadItem
+    target: torch.Tensor
+    scratch: torch.Tensor | None = None  # bytes to copy from when not read in place
+    saved: SavedTensor | None = None
+
+
+def read_whole(a: Archive) -> bool:
+    """Small chunks and byte items are read whole; large tensor archives by slice."""
+    return a.length <= WHOLE_LIMIT or any(i.type == LoadItemType.BYTE_IO for i in a.items)
+
+
+def item_names(a: Archive) -> str:
+    """The first few items a chunk serves, for messages."""
+    names = sorted({i.storage_index.fqn for i in a.items})
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+class SliceReader:
+    """The checks, slices and deliveries of one load of the checkpoint at ``location``."""
+
+    def __init__(
+        self, location: CheckpointLocation, chunks: ChunkIndex | None, weights_only: bool
+    ) -> None:
+        self.location = location
+        self._chunks = chunks
+        self.weights_only = weights_only
+
+    def check_sizes(self, whole: list[Archive]) -> None:
+        """Before allocating a large chunk read whole, make sure its object holds it."""
+        sizes: dict[str, int] = {}
+        for a in whole:
+            if a.length <= WHOLE_LIMIT:
+                continue
+            if a.relative not in sizes:
+                sizes[a.relative] = self.location.store.head(self.location.key(a.relative)).size
+            if a.offset + a.length > sizes[a.relative]:
+                raise CorruptCheckpointError(
+                    f"{self.location.url_of(a.relative)} holds {sizes[a.relative]} bytes; "
+                    f".metadata places {item_names(a)} at bytes {a.offset}-{a.offset + a.length}"
+                )
+
+    def whole_check(self, a: Archive, crc: int | None) -> Callable[[], None]:
+        """The check of a chunk read whole: its CRC-32 from the layout index, or else the
+        zip CRC-32 of each record (byte items that are not archives have none)."""
+        where = (
+            f"{self.location.url_of(a.relative)} bytes {a.offset}-{a.offset + a.length} "
+            f"({item_names(a)})"
+        )
+
+        def check() -> None:
+            assert a.whole is not None
+            if crc is not None:
+                check_chunk(a.whole, crc, where)
+            elif a.whole[:4] == b"PK\x03\x04" or any(
+                i.type != LoadItemType.BYTE_IO for i in a.items
+            ):
+                check_zip_records(a.whole, where)
+
+        return check
+
+    def _chunk_of(self, item: ReadItem, url: str) -> tuple[tuple[int, ...], torch.dtype]:
+        found = self._chunks.get(item.storage_index) if self._chunks is not None else None
+        if found is None:
+            raise CorruptCheckpointError(
+                f"{url}: .metadata describes no saved chunk of {item.storage_index.fqn} at "
+                f"offsets {list(item.storage_index.offset or [])}"
+            )
+        return found
+
+    def _vet_bytes(self, a: Archive, item: ReadItem, url: str) -> None:
+        """Refuse a byte item that torch's weights-only unpickler refuses."""
+        assert a.whole is not None
+        try:
+            torch.load(io.BytesIO(a.whole), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError) as exc:
+            raise UnsafeCheckpointError(
+                f"{url}: {item.storage_index.fqn} holds objects that weights_only loading "
+                f"does not allow: {exc}. If you trust this checkpoint, pass "
+                "CloudStorageReader(..., weights_only=False); to allow a specific class, "
+                "use torch.serialization.add_safe_globals([...])."
+            ) from exc
+        except Exception:  # damaged bytes: the planner's own load reports them
+            pass
+
+    def deliver_whole(self, a: Archive, planner: LoadPlanner) -> None:
+        """Hand a fully read chunk to the planner.
+
+        A tensor archive of the usual shape (one tensor, stored records, little-endian)
+        is parsed where it lies and its slices copied straight from the storage record:
+        a third of the CPU of ``torch.load`` per archive, which is most of a load of
+        many small tensors. Anything else is unpickled by ``torch.load``, as
+        FileSystemReader does.
+        """
+        assert a.whole is not None
+        url = self.location.url_of(a.relative)
+        if all(i.type != LoadItemType.BYTE_IO for i in a.items):
+            record = self._record_in(a, url)
+            if record is not None:
+                saved, flat = record
+                for item in a.items:
+                    target, lengths, first = self.slice_of(a, saved, item, planner, url)
+                    if math.prod(lengths):
+                        target.copy_(flat.as_strided(lengths, saved.stride, first))
+                    planner.commit_tensor(item, target)
+                return
+        loaded: torch.Tensor | None = None
+        for item in a.items:
+            if item.type == LoadItemType.BYTE_IO:
+                if self.weights_only:
+                    self._vet_bytes(a, item, url)
+                try:
+                    planner.load_bytes(item, io.BytesIO(a.whole))
+                except CloudCkptError:
+                    raise
+                except Exception as exc:  # the default planner: torch.load of the bytes
+                    raise CorruptCheckpointError(
+                        f"{url}: bytes {a.offset}-{a.offset + a.length} "
+                        f"({item.storage_index.fqn}) could not be loaded: {exc}"
+                    ) from exc
+                continue
+            if loaded is None:
+                try:
+                    loaded = torch.load(io.BytesIO(a.whole), map_location="cpu", weights_only=True)
+                except Exception as exc:
+                    raise CorruptCheckpointError(
+                        f"{url}: bytes {a.offset}-{a.offset + a.length} "
+                        f"({item.storage_index.fqn}) are not a tensor archive: {exc}"
+                    ) from exc
+                if not isinstance(loaded, torch.Tensor):
+                    raise CorruptCheckpointError(
+                        f"{url}: {item.storage_index.fqn} holds {type(loaded).__name__}"
+                    )
+            sizes, dtype = self._chunk_of(item, url)
+            if tuple(loaded.shape) != sizes or loaded.dtype != dtype:
+                raise CorruptCheckpointError(
+                    f"{url}: bytes {a.offset}-{a.offset + a.length} hold a {loaded.dtype} "
+                    f"tensor of shape {tuple(loaded.shape)}; .metadata says "
+                    f"{item.storage_index.fqn} is {dtype} {sizes}"
+                )
+            if len(item.storage_offsets) != loaded.dim() or any(
+                o < 0 or o + n > s
+                for o, n, s in zip(item.storage_offsets, item.lengths, loaded.shape, strict=True)
+            ):
+                raise CorruptCheckpointError(
+                    f"{url}: {item.storage_index.fqn} asks for offsets "
+                    f"{tuple(item.storage_offsets)} lengths {tuple(item.lengths)} of a saved "
+                    f"chunk of shape {tuple(loaded.shape)}"
+                )
+            source = narrow(loaded, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():
+                raise CorruptCheckpointError(
+                    f"{url}: {item.storage_index.fqn} slice has shape {tuple(source.shape)}, "
+                    f"the destination {tuple(target.shape)}"
+                )
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+
+    def _record_in(self, a: Archive, url: str) -> tuple[SavedTensor, torch.Tensor] | None:
+        """The tensor of an archive read whole and its storage record as a flat tensor of
+        its dtype (a view of the bytes read), or None when ``torch.load`` must read it."""
+        assert a.whole is not None
+        data = bytes(a.whole[:HEAD_PROBE])
+        where = f"{url} bytes {a.offset}-{a.offset + a.length}"
+        saved = parse_archive(data, bytes(a.whole[-TAIL_PROBE:]), a.length, where)
+        if saved is None or saved.data_offset + saved.record_size > a.length:
+            return None
+        itemsize = saved.dtype.itemsize
+        if saved.record_size % itemsize or saved.data_offset % itemsize:
+            return None
+        count = saved.record_size // itemsize
+        if count == 0:
+            return saved, torch.empty(0, dtype=saved.dtype)
+        flat = torch.frombuffer(a.whole, dtype=saved.dtype, count=count, offset=saved.data_offset)
+        return saved, flat
+
+    def slice_of(
+        self, a: Archive, saved: SavedTensor, item: ReadItem, planner: LoadPlanner, url: str
+    ) -> tuple[torch.Tensor, tuple[int, ...], int]:
+        """``item``'s destination, its lengths and the element of the storage record where
+        the slice starts, once the saved tensor is the one ``.metadata`` describes, the
+        slice lies inside it and inside its record, and the destination has its shape."""
+        fqn = item.storage_index.fqn
+        sizes, dtype = self._chunk_of(item, url)
+        if saved.size != sizes or saved.dtype != dtype:
+            raise CorruptCheckpointError(
+                f"{url}: bytes {a.offset}-{a.offset + a.length} hold a {saved.dtype} tensor "
+                f"of shape {saved.size}; .metadata says {fqn} is {dtype} {sizes}"
+            )
+        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        if len(lengths) != len(saved.size) or any(
+            o < 0 or o + n > s for o, n, s in zip(offsets, lengths, saved.size, strict=True)
+        ):
+            raise CorruptCheckpointError(
+                f"{url}: {fqn} asks for offsets {offsets} lengths {lengths} "
+                f"of a saved chunk of shape {saved.size}"
+            )
+        first = saved.storage_offset + sum(
+            o * st for o, st in zip(offsets, saved.stride, strict=True)
+        )
+        if math.prod(lengths):
+            last = first + sum((n - 1) * st for n, st in zip(lengths, saved.stride, strict=True))
+            if (
+                saved.storage_offset < 0
+                or any(st < 0 for st in saved.stride)
+                or (last + 1) * saved.dtype.itemsize > saved.record_size
+            ):
+                raise CorruptCheckpointError(
+                    f"{url}: {fqn} lies past the end of its storage record"
+                )
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != lengths:
+            raise CorruptCheckpointError(
+                f"{url}: {fqn} slice has shape {lengths}, the destination {tuple(target.shape)}"
+            )
+        return target, lengths, first
+
+    def plan_slice(
+        self,
+        a: Archive,
+        saved: SavedTensor,
+        item: ReadItem,
+        planner: LoadPlanner,
+        fetcher: RangeFetcher,
+    ) -> Slice:
+        """Schedule the byte span holding ``item``'s slice of a saved tensor, and its check.
+
+        With block checksums the span is widened to block boundaries: the extra bytes
+        (less than a block at each end) go to small scratch buffers, the span itself
+        still straight into the destination, and every block is checked once read.
+        Without them, a slice that is the whole record is checked by its zip CRC-32; a
+        partial slice of an archive written without a layout index is not checked.
+        """
+        url = self.location.url_of(a.relative)
+        fqn = item.storage_index.fqn
+        target, lengths, first = self.slice_of(a, saved, item, planner, url)
+        numel = math.prod(lengths)
+        if numel == 0:
+            return Slice(item, target)
+        itemsize = saved.dtype.itemsize
+        span = sum((n - 1) * st for n, st in zip(lengths, saved.stride, strict=True)) + 1
+        dense = span == numel and all(
+            n == 1 or st == math.prod(lengths[d + 1 :])
+            for d, (n, st) in enumerate(zip(lengths, saved.stride, strict=True))
+        )
+        result = Slice(item, target)
+        if (
+            dense
+            and target.device.type == "cpu"
+            and target.dtype == saved.dtype
+            and target.is_contiguous()
+        ):
+            middle = tensor_bytes(target)
+        else:
+            result = Slice(item, target, torch.empty(span * itemsize, dtype=torch.uint8), saved)
+            assert result.scratch is not None
+            middle = tensor_bytes(result.scratch)
+        record = a.offset + saved.data_offset  # where the record's bytes start in the object
+        lo, hi = first * itemsize, (first + span) * itemsize
+        if saved.block_size:
+            self._add_checked(a, saved, lo, hi, middle, fetcher, f"{fqn}")
+        elif saved.record_crc is not None and lo == 0 and hi == saved.record_size:
+            expected = saved.record_crc
+            where = f"{url} bytes {record}-{record + hi} ({fqn}, its storage record)"
+            fetcher.add(a.relative, record, middle, lambda: check_chunk(middle, expected, where))
+        else:
+            fetcher.add(a.relative, record + lo, middle)
+        return result
+
+    def _add_checked(
+        self,
+        a: Archive,
+        saved: SavedTensor,
+        lo: int,
+        hi: int,
+        middle: memoryview,
+        fetcher: RangeFetcher,
+        name: str,
+    ) -> None:
+        """Read record bytes ``[lo, hi)`` into ``middle`` widened to whole blocks, each
+        request a run of whole blocks (up to ``read_chunk_size``) checked when it lands."""
+        size = saved.block_size
+        start = lo // size * size
+        end = min(-(-hi // size) * size, saved.record_size)
+        pieces = [
+            (start, memoryview(bytearray(lo - start))),
+            (lo, middle),
+            (hi, memoryview(bytearray(end - hi))),
+        ]
+        record = a.offset + saved.data_offset
+        where = (self.location.url_of(a.relative), name)
+        group = max(size, self.location.options.read_chunk_size // size * size)
+        for g_start in range(start, end, group):
+            g_end = min(g_start + group, end)
+            views = [
+                view[max(g_start, pos) - pos : min(g_end, pos + view.nbytes) - pos]
+                for pos, view in pieces
+                if pos < g_end and pos + view.nbytes > g_start
+            ]
+            check = BlockCheck(
+                views, g_start, size, saved.block_crcs, saved.record_size, record, where
+            )
+            fetcher.add(a.relative, record + g_start, views, check)
