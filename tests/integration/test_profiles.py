@@ -98,3 +98,26 @@ def test_missing_config_named_by_env_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOUDCKPT_CONFIG", str(tmp_path / "nope.toml"))
     with pytest.raises(errors.ConfigError, match="does not exist"):
         find_profile("s3://b/k")
+
+
+def test_cp_and_lightning_keep_the_profiles_transfer_settings(config, moto_server, tmp_path):
+    """The CLI and Lightning resolve their settings per URL: the profile's part size
+    reaches a copy's multipart upload, and its endpoint and credentials the IO."""
+    import math
+
+    from cloudckpt.cli import main as cli_main
+    from cloudckpt.engine.sink import choose_part_size
+    from cloudckpt.lightning import CloudCheckpointIO
+
+    bucket = moto_server.make_bucket("profile-cp")
+    config(_profile_toml(moto_server, bucket))  # part_size 8 MiB, write_concurrency 3
+    src = tmp_path / "big.bin"
+    src.write_bytes(bytes(range(256)) * (20 * MiB // 256))
+    assert cli_main(["cp", str(src), f"s3://{bucket}/copied.bin", "--no-progress"]) == 0
+    etag = moto_server.client().head_object(Bucket=bucket, Key="copied.bin")["ETag"]
+    part = choose_part_size(20 * MiB, 8 * MiB, 3)
+    assert etag.strip('"').endswith(f"-{math.ceil(20 * MiB / part)}"), etag
+
+    io = CloudCheckpointIO()  # no storage options: the profile gives them
+    io.save_checkpoint({"w": torch.arange(5)}, f"s3://{bucket}/io.ckpt")
+    assert torch.equal(io.load_checkpoint(f"s3://{bucket}/io.ckpt")["w"], torch.arange(5))

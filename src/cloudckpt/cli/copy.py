@@ -30,7 +30,7 @@ from typing import Any
 
 from ..engine.ranges import split
 from ..engine.scheduler import TransferGroup
-from ..engine.sink import choose_part_size
+from ..engine.sink import ObjectSink, choose_part_size
 from ..errors import NotFoundError
 from ..options import TransferOptions
 from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart
@@ -203,6 +203,10 @@ def _upload(
     state_dir: Path | None,
     advance: Callable[[int], None],
 ) -> int:
+    """Copy to an object store through the sink ``save`` uses (its part size, buffers,
+    byte budget and commit), each part read from the source in the thread that uploads
+    it. A journal records the open upload and its stored parts, so an interrupted copy
+    continues where it stopped."""
     dst_url = dst.url(dst_key)
     # The rule save uses (engine/sink.py), so a profile's part_size means the same here.
     part_size = choose_part_size(info.size, options.part_size, options.write_concurrency)
@@ -235,51 +239,58 @@ def _upload(
     if upload is None:
         upload = dst.create_multipart(dst_key)
         parts = {}
+    opened = upload
     resumed = sum(p.size for p in parts.values())
     advance(resumed)
     lock = threading.Lock()
 
-    def save_journal() -> None:
-        _write_json(
-            journal_path,
-            {
-                "source": src.url(info.key),
-                "destination": dst_url,
-                "identity": identity,
-                "part_size": part_size,
-                "upload_id": upload.upload_id,
-                "parts": {str(p.number): [p.etag, p.size] for p in parts.values()},
-            },
-        )
+    def save_journal(part: UploadedPart | None = None) -> None:
+        with lock:
+            if part is not None:
+                parts[part.number] = part
+            _write_json(
+                journal_path,
+                {
+                    "source": src.url(info.key),
+                    "destination": dst_url,
+                    "identity": identity,
+                    "part_size": part_size,
+                    "upload_id": opened.upload_id,
+                    "parts": {str(p.number): [p.etag, p.size] for p in parts.values()},
+                },
+            )
 
     save_journal()
-    count = -(-info.size // part_size)
-
-    def send(number: int) -> None:
-        start = (number - 1) * part_size
-        n = min(part_size, info.size - start)
-        buf = bytearray(n)
-        src.read_into(info.key, start, [memoryview(buf)])
-        part = dst.upload_part(upload, number, buf, start)
-        with lock:
-            parts[number] = part
-            save_journal()
-        advance(n)
-
-    group = TransferGroup(options, options.write_concurrency)
-    for number in range(1, count + 1):
-        if number not in parts:
-            group.submit(functools.partial(send, number), f"copy part {number} to {dst_url}")
+    sink = ObjectSink(
+        dst,
+        dst_key,
+        options,
+        size_hint=info.size,
+        on_progress=advance,
+        upload=upload,
+        on_part=save_journal,
+    )
+    if sink.part_size != part_size:  # pragma: no cover - the same rule, the same hint
+        raise AssertionError(f"part size {sink.part_size} != {part_size}")
+    stored = dict(parts)
     try:
-        group.wait()
-    except BaseException:
-        group.cancel()
-        raise  # the journal and the open upload stay for the next run
-    ordered = [parts[n] for n in range(1, count + 1)]
-    try:
-        dst.complete_multipart(upload, ordered)
+        for number, (start, n) in enumerate(split(0, info.size, part_size), 1):
+            done = stored.get(number)
+            if done is not None and done.size == n:
+                sink.adopt_part(done)
+                continue
+
+            def fill(view: memoryview, start: int = start) -> None:
+                src.read_into(info.key, start, [view])
+
+            sink.add_part(n, fill)
+        sink.commit()
     except NotFoundError:
+        sink.abort()
         journal_path.unlink(missing_ok=True)  # the upload vanished; start over next time
+        raise
+    except BaseException:
+        sink.abort(keep_upload=True)  # the journal and the open upload stay for the next run
         raise
     with contextlib.suppress(OSError):
         journal_path.unlink()

@@ -10,6 +10,12 @@ them warm.
 Commit rule: nothing is visible at the URL until :meth:`commit` completes the upload
 (or, for an object smaller than one part, puts it in one request). :meth:`abort`
 discards every stored part; it is what every failure path calls.
+
+Besides ``write``, a caller that has its bytes elsewhere (``cloudckpt cp``: a ranged
+read of the source) adds whole parts with :meth:`ObjectSink.add_part`, each filled in
+the uploading thread; a resumed copy continues an open upload (``upload=``), adopts the
+parts already stored (:meth:`adopt_part`), hears of each new one (``on_part``), and on
+failure keeps the upload open for the next try (``abort(keep_upload=True)``).
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ class ObjectSink:
         *,
         size_hint: int = 0,
         on_progress: Callable[[int], None] | None = None,
+        upload: MultipartUpload | None = None,
+        on_part: Callable[[UploadedPart], None] | None = None,
     ) -> None:
         self.store = store
         self.key = key
@@ -90,9 +98,10 @@ class ObjectSink:
         self._offset = 0  # bytes handed to parts so far
         self._parts: list[UploadedPart] = []
         self._parts_lock = threading.Lock()
-        self._upload: MultipartUpload | None = None
+        self._upload: MultipartUpload | None = upload
         self._next_part = 1
         self._on_progress = on_progress
+        self._on_part = on_part
         self._closed = False
         self.bytes_written = 0
         #: The failure that stopped writing; torch.save may wrap it, save() re-raises it.
@@ -166,9 +175,36 @@ class ObjectSink:
         self._buf = None
         self._send_part([memoryview(buf)[:size]], size, lambda: self._release_buffer(buf))
 
-    def _send_part(self, views: list[memoryview], size: int, release: Callable[[], None]) -> None:
+    def add_part(self, size: int, fill: Callable[[memoryview], None]) -> None:
+        """Add the next part: ``size`` bytes (``part_size`` but for the last part) that
+        ``fill`` writes into a part buffer, in the thread that then uploads it."""
+        if size > self.part_size or size < 1:
+            raise ValueError(f"a part of {size} bytes does not fit parts of {self.part_size}")
+        buf = self._acquire_buffer()
+        view = memoryview(buf)[:size]
+        self._send_part([view], size, lambda: self._release_buffer(buf), fill=fill)
+        self.bytes_written += size
+
+    def adopt_part(self, part: UploadedPart) -> None:
+        """Count ``part``, stored earlier in the open upload, as the next part."""
+        if self._upload is None or part.number != self._next_part:
+            raise ValueError(f"part {part.number} is not the next part of an open upload")
+        with self._parts_lock:
+            self._parts.append(part)
+        self._next_part += 1
+        self._offset += part.size
+        self.bytes_written += part.size
+
+    def _send_part(
+        self,
+        views: list[memoryview],
+        size: int,
+        release: Callable[[], None],
+        fill: Callable[[memoryview], None] | None = None,
+    ) -> None:
         """Upload ``views`` (``size`` bytes, back to back) as the next part; ``release``
-        runs once the part is stored or abandoned."""
+        runs once the part is stored or abandoned. ``fill`` first writes the one view,
+        in the uploading thread."""
         offset = self._offset
         self._offset += size
         if self._upload is None:
@@ -178,12 +214,16 @@ class ObjectSink:
         self._next_part += 1
 
         def send() -> None:
+            if fill is not None:
+                fill(views[0])
             if len(views) == 1:
                 part = self.store.upload_part(upload, number, views[0], offset)
             else:
                 part = self.store.upload_part_views(upload, number, views, offset)
             with self._parts_lock:
                 self._parts.append(part)
+            if self._on_part is not None:
+                self._on_part(part)
             if self._on_progress is not None:
                 self._on_progress(size)
 
@@ -227,15 +267,16 @@ class ObjectSink:
             return self.error
         return exc
 
-    def abort(self) -> None:
-        """Discard everything stored so far; safe to call more than once."""
+    def abort(self, *, keep_upload: bool = False) -> None:
+        """Discard everything stored so far; safe to call more than once. With
+        ``keep_upload`` the parts stored stay in the open upload (a resumable copy)."""
         self._closed = True
         self._group.cancel()
         if self._buf is not None:
             self._release_buffer(self._buf)
             self._buf = None
         upload, self._upload = self._upload, None
-        if upload is not None:
+        if upload is not None and not keep_upload:
             self.store.abort_multipart(upload)
 
 
@@ -322,10 +363,10 @@ class BorrowingSink(ObjectSink):
             self._cut()
         return super().commit()
 
-    def abort(self) -> None:
+    def abort(self, *, keep_upload: bool = False) -> None:
         """Discard everything stored so far (and drop the borrowed views)."""
         self._views, self._owners, self._small, self._pending = [], [], bytearray(), 0
-        super().abort()
+        super().abort(keep_upload=keep_upload)
 
 
 class BorrowingWriter:
