@@ -112,6 +112,17 @@ class StoreTarget:
         return self.server.download(bucket, key)
 
 
+def listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """The TCP addresses the process ``pid`` listens on (a server must use 127.0.0.1)."""
+    import psutil
+
+    return [
+        (c.laddr[0], c.laddr[1])
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python tests/servers.py moto|rclone|gcs|azure|install-azurite``."""
     prog = f"python {os.path.relpath(__file__)}"

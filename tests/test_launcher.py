@@ -31,7 +31,7 @@ from cloudckpt.testing import (
     unique_bucket_name,
 )
 from cloudckpt.testing import s3 as testing_s3
-from servers import NODE_PREFIX
+from servers import NODE_PREFIX, listening_addresses
 
 SCHEMES = {"moto": "s3", "rclone": "s3", "gcs": "gs", "azure": "az"}
 
@@ -57,12 +57,7 @@ def test_each_kind_round_trips_and_stops(name: str) -> None:
         assert server.running and server.version
         port = int(server.endpoint_url.rsplit(":", 1)[1])
         assert server.process is not None
-        listening = [
-            c.laddr
-            for c in psutil.Process(server.process.pid).net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN
-        ]
-        assert listening == [("127.0.0.1", port)]
+        assert listening_addresses(server.process.pid) == [("127.0.0.1", port)]
         bucket = server.make_bucket(unique_bucket_name())
         url = f"{SCHEMES[name]}://{bucket}/run/step-7.pt"
         cloudckpt.save(state, url, storage_options=server.storage_options())

@@ -22,7 +22,7 @@ import pytest
 from cloudckpt.options import resolve_options
 from cloudckpt.store import open_url
 from conftest import StoreTarget
-from servers import S3Server, start_server
+from servers import S3Server, listening_addresses, start_server
 
 MiB = 1024 * 1024
 
@@ -56,12 +56,7 @@ def test_server_connection_details(s3_server: S3Server) -> None:
     # Bound to loopback only.
     port = int(s3_server.endpoint_url.rsplit(":", 1)[1])
     assert s3_server.process is not None
-    listening = [
-        c.laddr
-        for c in psutil.Process(s3_server.process.pid).net_connections(kind="tcp")
-        if c.status == psutil.CONN_LISTEN
-    ]
-    assert listening == [("127.0.0.1", port)]
+    assert listening_addresses(s3_server.process.pid) == [("127.0.0.1", port)]
 
 
 def test_environment_is_isolated() -> None:
