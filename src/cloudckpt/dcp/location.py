@@ -49,11 +49,6 @@ class CheckpointLocation:
         """The store holding the checkpoint, opened on first use in this process."""
         return self._open()[0]
 
-    @property
-    def prefix(self) -> str:
-        """Store key of the checkpoint's prefix."""
-        return self._open()[1]
-
     def key(self, relative: str) -> str:
         """Store key of ``relative`` (refusing names that escape the prefix)."""
         return join_key(self._open()[1], relative, self.url)

@@ -32,12 +32,17 @@ ENTRY_POINT_GROUP = "cloudckpt.stores"
 StoreFactory = Callable[[str, TransferOptions], Store]
 
 
+def _refuse_storage_options(what: str, options: TransferOptions) -> None:
+    """A ConfigError naming the storage options given to a store that takes none."""
+    if options.storage_options:
+        given = ", ".join(sorted(options.storage_options))
+        raise ConfigError(f"{what} takes no storage options (got {given})")
+
+
 def _file(bucket: str, options: TransferOptions) -> Store:
     from .local import LocalStore
 
-    if options.storage_options:
-        given = ", ".join(sorted(options.storage_options))
-        raise ConfigError(f"the filesystem takes no storage options (got {given})")
+    _refuse_storage_options("the filesystem", options)
     return LocalStore("/")
 
 
@@ -73,9 +78,7 @@ def _azure(bucket: str, options: TransferOptions) -> Store:
 def _memory(bucket: str, options: TransferOptions) -> Store:
     from .memory import MemoryStore
 
-    if options.storage_options:
-        given = ", ".join(sorted(options.storage_options))
-        raise ConfigError(f"the in-memory store takes no storage options (got {given})")
+    _refuse_storage_options("the in-memory store", options)
     return MemoryStore(bucket)
 
 
