@@ -21,6 +21,7 @@ builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``
     │   └── UnpicklableError                      state holds a closure/lambda/handle
     ├── CorruptCheckpointError (ValueError)       bytes on storage are not a checkpoint
     │   └── ChecksumError                         a record's CRC-32 does not match
+    ├── UnsupportedFormatError (ValueError)       a valid checkpoint in a variant not read
     └── UnsafeCheckpointError (pickle.UnpicklingError)
                                                   weights_only refused a global
 
@@ -50,6 +51,7 @@ __all__ = [
     "TransientError",
     "UnpicklableError",
     "UnsafeCheckpointError",
+    "UnsupportedFormatError",
 ]
 
 
@@ -130,6 +132,10 @@ class CorruptCheckpointError(CloudCkptError, ValueError):
 
 class ChecksumError(CorruptCheckpointError):
     """A record's stored checksum does not match its bytes."""
+
+
+class UnsupportedFormatError(CloudCkptError, ValueError):
+    """A well-formed checkpoint in a format or variant cloudckpt does not read."""
 
 
 class UnsafeCheckpointError(CloudCkptError, pickle.UnpicklingError):

@@ -24,16 +24,17 @@ block boundaries into small scratch buffers), chunks read whole by their CRC-32 
 from __future__ import annotations
 
 import os
-from typing import Any
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import (
-    CorruptCheckpointError,
-)
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..format.dcp.archive import parse_archive
 from ..format.dcp.index import LayoutIndex, parse_index
 from ..format.dcp.layout import layout_name
@@ -43,6 +44,9 @@ from .commit_read import adopt, layout_document, read_commit, save_id_of
 from .fetch import RangeFetcher
 from .location import CheckpointLocation, LocatedCheckpoint
 from .slices import HEAD_PROBE, TAIL_PROBE, Archive, Slice, SliceReader, read_whole
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
 
 __all__ = ["CloudStorageReader"]
 
@@ -60,6 +64,13 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
     checks each one with torch's weights-only unpickler and refuses, with
     :class:`~cloudckpt.errors.UnsafeCheckpointError`, one that names anything else
     (a class, a function): a data object from a bucket cannot run code on load.
+
+    Chunks written through torch's stream extensions (``FileSystemWriter(...,
+    _extensions=[ZStandard()])``) are read whole and decoded by the extensions
+    ``extension_registry`` names (torch's ``ExtensionRegistry``, by default its built-in
+    ones), as ``FileSystemReader`` does; one it does not know is refused with
+    :class:`~cloudckpt.errors.UnsupportedFormatError`. ``load_id`` is a new id for each
+    load, set in the metadata's ``storage_meta`` as ``FileSystemReader`` sets it.
     """
 
     def __init__(
@@ -67,12 +78,15 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         url: str | os.PathLike[str],
         *,
         weights_only: bool = True,
+        extension_registry: ExtensionRegistry | None = None,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
         self.location = CheckpointLocation(url, resolve_options(options, url=url, **overrides))
         self.weights_only = weights_only
+        self.extension_registry = extension_registry
+        self.load_id = str(uuid.uuid4())
         self.storage_data: dict[Any, Any] = {}
         self.rank: int | None = None
         self.use_collectives = True
@@ -91,14 +105,20 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         self.storage_data = {}
         self._save_id, self._chunks, self._index, self._index_read = None, None, None, False
         self._read_with = None
+        self.load_id = str(uuid.uuid4())
         if checkpoint_id:
             self.location = CheckpointLocation(checkpoint_id, self.location.options)
 
     # -- metadata ------------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The commit marker, checked against the layout index written with it
-        (dcp/commit_read.py); both are read at once."""
+        (dcp/commit_read.py); both are read at once. Its ``storage_meta`` carries this
+        load's ``load_id``, as FileSystemReader's does."""
         metadata, self._read_with = read_commit(self.location, kwargs.get("rank"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(
@@ -150,6 +170,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch what ``plan`` needs, check it, and hand it to ``planner``."""
         archives: dict[tuple[str, int], Archive] = {}
+        extensions: dict[tuple[str, ...], tuple[Any, ...]] = {}
         for item in plan.items:
             try:
                 info = self.storage_data[item.storage_index]
@@ -157,21 +178,22 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 raise CorruptCheckpointError(
                     f"{self.url}: .metadata has no storage entry for {item.storage_index}"
                 ) from None
-            descriptors = getattr(info, "transform_descriptors", None)
-            if descriptors:
-                raise CorruptCheckpointError(
-                    f"{self.url}: {item.storage_index.fqn} was written with stream transforms "
-                    f"{list(descriptors)}, which CloudStorageReader does not apply; load this "
-                    "checkpoint with torch's FileSystemReader"
+            descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
+            if descriptors not in extensions:
+                extensions[descriptors] = self._stream_extensions(
+                    descriptors, item.storage_index.fqn
                 )
             k = (info.relative_path, info.offset)
             archive = archives.get(k)
             if archive is None:
-                archive = archives[k] = Archive(info.relative_path, info.offset, info.length)
-            elif archive.length != info.length:
+                archive = archives[k] = Archive(
+                    info.relative_path, info.offset, info.length, transforms=extensions[descriptors]
+                )
+            elif archive.length != info.length or archive.transforms != extensions[descriptors]:
                 raise CorruptCheckpointError(
-                    f"{self.url}: .metadata gives bytes {info.offset}+ of {info.relative_path} "
-                    f"two lengths ({archive.length} and {info.length})"
+                    f"{self.url}: .metadata describes bytes {info.offset}+ of "
+                    f"{info.relative_path} twice: {archive.length} and {info.length} bytes, "
+                    f"or through different stream extensions"
                 )
             archive.items.append(item)
 
@@ -220,6 +242,40 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _stream_extensions(self, descriptors: Sequence[str], fqn: str) -> tuple[Any, ...]:
+        """The stream extensions that decode a chunk written through ``descriptors``
+        (torch's ExtensionRegistry), or UnsupportedFormatError naming the one not known."""
+        if not descriptors:
+            return ()
+        try:
+            from torch.distributed.checkpoint._extension import (
+                ExtensionRegistry,
+                StreamTransformExtension,
+            )
+        except ImportError:  # torch < 2.7 has no stream extensions
+            raise UnsupportedFormatError(
+                f"{self.url}: {fqn} was written through the stream extensions "
+                f"{list(descriptors)}, which torch {torch.__version__} cannot decode"
+            ) from None
+        registry = self.extension_registry or ExtensionRegistry()
+        found: list[Any] = []
+        for descriptor in descriptors:
+            try:
+                (extension,) = registry.from_descriptor_list([descriptor])
+            except Exception as exc:  # ValueError: an unknown name, a missing module
+                raise UnsupportedFormatError(
+                    f"{self.url}: {fqn} was written through the stream extension "
+                    f"{descriptor!r}, which CloudStorageReader cannot decode ({exc}); "
+                    "register it in CloudStorageReader(..., extension_registry=...)"
+                ) from exc
+            if not isinstance(extension, StreamTransformExtension):
+                raise UnsupportedFormatError(
+                    f"{self.url}: {fqn} names the extension {descriptor!r}, which is not a "
+                    "stream extension; CloudStorageReader cannot decode it"
+                )
+            found.append(extension)
+        return tuple(found)
 
     def _plan_first(
         self,

@@ -70,6 +70,9 @@ class Archive:
     whole: bytearray | None = None
     head: bytearray | None = None
     tail: bytearray | None = None
+    #: The stream extensions the chunk was written through (torch's ``_extensions``), in
+    #: the order its descriptors list them: such a chunk is read whole and decoded.
+    transforms: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -83,8 +86,13 @@ class Slice:
 
 
 def read_whole(a: Archive) -> bool:
-    """Small chunks and byte items are read whole; large tensor archives by slice."""
-    return a.length <= WHOLE_LIMIT or any(i.type == LoadItemType.BYTE_IO for i in a.items)
+    """Small chunks, byte items and encoded chunks are read whole; large tensor archives
+    by slice."""
+    return (
+        a.length <= WHOLE_LIMIT
+        or bool(a.transforms)
+        or any(i.type == LoadItemType.BYTE_IO for i in a.items)
+    )
 
 
 def item_names(a: Archive) -> str:
@@ -119,22 +127,45 @@ class SliceReader:
 
     def whole_check(self, a: Archive, crc: int | None) -> Callable[[], None]:
         """The check of a chunk read whole: its CRC-32 from the layout index, or else the
-        zip CRC-32 of each record (byte items that are not archives have none)."""
-        where = (
-            f"{self.location.url_of(a.relative)} bytes {a.offset}-{a.offset + a.length} "
-            f"({item_names(a)})"
-        )
+        zip CRC-32 of each record (byte items that are not archives have none; an encoded
+        chunk's records are checked once decoded)."""
+        where = self._where(a)
 
         def check() -> None:
             assert a.whole is not None
             if crc is not None:
                 check_chunk(a.whole, crc, where)
-            elif a.whole[:4] == b"PK\x03\x04" or any(
-                i.type != LoadItemType.BYTE_IO for i in a.items
-            ):
-                check_zip_records(a.whole, where)
+            elif not a.transforms:
+                self._check_records(a, where)
 
         return check
+
+    def _where(self, a: Archive) -> str:
+        """The chunk's object, bytes and items, for messages."""
+        url = self.location.url_of(a.relative)
+        return f"{url} bytes {a.offset}-{a.offset + a.length} ({item_names(a)})"
+
+    @staticmethod
+    def _check_records(a: Archive, where: str) -> None:
+        """The zip CRC-32 of each record of a chunk read whole, when it is an archive."""
+        assert a.whole is not None
+        if a.whole[:4] == b"PK\x03\x04" or any(i.type != LoadItemType.BYTE_IO for i in a.items):
+            check_zip_records(a.whole, where)
+
+    def _decode(self, a: Archive) -> None:
+        """Undo the stream extensions a chunk was written through, as FileSystemReader
+        does (each extension's ``transform_from`` in turn), then check its records."""
+        assert a.whole is not None
+        where = self._where(a)
+        stream: Any = io.BytesIO(a.whole)
+        try:
+            for extension in a.transforms:
+                stream = extension.transform_from(stream)
+            a.whole = bytearray(stream.read(-1))
+        except Exception as exc:
+            names = [e.get_descriptor() for e in a.transforms]
+            raise CorruptCheckpointError(f"{where} do not decode through {names}: {exc}") from exc
+        self._check_records(a, where)
 
     def _chunk_of(self, item: ReadItem, url: str) -> tuple[tuple[int, ...], torch.dtype]:
         found = self._chunks.get(item.storage_index) if self._chunks is not None else None
@@ -170,6 +201,8 @@ class SliceReader:
         FileSystemReader does.
         """
         assert a.whole is not None
+        if a.transforms:
+            self._decode(a)
         url = self.location.url_of(a.relative)
         if all(i.type != LoadItemType.BYTE_IO for i in a.items):
             record = self._record_in(a, url)
@@ -240,8 +273,9 @@ class SliceReader:
         assert a.whole is not None
         data = bytes(a.whole[:HEAD_PROBE])
         where = f"{url} bytes {a.offset}-{a.offset + a.length}"
-        saved = parse_archive(data, bytes(a.whole[-TAIL_PROBE:]), a.length, where)
-        if saved is None or saved.data_offset + saved.record_size > a.length:
+        size = len(a.whole)  # the chunk's length, or its decoded length
+        saved = parse_archive(data, bytes(a.whole[-TAIL_PROBE:]), size, where)
+        if saved is None or saved.data_offset + saved.record_size > size:
             return None
         itemsize = saved.dtype.itemsize
         if saved.record_size % itemsize or saved.data_offset % itemsize:

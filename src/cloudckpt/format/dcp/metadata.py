@@ -1,24 +1,41 @@
 """DCP's ``.metadata``: unpickled through an allow-list, then checked field by field.
 
 ``.metadata`` is a pickle (torch writes it so); a plain ``pickle.load`` of a file from a
-bucket would run whatever it names. :func:`decode_metadata` admits only DCP's metadata
-classes, dtypes and a few value types, refuses a damaged memo index before the C
-unpickler could allocate for it, and then checks the structure the planner and the
-reader rely on (types, non-negative offsets and lengths, chunks inside their tensor),
-so a damaged file is a :class:`~cloudckpt.errors.CorruptCheckpointError`, never an
-``AttributeError`` deep inside a load.
+bucket would run whatever it names. :func:`decode_metadata` admits only the classes the
+writers of DCP checkpoints put there (named one by one in ``_GLOBALS``), dtypes and a
+few value types, refuses a damaged memo index before the C unpickler could allocate for
+it, and then checks the structure the planner and the reader rely on (types,
+non-negative offsets and lengths, chunks inside their tensor), so a damaged file is a
+:class:`~cloudckpt.errors.CorruptCheckpointError`, never an ``AttributeError`` deep
+inside a load.
+
+The writers whose ``.metadata`` decodes:
+
+* torch's ``FileSystemWriter`` (and cloudckpt's writer): DCP's metadata classes and
+  ``_StorageInfo``; torch before 2.3 named ``TensorProperties`` (and its memory-format
+  enum) in ``torch.distributed._shard.sharded_tensor.metadata``, decoded as today's;
+* megatron-core's ``torch_dist`` backend, which adds ``all_local_plans`` (torch's
+  ``SavePlan``, ``WriteItem``, ``WriteItemType``, ``TensorWriteData``) and, in 0.15, its
+  own ``MCoreMetadata`` and ``MCoreSavePlan``. Those two are decoded into the stand-ins
+  below whether megatron-core is installed or not: the same fields on torch's base
+  classes, and nothing of megatron-core imported for a name read from a bucket.
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import math
+import pathlib
 import pickle
 import pickletools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -27,25 +44,77 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.serialization import _get_layout
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from .layout import StorageInfo
 
-__all__ = ["ChunkIndex", "check_metadata", "decode_metadata"]
+__all__ = ["ChunkIndex", "MCoreMetadata", "MCoreSavePlan", "check_metadata", "decode_metadata"]
 
-_METADATA_MODULES = frozenset({"torch.distributed.checkpoint.metadata"})
-_METADATA_GLOBALS = frozenset(
-    {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),
-        ("torch", "Size"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-)
+
+@dataclass
+class MCoreMetadata(Metadata):
+    """megatron-core 0.15's ``Metadata`` subclass, decoded without megatron-core: its
+    ``mcore_data`` (per-tensor data megatron's loader reads with ``getattr``) kept."""
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class MCoreSavePlan(SavePlan):
+    """megatron-core 0.15's ``SavePlan`` subclass (in ``all_local_plans``), decoded without
+    megatron-core, its ``mcore_data`` kept."""
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+_DCP = "torch.distributed.checkpoint"
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+_LEGACY = "torch.distributed._shard.sharded_tensor.metadata"
+
+
+def _named(module: str, *objects: Any) -> dict[tuple[str, str], Any]:
+    """Allow-list entries: each object as ``module`` names it (its own name)."""
+    return {(module, o.__name__): o for o in objects}
+
+
+#: Every global a DCP ``.metadata`` may name, and what it decodes to.
+_GLOBALS: dict[tuple[str, str], Any] = {
+    **_named(
+        f"{_DCP}.metadata",
+        Metadata,
+        StorageMeta,
+        MetadataIndex,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        _MEM_FORMAT_ENCODING,
+    ),
+    **_named(f"{_DCP}.filesystem", StorageInfo),  # _StorageInfo
+    # megatron-core's all_local_plans: the save plans of every rank
+    **_named(f"{_DCP}.planner", SavePlan, WriteItem, WriteItemType, TensorWriteData),
+    **_named(_MCORE, MCoreMetadata, MCoreSavePlan),  # the stand-ins above
+    # torch < 2.3 kept TensorProperties here: the same fields and state as today's
+    (_LEGACY, "TensorProperties"): TensorProperties,
+    (_LEGACY, "MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
+    **_named("torch.serialization", _get_layout),
+    **_named("torch", torch.Size),
+    **_named("collections", collections.OrderedDict),
+    **_named(
+        "pathlib",
+        pathlib.PosixPath,
+        pathlib.PurePosixPath,
+        pathlib.WindowsPath,
+        pathlib.PureWindowsPath,
+    ),
+}
 #: Offsets, lengths and sizes at or beyond this describe no object's bytes.
 _MAX_INT = 1 << 62
 _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
@@ -59,8 +128,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` and nothing else: no arbitrary globals, no code."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
+        found = _GLOBALS.get((module, name))
+        if found is not None:
+            return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise _Refused(
@@ -123,6 +193,32 @@ def _describe(value: Any) -> str:
 
 def _text(value: Any) -> bool:
     return value is None or isinstance(value, str)
+
+
+def _texts(value: Any) -> bool:
+    """None or a list of strings (a chunk's stream extension descriptors)."""
+    return value is None or (
+        isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    )
+
+
+def _check_megatron_fields(metadata: Metadata, bad: Callable[[str], Exception]) -> None:
+    """megatron-core's additions: ``all_local_plans`` a list of save plans, ``mcore_data``
+    a map of names to dicts (no reader relies on more)."""
+    plans = getattr(metadata, "all_local_plans", None)
+    if plans is not None and not (
+        isinstance(plans, list)
+        and all(
+            isinstance(p, SavePlan) and isinstance(getattr(p, "items", None), list) for p in plans
+        )
+    ):
+        raise bad("all_local_plans is not a list of save plans")
+    mcore = getattr(metadata, "mcore_data", None)
+    if mcore is not None and not (
+        isinstance(mcore, dict)
+        and all(isinstance(k, str) and isinstance(v, dict) for k, v in mcore.items())
+    ):
+        raise bad("mcore_data is not a map of names to dicts")
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -192,6 +288,7 @@ def check_metadata(metadata: Metadata, url: str) -> None:
                 or not isinstance(getattr(info, "relative_path", None), str)
                 or not _count(getattr(info, "offset", None))
                 or not _count(getattr(info, "length", None))
+                or not _texts(getattr(info, "transform_descriptors", None))
             ):
                 raise bad(f"storage entry of {index.fqn}: {_describe(info)}")
     planner = getattr(metadata, "planner_data", None)
@@ -205,6 +302,7 @@ def check_metadata(metadata: Metadata, url: str) -> None:
         )
     ):
         raise bad("planner_data is not a map of names to paths")
+    _check_megatron_fields(metadata, bad)
     meta = getattr(metadata, "storage_meta", None)
     save_id = getattr(meta, "save_id", None)
     if meta is not None and (not isinstance(meta, StorageMeta) or not _text(save_id)):
