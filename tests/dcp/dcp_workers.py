@@ -1,16 +1,11 @@
 """Code that runs inside the ranks spawned by the DCP tests (gloo on 127.0.0.1).
 
-:func:`run_ranks` spawns ``world_size`` processes, each joining a gloo process group
-on a free 127.0.0.1 port, runs ``fn(rank, world_size, *args)`` in each, and fails if
-any rank fails or the group outlives ``timeout`` seconds. Worker functions live here
-(not in test modules) so spawned processes can import them by name.
+The tests run them with :func:`ranks.run_ranks`. Worker functions live here (not in
+test modules) so spawned processes can import them by name.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import time
 from typing import Any
 
 import torch
@@ -26,65 +21,16 @@ except ImportError:  # torch < 2.5 keeps DTensor private
     from torch.distributed._tensor import DTensor, Shard, distribute_tensor  # type: ignore[no-redef]
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
+from ranks import run_ranks
 
-HOST = "127.0.0.1"
+__all__ = ["run_ranks"]  # re-exported: the tests call w.run_ranks
+
 
 # Global tensors: large enough that 2-4 way shards exceed the reader's whole-archive
 # limit (256 KiB), so sliced reads go straight into the destination.
 ROW_SHAPE = (512, 1024)  # float32, 2 MiB, sharded on dim 0
 COL_SHAPE = (512, 640)  # float32, 1.25 MiB, sharded on dim 1 (non-contiguous slices)
 SMALL_SHAPE = (6, 10)  # a tiny sharded tensor (read whole, coalesced)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-_GLOO_TEARDOWN_HANGS = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5)
-
-
-def _entry(rank: int, fn: Any, world_size: int, port: int, args: tuple[Any, ...]) -> None:
-    # A forked child must not use the parent's OpenMP pool (GNU OpenMP hangs there).
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = HOST
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        fn(rank, world_size, *args)
-        dist.barrier()
-        if _GLOO_TEARDOWN_HANGS:
-            # torch 2.4's ProcessGroupGloo destructor can hang joining its threads in a
-            # forked rank (seen with py-spy); the rank's work is done and checked.
-            os._exit(0)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 180) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
-
-    Ranks are forked (torch is already imported, so each starts in well under a
-    second on a busy 2-core machine); ``dcp.async_save`` in process mode still
-    starts its own checkpoint processes with ``spawn``, which is what tests pickling.
-    """
-    ctx = torch.multiprocessing.start_processes(
-        _entry,
-        args=(fn, world_size, free_port(), args),
-        nprocs=world_size,
-        join=False,
-        start_method="fork",
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"{world_size} ranks did not finish within {timeout}s")
 
 
 # ----------------------------------------------------------------------------- state

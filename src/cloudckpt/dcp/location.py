@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import BucketNotFoundError, NotFoundError
+from ..errors import AlreadyExistsError, BucketNotFoundError, NotFoundError
 from ..options import TransferOptions
 from ..store import Store, join_key, open_url, split_url
 
@@ -56,6 +56,18 @@ class CheckpointLocation:
     def url_of(self, relative: str) -> str:
         """User-facing URL of ``relative``."""
         return self.store.url(self.key(relative))
+
+    def clear_marker(self, name: str, overwrite: bool) -> None:
+        """Remove the commit marker ``name`` before anything is rewritten; with
+        ``overwrite=False`` refuse a URL that holds one (AlreadyExistsError)."""
+        if not self.exists(name):
+            return
+        if not overwrite:
+            raise AlreadyExistsError(
+                f"a committed checkpoint already exists at {self.url} ({self.url_of(name)}); "
+                "pass overwrite=True or save to a new URL"
+            )
+        self.store.delete(self.key(name))
 
     def exists(self, relative: str) -> bool:
         """Whether ``relative`` is an object (one HEAD, retried by the store)."""

@@ -193,15 +193,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
 
     def _clear_marker(self, name: str) -> None:
         """Remove a previous commit marker before any data is rewritten (or refuse)."""
-        url = self.location.url_of(name)
-        if not self.location.exists(name):
-            return
-        if not self.overwrite:
-            raise AlreadyExistsError(
-                f"a committed checkpoint already exists at {self.url} ({url}); pass "
-                "overwrite=True or save to a new URL"
-            )
-        self.location.store.delete(self.location.key(name))
+        self.location.clear_marker(name, self.overwrite)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Without collectives each rank names its own objects and clears its own marker."""

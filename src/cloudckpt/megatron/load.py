@@ -1,0 +1,194 @@
+"""``cloudckpt.megatron.load`` and the metadata readers: megatron-core's, from any URL.
+
+:func:`load` follows ``dist_checkpointing.load`` step by step (common state, factories,
+non-persistent entries, integrity and strictness checks, factory merges) and loads the
+sharded part with megatron's own ``TorchDistLoadShardedStrategy``, reading through a
+:class:`~cloudckpt.dcp.CloudStorageReader`. Resharding is megatron's: a checkpoint
+saved with one tensor/pipeline/data-parallel layout loads into another.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..dcp.location import CheckpointLocation
+from ..dcp.reader import CloudStorageReader
+from ..errors import BucketNotFoundError, NotFoundError
+from ..options import TransferOptions, resolve_options
+from . import mcore
+from .layout import COMMON_NAME, CONFIG_NAME, BackendRecord, decode_config
+from .save import CONTENT_METADATA_KEY
+
+__all__ = [
+    "is_checkpoint",
+    "load",
+    "load_common_state_dict",
+    "load_content_metadata",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+]
+
+
+class _MetadataOnce(CloudStorageReader):
+    """A reader that fetches ``.metadata`` once: megatron's strategy asks for it again."""
+
+    _metadata: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _location(url: str | os.PathLike[str], options: Any, overrides: dict[str, Any]) -> Any:
+    text = os.fspath(url)
+    return CheckpointLocation(text, resolve_options(options, url=text, **overrides))
+
+
+def _record(where: CheckpointLocation) -> BackendRecord:
+    """``metadata.json``, or NotFoundError saying the URL holds no committed checkpoint."""
+    try:
+        payload = where.store.get(where.key(CONFIG_NAME))
+    except BucketNotFoundError:
+        raise
+    except NotFoundError:
+        raise NotFoundError(
+            f"no committed Megatron checkpoint at {where.url} ({where.url_of(CONFIG_NAME)} "
+            "is missing: the save did not finish, or the URL names another directory)"
+        ) from None
+    return decode_config(payload, where.url_of(CONFIG_NAME))
+
+
+def is_checkpoint(
+    url: str | os.PathLike[str], *, options: TransferOptions | None = None, **overrides: Any
+) -> bool:
+    """True if ``url`` holds a committed Megatron checkpoint cloudckpt can read."""
+    where = _location(url, options, overrides)
+    try:
+        _record(where)
+    except BucketNotFoundError:
+        raise
+    except NotFoundError:
+        return False
+    return True
+
+
+def load_common_state_dict(
+    url: str | os.PathLike[str],
+    *,
+    weights_only: bool = True,
+    options: TransferOptions | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """The checkpoint's common (non-sharded) state: ``common.pt``.
+
+    ``weights_only`` (the default) refuses pickled classes; Megatron-LM's ``args``
+    namespace is one, so pass ``weights_only=False`` for checkpoints you trust.
+    """
+    from .. import load as load_object
+
+    where = _location(url, options, overrides)
+    _record(where)
+    loaded = load_object(
+        where.url_of(COMMON_NAME),
+        map_location="cpu",
+        weights_only=weights_only,
+        options=where.options,
+    )
+    return dict(loaded)
+
+
+def load_content_metadata(
+    url: str | os.PathLike[str] | None = None,
+    *,
+    preloaded_state_dict: dict[str, Any] | None = None,
+    options: TransferOptions | None = None,
+    **overrides: Any,
+) -> dict[str, Any] | None:
+    """The ``content_metadata`` given to :func:`~cloudckpt.megatron.save` (None if none)."""
+    if preloaded_state_dict is None:
+        if url is None:
+            raise ValueError("pass the checkpoint's url or preloaded_state_dict")
+        preloaded_state_dict = load_common_state_dict(url, options=options, **overrides)
+    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+
+
+def _reader(where: CheckpointLocation, weights_only: bool) -> _MetadataOnce:
+    return _MetadataOnce(where.url, weights_only=weights_only, options=where.options)
+
+
+def load_tensors_metadata(
+    url: str | os.PathLike[str], *, options: TransferOptions | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """Every tensor in the checkpoint as a ShardedTensor without data (global shape, dtype)."""
+    mc = mcore.require()
+    where = _location(url, options, overrides)
+    _record(where)
+    metadata = _reader(where, True).read_metadata()
+    result: dict[str, Any] = mc.TorchDistLoadShardedStrategy().load_tensors_metadata(
+        where.url, metadata
+    )
+    return result
+
+
+def load_sharded_metadata(
+    url: str | os.PathLike[str], *, options: TransferOptions | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """Like :func:`load_tensors_metadata`, with the ShardedObjects too."""
+    mc = mcore.require()
+    where = _location(url, options, overrides)
+    _record(where)
+    mcore.install_reader_hook()
+    remote = mcore.RemoteDir(where.url, _reader(where, True))
+    result: dict[str, Any] = mc.TorchDistLoadShardedStrategy().load_sharded_metadata(remote)
+    return result
+
+
+def load(
+    sharded_state_dict: dict[str, Any],
+    url: str | os.PathLike[str],
+    *,
+    strict: Any = "assume_ok_unexpected",
+    validate_access_integrity: bool = True,
+    weights_only: bool = True,
+    options: TransferOptions | None = None,
+    **overrides: Any,
+) -> Any:
+    """Load ``url`` into the layout ``sharded_state_dict`` describes (any parallel layout).
+
+    Call on every rank, as ``dist_checkpointing.load``; returns the loaded state dict
+    (and, for the ``strict`` values that ask for them, the missing and unexpected
+    keys). ``weights_only`` (the default) refuses pickled classes in the common state
+    and in ShardedObjects: pass False for checkpoints you trust (Megatron-LM's ``args``,
+    numpy RNG states). Other keywords are :class:`~cloudckpt.TransferOptions` fields.
+    """
+    mc = mcore.require()
+    where = _location(url, options, overrides)
+    _record(where)
+    if mc.force_all_tensors_to_non_fp8 is not None:
+        mc.force_all_tensors_to_non_fp8(sharded_state_dict)
+    common = load_common_state_dict(where.url, weights_only=weights_only, options=where.options)
+    sharded, nonpersistent, factories = mc.load_preprocess(sharded_state_dict)
+    mc.merge(common, nonpersistent)
+    sharded, _ = mc.extract_sharded_base(sharded)
+
+    handling = mc.parse_strict_flag(strict)
+    ckpt_metadata = None
+    if mc.StrictHandling.requires_explicit_ckpt_mismatch_check(handling):
+        ckpt_metadata = load_sharded_metadata(where.url, options=where.options)
+    local_metadata = global_metadata = None
+    if validate_access_integrity or mc.StrictHandling.requires_global_app_metadata(handling):
+        local_metadata, global_metadata = mc.determine_global_metadata(sharded)
+    sharded, missing, unexpected = mc.validate_integrity_and_strict_load(
+        sharded, handling, validate_access_integrity, local_metadata, global_metadata, ckpt_metadata
+    )
+
+    mcore.install_reader_hook()
+    remote = mcore.RemoteDir(where.url, _reader(where, weights_only))
+    loaded = mc.TorchDistLoadShardedStrategy().load(sharded, remote)
+    mc.merge(common, loaded)
+    common = mc.apply_factory_merges(common, factories)
+    if mc.StrictHandling.requires_returning_mismatch_keys(handling):
+        return common, missing, unexpected
+    return common

@@ -1,0 +1,362 @@
+"""``cloudckpt.megatron.save``: megatron-core's ``dist_checkpointing.save`` to any URL.
+
+The steps are megatron's own for its default ``torch_dist`` backend (factories applied,
+non-persistent entries dropped, sharding validated, keys mapped to sharded keys,
+``MCoreSavePlanner``), through :class:`~cloudckpt.dcp.CloudStorageWriter`. The commit
+order makes a half-written checkpoint impossible to load, with cloudckpt or megatron:
+
+1. the coordinator removes a previous ``metadata.json`` (the marker megatron checks);
+2. every rank reports whether its local preparation worked (one gather: a rank that
+   failed makes every rank fail, instead of leaving the others in a collective);
+3. DCP's save: data objects, then ``.metadata`` once every rank's data is durable;
+4. the coordinator writes ``common.pt``, then ``metadata.json``, and tells every rank
+   whether it did.
+
+Steps 2-4 run on a gloo group made for checkpointing (:mod:`.groups`); with
+``async_save=True`` they run on a background thread, after the tensors were copied into
+one pooled host buffer, so training can change its parameters right away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..dcp.location import CheckpointLocation
+from ..engine.staging import StagingPool, get_pool
+from ..errors import CloudCkptError
+from ..format.picklability import raise_if_unpicklable
+from ..options import TransferOptions, resolve_options
+from . import mcore
+from .groups import checkpoint_group, group_ranks
+from .layout import COMMON_NAME, CONFIG_NAME, encode_config
+
+__all__ = ["DistributedSaveError", "MegatronSaveHandle", "save"]
+
+CONTENT_METADATA_KEY = "content_metadata"
+
+_ALIGN = 64  # byte alignment of each staged tensor inside the pooled buffer
+
+
+class DistributedSaveError(CloudCkptError, RuntimeError):
+    """A save failed on some rank(s); ``failures`` maps each failed rank to its error."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+class MegatronSaveHandle:
+    """An asynchronous Megatron save: ``done()``, ``result()``, ``async_request()``.
+
+    ``result()`` returns once the checkpoint is committed on every rank (or raises the
+    save's error). :meth:`async_request` wraps the handle for megatron-core's own
+    ``AsyncCallsQueue`` (what NeMo and Megatron-LM schedule async saves with).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._signals: list[Any] = []
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "committed" if self._done.is_set() else "pending"
+        return f"<MegatronSaveHandle {self.url} {state}>"
+
+    def done(self) -> bool:
+        """True once the save finished, committed or failed."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds; True if the save finished."""
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> None:
+        """Block until committed; raise the save's error, or TimeoutError."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.url} still running after {timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error (None if it committed), waiting up to ``timeout``."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.url} still running after {timeout}s")
+        return self._error
+
+    def async_request(self) -> Any:
+        """This save as megatron-core's ``AsyncRequest``, for ``AsyncCallsQueue``.
+
+        Its async function, run by megatron's checkpoint process, only waits for this
+        save's signal (the upload itself runs here); its finalize function raises the
+        save's error on every rank, as megatron's finalization does.
+        """
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+        return AsyncRequest(_wait_for_signal, (self._signal(),), [self.result])
+
+    def _signal(self) -> Any:
+        """The reading end of a pipe that receives one byte when the save finishes."""
+        import multiprocessing
+
+        reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        with self._lock:
+            if self._done.is_set():
+                writer.send_bytes(b"1")
+            else:
+                self._signals.append(writer)
+        return reader
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._error = error
+            self._done.set()
+            signals, self._signals = self._signals, []
+        for writer in signals:
+            with contextlib.suppress(OSError):  # the waiting process is gone
+                writer.send_bytes(b"1")
+
+
+def _wait_for_signal(reader: Any) -> None:
+    """Megatron's async function: return when the save's thread signals it finished."""
+    with contextlib.suppress(EOFError):
+        reader.recv_bytes()
+
+
+# A save on a group waits for the previous one on that group: two saves' collectives
+# on one group would interleave.
+_running: dict[tuple[int, ...], MegatronSaveHandle] = {}
+_running_lock = threading.Lock()
+
+
+def save(
+    sharded_state_dict: dict[str, Any],
+    url: str | os.PathLike[str],
+    *,
+    async_save: bool = False,
+    process_group: Any = None,
+    content_metadata: dict[str, Any] | None = None,
+    validate_access_integrity: bool = True,
+    preprocess_common_before_consistancy_check: Callable[[dict[str, Any]], Any] | None = None,
+    overwrite: bool = True,
+    options: TransferOptions | None = None,
+    **overrides: Any,
+) -> MegatronSaveHandle | None:
+    """Save a Megatron sharded state dict to ``url`` (``s3://``, ``gs://``, ``az://``, a path).
+
+    Call on every rank of ``process_group`` (default: all ranks), as
+    ``dist_checkpointing.save``. Returns None once committed, or with
+    ``async_save=True`` a :class:`MegatronSaveHandle` as soon as the state is staged.
+    ``content_metadata`` is stored as megatron stores it (read it back with
+    :func:`~cloudckpt.megatron.load_content_metadata`); ``overwrite=False`` refuses a
+    URL holding a committed checkpoint. Other keywords are
+    :class:`~cloudckpt.TransferOptions` fields.
+    """
+    mc = mcore.require()
+    if not dist.is_initialized():
+        raise CloudCkptError(
+            "cloudckpt.megatron.save needs torch.distributed initialized (megatron's "
+            "parallel state); for a single process use init_process_group('gloo', "
+            "world_size=1)"
+        )
+    text = os.fspath(url)
+    if content_metadata is not None:
+        sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
+    sharded, common = mc.save_preprocess(
+        sharded_state_dict, validate_access_integrity, preprocess_common_before_consistancy_check
+    )
+    ranks = group_ranks(process_group)
+    _wait_previous(ranks)
+    group = checkpoint_group(process_group)
+    job = _SaveJob(text, ranks, group, overwrite)
+    job.prepare(mc, sharded, common, async_save, options, overrides)
+    handle = MegatronSaveHandle(text)
+    if not async_save:
+        job.run(handle)
+        handle.result()
+        return None
+    with _running_lock:
+        _running[ranks] = handle
+    thread = threading.Thread(
+        target=job.run, args=(handle,), name="cloudckpt-megatron-save", daemon=False
+    )
+    thread.start()
+    return handle
+
+
+def _wait_previous(ranks: tuple[int, ...]) -> None:
+    """Let a previous asynchronous save on these ranks finish (its error stays with it)."""
+    with _running_lock:
+        previous = _running.get(ranks)
+    if previous is not None:
+        previous.wait()
+
+
+class _SaveJob:
+    """One rank's part of one save: prepared on the caller's thread, run on either."""
+
+    def __init__(self, url: str, ranks: tuple[int, ...], group: Any, overwrite: bool) -> None:
+        self.url = url
+        self.ranks = ranks
+        self.group = group
+        self.overwrite = overwrite
+        self.coordinator = ranks[0]
+        self.is_coordinator = dist.get_rank() == self.coordinator
+        self.location: CheckpointLocation | None = None
+        self.pyt_state: dict[str, Any] | None = None
+        self.common_bytes: bytes | None = None
+        self.error: BaseException | None = None
+        self.staged: tuple[StagingPool, torch.UntypedStorage, bool] | None = None
+
+    # -- caller's thread ---------------------------------------------------------------
+    def prepare(
+        self,
+        mc: Any,
+        sharded: dict[str, Any],
+        common: dict[str, Any],
+        stage: bool,
+        options: TransferOptions | None,
+        overrides: dict[str, Any],
+    ) -> None:
+        """Everything local: open the URL, clear the old marker, stage, map keys."""
+        try:
+            self.location = CheckpointLocation(
+                self.url, resolve_options(options, url=self.url, **overrides)
+            )
+            if self.is_coordinator:
+                self.location.clear_marker(CONFIG_NAME, self.overwrite)
+                self.common_bytes = _serialize_common(common, self.location.url_of(COMMON_NAME))
+            if stage:
+                sharded = self._stage(mc, sharded)
+            flat, _, _ = mc.replace_keys_with_sharded_keys(sharded, True)
+            self.pyt_state = mc.mcore_to_pyt_state_dict(flat, False)
+        except Exception as exc:
+            self.error = exc
+            self.release()
+
+    def _stage(self, mc: Any, sharded: dict[str, Any]) -> dict[str, Any]:
+        """Copy every ShardedTensor's data into one pooled host buffer (outplace)."""
+        tensors = [
+            t.data
+            for t in mc.nested_values(sharded)
+            if isinstance(t, mc.ShardedTensor) and t.data is not None
+        ]
+        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
+        pinned = torch.cuda.is_available() and any(t.is_cuda for t in tensors)
+        pool = get_pool()
+        storage = pool.take(max(sum(sizes), _ALIGN), pinned)
+        self.staged = (pool, storage, pinned)
+        copies: dict[int, torch.Tensor] = {}
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+        offset = 0
+        for tensor, size in zip(tensors, sizes, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor.detach(), non_blocking=pinned)
+            copies[id(tensor)] = view
+            offset += size
+        if pinned:
+            torch.cuda.synchronize()
+
+        def staged(value: Any) -> Any:
+            if isinstance(value, mc.ShardedTensor) and value.data is not None:
+                clone = value.without_data()
+                clone.data = copies[id(value.data)]
+                return clone
+            return value
+
+        return mc.dict_list_map_outplace(staged, sharded)
+
+    def release(self) -> None:
+        """Give the staging buffer back to the pool for the next save."""
+        if self.staged is not None:
+            pool, storage, pinned = self.staged
+            self.staged = None
+            pool.give_back([storage], [pinned])
+
+    # -- the save's collectives (caller's thread or background) ------------------------
+    def run(self, handle: MegatronSaveHandle) -> None:
+        """Agree, write the data, commit; finish ``handle`` with the outcome."""
+        try:
+            self._agree()
+            self._write()
+            self._commit()
+        except BaseException as exc:
+            handle._finish(exc)
+        else:
+            handle._finish(None)
+        finally:
+            self.pyt_state = None
+            self.release()
+            with _running_lock:
+                if _running.get(self.ranks) is handle:
+                    del _running[self.ranks]
+
+    def _agree(self) -> None:
+        """Every rank learns whether every rank prepared; a failed one fails them all."""
+        mine = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+        reports: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(reports, (dist.get_rank(), mine), group=self.group)
+        failures = {rank: text for rank, text in reports if text is not None}
+        if self.error is not None:
+            raise self.error
+        if failures:
+            raise DistributedSaveError(_failed(self.url, failures), failures)
+
+    def _write(self) -> None:
+        """DCP's save with megatron's planner: data objects, then ``.metadata``."""
+        from .. import dcp as cloud_dcp
+
+        assert self.location is not None and self.pyt_state is not None
+        mc = mcore.require()
+        writer = cloud_dcp.CloudStorageWriter(self.url, options=self.location.options)
+        planner = mc.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
+        dcp.save(self.pyt_state, storage_writer=writer, planner=planner, process_group=self.group)
+
+    def _commit(self) -> None:
+        """Coordinator: ``common.pt`` then ``metadata.json``; every rank learns the outcome."""
+        outcome: list[Any] = [None]
+        if self.is_coordinator:
+            where = self.location
+            assert where is not None and self.common_bytes is not None
+            try:
+                where.store.put(where.key(COMMON_NAME), self.common_bytes)
+                where.store.put(where.key(CONFIG_NAME), encode_config())
+            except Exception as exc:
+                outcome[0] = f"{type(exc).__name__}: {exc}"
+                dist.broadcast_object_list(outcome, src=self.coordinator, group=self.group)
+                raise
+        dist.broadcast_object_list(outcome, src=self.coordinator, group=self.group)
+        if outcome[0] is not None:
+            failures = {self.coordinator: str(outcome[0])}
+            raise DistributedSaveError(_failed(self.url, failures), failures)
+
+
+def _failed(url: str, failures: dict[int, str]) -> str:
+    listed = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failures.items()))
+    return f"save to {url} failed, nothing committed ({listed})"
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _serialize_common(common: dict[str, Any], url: str) -> bytes:
+    """``common.pt``'s bytes, as megatron's ``torch.save`` writes them."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(common, buffer)
+    except Exception as exc:
+        raise_if_unpicklable(common, exc, url)
+        raise
+    return buffer.getvalue()
