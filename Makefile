@@ -22,12 +22,18 @@ test: venv
 	$(BIN)/python tests/servers.py install-azurite >/dev/null  # Azure emulator, from npm
 	$(BIN)/python -m pytest -q --durations=15
 
-# The Lightning tests again against the oldest Lightning we support (2.4).
+# The Lightning tests again against the oldest Lightning we support (2.4), and the
+# Megatron tests against the older megatron-core layout we read and write (0.15).
 LIGHTNING_MIN ?= 2.4.0
+MCORE_OLD ?= 0.15.3
 test-compat: venv
 	test -d .cache/lightning-$(LIGHTNING_MIN) || $(BIN)/python -m pip install -q --no-deps \
 		--target .cache/lightning-$(LIGHTNING_MIN) lightning==$(LIGHTNING_MIN)
 	PYTHONPATH=.cache/lightning-$(LIGHTNING_MIN) $(BIN)/python -m pytest -q tests/lightning
+	test -d .cache/megatron-core-$(MCORE_OLD) || $(BIN)/python -m pip install -q --no-deps \
+		--target .cache/megatron-core-$(MCORE_OLD) megatron-core==$(MCORE_OLD)
+	PYTHONPATH=.cache/megatron-core-$(MCORE_OLD) $(BIN)/python -m pytest -q tests/megatron \
+		tests/dcp/test_metadata_compat.py
 
 # Benchmarks against the peers (benchmarks/README.md). The peers' packages are
 # installed here, not in the test environment: s3fs pulls an aiobotocore that pins an

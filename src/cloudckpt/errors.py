@@ -22,6 +22,7 @@ builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``
     ├── CorruptCheckpointError (ValueError)       bytes on storage are not a checkpoint
     │   └── ChecksumError                         a record's CRC-32 does not match
     ├── UnsupportedFormatError (ValueError)       a valid checkpoint in a variant not read
+    ├── DistributedSaveError (RuntimeError)       a multi-rank save failed on some rank
     └── UnsafeCheckpointError (pickle.UnpicklingError)
                                                   weights_only refused a global
 
@@ -41,6 +42,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "CredentialsError",
+    "DistributedSaveError",
     "InvalidURLError",
     "MissingKeyError",
     "NotAnObjectError",
@@ -136,6 +138,14 @@ class ChecksumError(CorruptCheckpointError):
 
 class UnsupportedFormatError(CloudCkptError, ValueError):
     """A well-formed checkpoint in a format or variant cloudckpt does not read."""
+
+
+class DistributedSaveError(CloudCkptError, RuntimeError):
+    """A multi-rank save failed on some rank(s); ``failures`` maps each to its error."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class UnsafeCheckpointError(CloudCkptError, pickle.UnpicklingError):

@@ -154,7 +154,11 @@ def _load_megatron(path: Path) -> dict[str, Any]:
 def test_megatron_checkpoint_with_all_local_plans(megatron_checkpoint: Path) -> None:
     metadata = _decode(megatron_checkpoint)
     plans = metadata.all_local_plans  # type: ignore[attr-defined]
-    assert [type(p) for p in plans] == [SavePlan]
+    # megatron-core 0.15 writes its own SavePlan subclass (decoded as cloudckpt's stand-in)
+    from megatron.core import package_info
+
+    legacy = tuple(int(v) for v in package_info.__version__.split(".")[:2]) < (0, 16)
+    assert [type(p) for p in plans] == [MCoreSavePlan if legacy else SavePlan]
     assert {WriteItem, WriteItemType, TensorWriteData} <= _types(metadata)
     assert {i.index.fqn for i in plans[0].items} == {"w", "obj/shard_0_1"}
     out = _load_megatron(megatron_checkpoint)
@@ -244,14 +248,21 @@ def test_near_misses_are_refused(module: str, name: str) -> None:
 def test_a_megatron_metadata_naming_another_planner_class_is_refused(
     megatron_checkpoint: Path, tmp_path: Path
 ) -> None:
-    """megatron-core's real file with its SavePlan turned into LoadPlan (same module)."""
+    """megatron-core's real file with its save plan class turned into a load plan (same
+    module, same name length so the pickle's frames still add up)."""
     payload = (megatron_checkpoint / ".metadata").read_bytes()
-    swapped = payload.replace(b"\x8c\x08SavePlan", b"\x8c\x08LoadPlan")
+    if b"\x8c\x08SavePlan" in payload:  # megatron-core 0.16: torch's SavePlan
+        swapped, refused = payload.replace(b"\x8c\x08SavePlan", b"\x8c\x08LoadPlan"), "planner"
+    else:  # megatron-core 0.15: its own MCoreSavePlan
+        swapped = payload.replace(b"\x8c\rMCoreSavePlan", b"\x8c\rMCoreLoadPlan")
+        refused = "torch"
     assert swapped != payload
     path = tmp_path / "ckpt"
     shutil.copytree(megatron_checkpoint, path)
     (path / ".metadata").write_bytes(swapped)
-    with pytest.raises(UnsafeCheckpointError, match=rf"{path}/\.metadata: .*planner\.LoadPlan"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=rf"{path}/\.metadata: .*{refused}\.\w*LoadPlan"
+    ):
         CloudStorageReader(str(path)).read_metadata()
 
 

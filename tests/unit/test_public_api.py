@@ -41,6 +41,7 @@ ALLOWED = {
     "lightning": {"lightning", "engine", "store", "format"},
     "dcp": {"dcp", "engine", "store", "format"},
     "manager": {"manager", "dcp", "engine", "store", "format"},
+    "megatron": {"megatron", "dcp", "engine", "store", "format"},
     "cli": {"cli", "manager", "dcp", "engine", "store", "format"},
     "testing": {"testing"},
 }

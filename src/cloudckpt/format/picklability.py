@@ -119,8 +119,8 @@ def raise_if_unpicklable(obj: Any, exc: BaseException, url: str) -> None:
         f"cannot save {url}: {path} ({type(bad).__name__}) cannot be pickled: {error}. "
         "A checkpoint can hold tensors, containers, numbers, strings and importable "
         "classes, but not local functions, lambdas, open files or locks. Resolve "
-        "factories into tensors before saving, or save sharded state dicts (e.g. "
-        "Megatron's) with torch.distributed.checkpoint and cloudckpt.dcp.CloudStorageWriter "
-        "(docs/dcp.md).",
+        "factories into tensors before saving, or save sharded state dicts with "
+        "cloudckpt.megatron.save (Megatron's, docs/megatron.md) or with "
+        "torch.distributed.checkpoint and cloudckpt.dcp.CloudStorageWriter (docs/dcp.md).",
         path=path,
     ) from exc

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..dcp.location import CheckpointLocation
 from ..dcp.reader import CloudStorageReader
+from ..engine.load import load as load_object
 from ..errors import BucketNotFoundError, NotFoundError
 from ..options import TransferOptions, resolve_options
 from . import mcore
@@ -86,8 +87,6 @@ def load_common_state_dict(
     ``weights_only`` (the default) refuses pickled classes; Megatron-LM's ``args``
     namespace is one, so pass ``weights_only=False`` for checkpoints you trust.
     """
-    from .. import load as load_object
-
     where = _location(url, options, overrides)
     _record(where)
     loaded = load_object(

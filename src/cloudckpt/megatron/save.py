@@ -31,8 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..dcp.location import CheckpointLocation
+from ..dcp.writer import CloudStorageWriter
 from ..engine.staging import StagingPool, get_pool
-from ..errors import CloudCkptError
+from ..errors import CloudCkptError, DistributedSaveError
 from ..format.picklability import raise_if_unpicklable
 from ..options import TransferOptions, resolve_options
 from . import mcore
@@ -44,14 +45,6 @@ __all__ = ["DistributedSaveError", "MegatronSaveHandle", "save"]
 CONTENT_METADATA_KEY = "content_metadata"
 
 _ALIGN = 64  # byte alignment of each staged tensor inside the pooled buffer
-
-
-class DistributedSaveError(CloudCkptError, RuntimeError):
-    """A save failed on some rank(s); ``failures`` maps each failed rank to its error."""
-
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
 
 
 class MegatronSaveHandle:
@@ -315,11 +308,9 @@ class _SaveJob:
 
     def _write(self) -> None:
         """DCP's save with megatron's planner: data objects, then ``.metadata``."""
-        from .. import dcp as cloud_dcp
-
         assert self.location is not None and self.pyt_state is not None
         mc = mcore.require()
-        writer = cloud_dcp.CloudStorageWriter(self.url, options=self.location.options)
+        writer = CloudStorageWriter(self.url, options=self.location.options)
         planner = mc.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
         dcp.save(self.pyt_state, storage_writer=writer, planner=planner, process_group=self.group)
 
