@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import cloudckpt
 import cloudckpt.megatron as cm
+from cloudckpt.engine.staging import get_pool
 from cloudckpt.errors import AlreadyExistsError, UnpicklableError
 from cloudckpt.options import TransferOptions
 from cloudckpt.store import open_url
@@ -189,6 +190,10 @@ def round_trip_and_reshard(rank: int, world: int, url: str, so: dict[str, Any]) 
     assert handle is not None
     handle.result(timeout=120)
     assert handle.done() and handle.exception() is None
+    # At TP1 x DP2 rank 1 holds replicas only: rank 0 writes them, rank 1 stages nothing.
+    staged = get_pool().idle_bytes  # the staging buffer, back in the pool
+    model_bytes = sum(p.numel() * p.element_size() for p in tp1.parameters())
+    assert staged >= 3 * model_bytes if rank == 0 else staged <= 64, (rank, staged)
     back = build_gpt(2, seed=7)
     back_opt = adam_for(back, 1)
     load_into(back, back_opt, f"{url}/tp1", so)

@@ -65,7 +65,6 @@ def _import() -> SimpleNamespace:
         ShardedTensor=mapping.ShardedTensor,
         ShardedObject=mapping.ShardedObject,
         apply_factory_merges=mapping.apply_factory_merges,
-        dict_list_map_outplace=dict_utils.dict_list_map_outplace,
         nested_values=dict_utils.nested_values,
         merge=dict_utils.merge,
         save_preprocess=sdu.save_preprocess,

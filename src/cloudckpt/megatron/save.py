@@ -229,19 +229,22 @@ class _SaveJob:
             if self.is_coordinator:
                 self.location.clear_marker(CONFIG_NAME, self.overwrite)
                 self.common_bytes = _serialize_common(common, self.location.url_of(COMMON_NAME))
-            if stage:
-                sharded = self._stage(mc, sharded)
+            # Keys mapped first: that drops the replicas another rank saves, so only
+            # the tensors this rank writes are staged.
             flat, _, _ = mc.replace_keys_with_sharded_keys(sharded, True)
+            if stage:
+                flat = self._stage(mc, flat)
             self.pyt_state = mc.mcore_to_pyt_state_dict(flat, False)
         except Exception as exc:
             self.error = exc
             self.release()
 
-    def _stage(self, mc: Any, sharded: dict[str, Any]) -> dict[str, Any]:
-        """Copy every ShardedTensor's data into one pooled host buffer (outplace)."""
+    def _stage(self, mc: Any, flat: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """Copies of ``flat``'s ShardedTensors whose data sits in one pooled host buffer."""
         tensors = [
             t.data
-            for t in mc.nested_values(sharded)
+            for group in flat.values()
+            for t in group
             if isinstance(t, mc.ShardedTensor) and t.data is not None
         ]
         sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
@@ -249,8 +252,8 @@ class _SaveJob:
         pool = get_pool()
         storage = pool.take(max(sum(sizes), _ALIGN), pinned)
         self.staged = (pool, storage, pinned)
-        copies: dict[int, torch.Tensor] = {}
         buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+        copies: dict[int, torch.Tensor] = {}
         offset = 0
         for tensor, size in zip(tensors, sizes, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
@@ -268,7 +271,7 @@ class _SaveJob:
                 return clone
             return value
 
-        return mc.dict_list_map_outplace(staged, sharded)
+        return {key: [staged(v) for v in group] for key, group in flat.items()}
 
     def release(self) -> None:
         """Give the staging buffer back to the pool for the next save."""
@@ -280,20 +283,20 @@ class _SaveJob:
     # -- the save's collectives (caller's thread or background) ------------------------
     def run(self, handle: MegatronSaveHandle) -> None:
         """Agree, write the data, commit; finish ``handle`` with the outcome."""
+        error: BaseException | None = None
         try:
             self._agree()
             self._write()
             self._commit()
         except BaseException as exc:
-            handle._finish(exc)
-        else:
-            handle._finish(None)
-        finally:
-            self.pyt_state = None
-            self.release()
-            with _running_lock:
-                if _running.get(self.ranks) is handle:
-                    del _running[self.ranks]
+            error = exc
+        # The buffers go back before anyone learns the outcome: the next save reuses them.
+        self.pyt_state = None
+        self.release()
+        with _running_lock:
+            if _running.get(self.ranks) is handle:
+                del _running[self.ranks]
+        handle._finish(error)
 
     def _agree(self) -> None:
         """Every rank learns whether every rank prepared; a failed one fails them all."""
