@@ -11,6 +11,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from benchmarks.systems import systems_for
+
 GiB = 1024**3
 MiB = 1024**2
 PEERS = ("boto3-nemo", "lightning-s3fs", "s3torchconnector", "msc", "dcp-fsspec")
@@ -21,6 +23,11 @@ SAVE_RATIO, LOAD_RATIO, STALL_RATIO = 0.85, 0.85, 2.0
 #: Issue 4: DCP saves and (resharded) loads at this share of the ceiling.
 DCP_RATIO = 0.8
 RSS_ALLOWANCE = 10 * 64 * MiB + 64 * MiB  # write_concurrency x part_size + 64 MiB
+#: The Megatron scenario: cloudckpt.megatron against megatron-core's own writer and
+#: reader with multi-storage-client, and against the raw transfer of the same 2 ranks.
+MEGATRON_PEER_RATIO, MEGATRON_CEILING_RATIO = 1.5, 0.8
+#: The ceiling each variant's ``x ceiling`` is taken against (default: ``ceiling``).
+CEILINGS = {"megatron": "ceiling-2to2"}
 FINDINGS = Path(__file__).with_name("findings.md")
 
 
@@ -87,7 +94,7 @@ def _figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
 UNITS = {
     "GBps": "GB/s (1e9 B/s)", "seconds": "s", "cpu_s_per_GiB": "CPU s/GiB",
     "peak_extra_rss_MiB": "MiB", "requests": "requests", "vs_ceiling": "x ceiling",
-    "vs_ceiling_2to3": "x ceiling-2to3",
+    "vs_ceiling_2to3": "x ceiling-2to3", "vs_megatron_msc": "x megatron-msc",
     "stall_s": "s", "total_s": "s", "memcpy_s": "s", "vs_memcpy": "x warm memcpy",
     "error": "error", "reps": "count",
 }  # fmt: skip
@@ -105,23 +112,29 @@ def build(
     quick: bool,
     note: str,
     elapsed: float,
+    models: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The JSON document: machine, configuration, one record per figure, raw runs."""
+    """The JSON document: machine, configuration, one record per figure, raw runs.
+    ``models`` describes the model behind a variant (the Megatron scenario's)."""
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for name, *_ in variants:
         table[name] = {}
-        for system in systems:
+        for system in systems_for(name, systems):
             runs = [r for r in results if r["variant"] == name and r["system"] == system]
             table[name][system] = _figures(runs)
-        ceiling = table[name].get("ceiling", {})
+        ceiling = table[name].get(CEILINGS.get(name, "ceiling"), {})
         layout = table[name].get("ceiling-2to3", {})
+        peer = table[name].get("megatron-msc", {})
         for system, figs in table[name].items():
+            against = {"vs_ceiling": ceiling}
+            if system.endswith("-2to3"):  # also against the ceiling of the same process layout
+                against["vs_ceiling_2to3"] = layout
+            if system == "megatron-cloudckpt":
+                against["vs_megatron_msc"] = peer
             for op in ("save", "load"):
-                if figs.get(f"{op}_GBps") and ceiling.get(f"{op}_GBps"):
-                    figs[f"{op}_vs_ceiling"] = figs[f"{op}_GBps"] / ceiling[f"{op}_GBps"]
-                # Multi-rank systems also against the ceiling of the same process layout.
-                if system.endswith("-2to3") and figs.get(f"{op}_GBps") and layout.get(f"{op}_GBps"):
-                    figs[f"{op}_vs_ceiling_2to3"] = figs[f"{op}_GBps"] / layout[f"{op}_GBps"]
+                for label, other in against.items():
+                    if figs.get(f"{op}_GBps") and other.get(f"{op}_GBps"):
+                        figs[f"{op}_{label}"] = figs[f"{op}_GBps"] / other[f"{op}_GBps"]
     records = [
         {"variant": v, "system": s, "figure": f, "value": val, "unit": _unit(f)}
         for v, by_system in table.items()
@@ -135,8 +148,11 @@ def build(
         "elapsed_s": round(elapsed, 1),
         "machine": machine(),
         "server": f"{server_version} serve s3, data on tmpfs, 127.0.0.1",
-        "variants": [{"name": n, "MiB": m, "tensors": t, "reps": r} for n, m, t, r in variants],
-        "targets": targets(table.get("default", {})),
+        "variants": [
+            {"name": n, "MiB": m, "tensors": t, "reps": r, **_model(models, n)}
+            for n, m, t, r in variants
+        ],
+        "targets": targets(table),
         "records": records,
         "runs": results,
     }
@@ -147,11 +163,17 @@ def retarget(doc: dict[str, Any]) -> dict[str, Any]:
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for r in doc["records"]:
         table.setdefault(r["variant"], {}).setdefault(r["system"], {})[r["figure"]] = r["value"]
-    return {**doc, "targets": targets(table.get("default", {}))}
+    return {**doc, "targets": targets(table)}
 
 
-def targets(figs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 8's targets for cloudckpt on the default state: met, missed, or not measured."""
+def _model(models: dict[str, str] | None, variant: str) -> dict[str, str]:
+    return {"model": models[variant]} if models and variant in models else {}
+
+
+def targets(table: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Issue 8's targets for cloudckpt on the default state, and the Megatron scenario's:
+    met, missed, or not measured."""
+    figs = table.get("default", {})
     cc, aa = figs.get("cloudckpt", {}), figs.get("cloudckpt-async", {})
     out: list[dict[str, Any]] = []
 
@@ -193,6 +215,13 @@ def targets(figs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         best_peer = next(p for p, v in measured.items() if v == best)
         check(f"{label} ahead of every peer (best: {best_peer})", cc.get(fig), best, higher,
               _unit(fig))  # fmt: skip
+    mm = table.get("megatron", {}).get("megatron-cloudckpt", {})
+    for op in ("save", "load"):
+        check(f"Megatron {op}: cloudckpt vs megatron-core + MSC", mm.get(f"{op}_vs_megatron_msc"),
+              MEGATRON_PEER_RATIO, True, "x")  # fmt: skip
+    for op, verb in (("save", "PUT"), ("load", "GET")):
+        check(f"Megatron {op} vs ceiling-2to2 {verb} (same 2 ranks)", mm.get(f"{op}_vs_ceiling"),
+              MEGATRON_CEILING_RATIO, True, "x")  # fmt: skip
     return out
 
 
@@ -206,13 +235,70 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _cell_rate(figs: dict[str, Any], op: str) -> str:
+def _cell_rate(figs: dict[str, Any], op: str, mibps: bool = False) -> str:
+    """GB/s (or MiB/s) of one operation, with its ratio to the variant's ceiling."""
     if f"{op}_error" in figs:
         return "**fails**"
     if f"{op}_GBps" not in figs:
         return "-"
     ratio = figs.get(f"{op}_vs_ceiling")
-    return f"{figs[f'{op}_GBps']:.3f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+    rate = figs[f"{op}_GBps"]
+    text = f"{rate * 1e9 / MiB:.0f}" if mibps else f"{rate:.3f}"
+    return text + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
+def _state_table(v: dict[str, Any], by_system: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [
+        f"### {v['name']}: {v['MiB']} MiB in {v['tensors']:,} fp32 tensors, "
+        f"median of {v['reps']} rep(s)",
+        "",
+        "| system | save GB/s (x ceiling) | load GB/s (x ceiling) | save CPU s/GiB "
+        "| load CPU s/GiB | save peak extra RSS MiB | load peak extra RSS MiB "
+        "| requests save / load | async stall s (x memcpy) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for system, figs in by_system.items():
+        stall = "-"
+        if "async_stall_s" in figs:
+            ratio = figs.get("async_stall_vs_memcpy")
+            stall = f"{figs['async_stall_s']:.3f}" + (f" ({ratio:.1f}x)" if ratio else "")
+        lines.append(
+            f"| {system} | {_cell_rate(figs, 'save')} | {_cell_rate(figs, 'load')} "
+            f"| {_fmt(figs.get('save_cpu_s_per_GiB'))} "
+            f"| {_fmt(figs.get('load_cpu_s_per_GiB'))} "
+            f"| {_fmt(figs.get('save_peak_extra_rss_MiB'), 0)} "
+            f"| {_fmt(figs.get('load_peak_extra_rss_MiB'), 0)} | {_requests(figs)} | {stall} |"
+        )
+    return lines
+
+
+def _requests(figs: dict[str, Any]) -> str:
+    return f"{_fmt(figs.get('save_requests'), 0)} / {_fmt(figs.get('load_requests'), 0)}"
+
+
+def _megatron_table(v: dict[str, Any], by_system: dict[str, dict[str, Any]]) -> list[str]:
+    ceiling = CEILINGS[v["name"]]
+    lines = [
+        f"### {v['name']}: {v.get('model', 'a Megatron model')}; {v['MiB']} MiB in "
+        f"{v['tensors']:,} tensors, median of {v['reps']} rep(s)",
+        "",
+        f"| system | save s | save MiB/s (x {ceiling}) | load s | load MiB/s (x {ceiling}) "
+        "| save / load CPU s/GiB | save / load peak extra RSS MiB | requests save / load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for system, figs in by_system.items():
+        cpu = f"{_fmt(figs.get('save_cpu_s_per_GiB'))} / {_fmt(figs.get('load_cpu_s_per_GiB'))}"
+        rss = (f"{_fmt(figs.get('save_peak_extra_rss_MiB'), 0)} / "
+               f"{_fmt(figs.get('load_peak_extra_rss_MiB'), 0)}")  # fmt: skip
+        ops = " | ".join(f"{_fmt(figs.get(f'{op}_seconds'))} | {_cell_rate(figs, op, mibps=True)}"
+                         for op in ("save", "load"))  # fmt: skip
+        lines.append(f"| {system} | {ops} | {cpu} | {rss} | {_requests(figs)} |")
+    ours = by_system.get("megatron-cloudckpt", {})
+    ratios = [f"{op} {ours[f'{op}_vs_megatron_msc']:.2f}x" for op in ("save", "load")
+              if f"{op}_vs_megatron_msc" in ours]  # fmt: skip
+    if ratios:
+        lines += ["", f"megatron-cloudckpt / megatron-msc (throughput): {', '.join(ratios)}."]
+    return lines
 
 
 def markdown_tables(doc: dict[str, Any]) -> str:
@@ -223,36 +309,19 @@ def markdown_tables(doc: dict[str, Any]) -> str:
         figs = by.setdefault(rec["variant"], {}).setdefault(rec["system"], {})
         figs[rec["figure"]] = rec["value"]
     for v in doc["variants"]:
-        lines += [
-            f"### {v['name']}: {v['MiB']} MiB in {v['tensors']:,} fp32 tensors, "
-            f"median of {v['reps']} rep(s)",
-            "",
-            "| system | save GB/s (x ceiling) | load GB/s (x ceiling) | save CPU s/GiB "
-            "| load CPU s/GiB | save peak extra RSS MiB | load peak extra RSS MiB "
-            "| requests save / load | async stall s (x memcpy) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        by_system = by.get(v["name"], {})
+        table = _megatron_table if v["name"] in CEILINGS else _state_table
+        lines += table(v, by_system)
+        failures = [
+            f"- {system} {op}: `{figs[f'{op}_error']}`"
+            for system, figs in by_system.items()
+            for op in ("save", "load")
+            if f"{op}_error" in figs
         ]
-        failures = []
-        for system, figs in by.get(v["name"], {}).items():
-            stall = "-"
-            if "async_stall_s" in figs:
-                ratio = figs.get("async_stall_vs_memcpy")
-                stall = f"{figs['async_stall_s']:.3f}" + (f" ({ratio:.1f}x)" if ratio else "")
-            req = f"{_fmt(figs.get('save_requests'), 0)} / {_fmt(figs.get('load_requests'), 0)}"
-            lines.append(
-                f"| {system} | {_cell_rate(figs, 'save')} | {_cell_rate(figs, 'load')} "
-                f"| {_fmt(figs.get('save_cpu_s_per_GiB'))} "
-                f"| {_fmt(figs.get('load_cpu_s_per_GiB'))} "
-                f"| {_fmt(figs.get('save_peak_extra_rss_MiB'), 0)} "
-                f"| {_fmt(figs.get('load_peak_extra_rss_MiB'), 0)} | {req} | {stall} |"
-            )
-            for op in ("save", "load"):
-                if f"{op}_error" in figs:
-                    failures.append(f"- {system} {op}: `{figs[f'{op}_error']}`")
         lines.append("")
         if failures:
             lines += ["Failures:", "", *failures, ""]
-    lines += ["### Targets (cloudckpt, default state)", "",
+    lines += ["### Targets (cloudckpt: default state, Megatron scenario)", "",
               "| target | measured | goal | measured / goal | met |",
               "|---|---:|---:|---:|---|"]  # fmt: skip
     for t in doc["targets"]:
@@ -362,6 +431,19 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "PUT half the pre-built bytes each; 3 GET a third each, across both objects): the "
         "raw-transfer bound for that job here, where three clients and the server share "
         "the cores. `x ceiling-2to3` in the targets compares the DCP ranks with it.",
+        "- **megatron** (its own systems): a megatron-core `GPTModel` (local layer spec, "
+        "gated linear unit, tied embeddings, fp32; the heading gives its sizes), tensor-"
+        "parallel on 2 forked gloo ranks, its `sharded_state_dict()` saved and loaded back "
+        "into a zeroed model by `cloudckpt.megatron.save/load` to `s3://` "
+        "(**megatron-cloudckpt**) and by megatron-core's own `dist_checkpointing.save/load` "
+        "(`torch_dist`) with multi-storage-client on `msc://` (**megatron-msc**). Each rank "
+        "builds its part of the model and its client before the clock; the time is the "
+        "slowest rank's, from a barrier before the call to one after it; CPU is the ranks' "
+        "own (with megatron's writer processes); every loaded tensor is compared with the "
+        "saved one afterwards. **ceiling-2to2**: the ceiling's transfer on the same 2 ranks "
+        "(2 PUT, then 2 GET half each) for exactly the checkpoint's tensor bytes; `x "
+        "ceiling` in that table is against it. Targets: cloudckpt at 1.5x megatron-core + "
+        "MSC and at 0.8x of ceiling-2to2, save and load.",
         "- **peers**: NeMo-style `torch.save` to memory + boto3 `upload_fileobj` "
         "(TransferConfig 64 MiB, 10 threads) / `download_fileobj`; Lightning "
         "`TorchCheckpointIO` over s3fs; s3torchconnector `S3Checkpoint`; "
@@ -387,9 +469,10 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "## Reproduce",
         "",
         "```",
-        "make bench-quick    # 128 MiB / 100 tensors x3 and 20 MiB / 10k tensors x1, < 5 min",
-        "make bench          # 1 GiB / 100 tensors x5 and 160 MiB / 10k tensors x3",
+        "make bench-quick    # 128 MiB / 100 tensors x3, 20 MiB / 10k x1, Megatron x1, < 5 min",
+        "make bench          # 1 GiB / 100 tensors x5, 160 MiB / 10k tensors x3, Megatron x3",
         ".venv/bin/python -m benchmarks.run --systems ceiling,cloudckpt --reps 3",
+        ".venv/bin/python -m benchmarks.run --variants megatron --docs ''   # Megatron alone",
         "```",
         "",
     ]

@@ -1,11 +1,14 @@
 """Benchmark cloudckpt against a raw-transfer ceiling and its peers, in one run.
 
     .venv/bin/python -m benchmarks.run            # full: 1 GiB in 100 tensors + 10k tensors
+                                                  # + a Megatron GPTModel checkpoint
     .venv/bin/python -m benchmarks.run --quick    # the same shape, smaller, under 5 minutes
+    .venv/bin/python -m benchmarks.run --variants megatron   # the Megatron scenario alone
 
 Run from the repository root (``make bench`` does). Starts ``rclone serve s3`` with its
-data on tmpfs (``server.py``), then for every repetition runs every system once (in a
-rotated order, so the systems interleave), each in a fresh worker process
+data on tmpfs (``server.py``), then for every repetition runs every system of the
+variant once (in a rotated order, so the systems interleave; the Megatron scenario has
+systems of its own, ``systems.SCENARIOS``), each in a fresh worker process
 (``python -m benchmarks.worker``) that saves the state and loads it back. Writes
 ``benchmarks/results/latest.json`` (one record per variant, system and figure, with the
 machine description), ``docs/benchmarks.md`` and ``docs/benchmarks.png``, and prints
@@ -15,6 +18,7 @@ the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -27,16 +31,28 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report, server
-from benchmarks.systems import SYSTEMS
+from benchmarks.systems import SYSTEMS, systems_for
+from benchmarks.systems.megatron_gpt import FULL as GPT_FULL
+from benchmarks.systems.megatron_gpt import QUICK as GPT_QUICK
+from benchmarks.systems.megatron_gpt import GptShape
 
 ROOT = Path(__file__).resolve().parents[1]
 
 MiB = 1024 * 1024
 BUCKET = "bench"
 
-#: (name, MiB, tensors, repetitions) for each state variant.
-FULL = [("default", 1024, 100, 5), ("many-small", 160, 10_000, 3)]
-QUICK = [("default", 128, 100, 3), ("many-small", 20, 10_000, 1)]
+MEGATRON = "megatron"
+
+
+def _megatron(shape: GptShape, reps: int) -> tuple[str, int, int, int]:
+    """The Megatron scenario as a variant: its model's size in MiB (rounded) and tensors."""
+    return (MEGATRON, round(shape.nbytes / MiB), shape.tensors, reps)
+
+
+#: (name, MiB, tensors, repetitions) for each state variant; "megatron" is the Megatron
+#: scenario (a GPTModel checkpoint, its own systems: benchmarks/systems/megatron_gpt.py).
+FULL = [("default", 1024, 100, 5), ("many-small", 160, 10_000, 3), _megatron(GPT_FULL, 3)]
+QUICK = [("default", 128, 100, 3), ("many-small", 20, 10_000, 1), _megatron(GPT_QUICK, 1)]
 
 
 def _worker_env(srv: server.S3Server) -> dict[str, str]:
@@ -59,20 +75,27 @@ def _worker_env(srv: server.S3Server) -> dict[str, str]:
 
 
 def run_worker(
-    srv: server.S3Server, system: str, variant: tuple[str, int, int, int], rep: int, timeout: float
+    srv: server.S3Server,
+    system: str,
+    variant: tuple[str, int, int, int],
+    rep: int,
+    timeout: float,
+    model: GptShape | None = None,
 ) -> dict[str, Any]:
-    """One system, one repetition, in a fresh process; its objects are removed afterwards."""
+    """One system, one repetition, in a fresh process; its objects are removed afterwards.
+    ``model``: the Megatron scenario's model (its exact bytes replace the variant's MiB)."""
     name, mib, tensors, _reps = variant
     prefix = f"{name}-r{rep}-{system}"
     spec = {
         "system": system,
         "variant": name,
         "rep": rep,
-        "bytes": mib * MiB,
+        "bytes": mib * MiB if model is None else model.nbytes,
         "tensors": tensors,
         "seed": rep,
         "log": str(srv.log_path),
         "server": srv.name,
+        "model": None if model is None else dataclasses.asdict(model),
         "ctx": {
             "endpoint": srv.endpoint_url,
             "access_key": srv.access_key_id,
@@ -116,14 +139,15 @@ def _line(r: dict[str, Any]) -> str:
         else:
             gbps = r.get("bytes", 0) / fig["seconds"] / 1e9
             parts.append(f"{op} {gbps:5.2f} GB/s cpu {fig['cpu_s']:5.2f}s")
-    return f"  {r['variant']:10s} rep{r['rep']} {r['system']:16s} " + "  ".join(parts)
+    return f"  {r['variant']:10s} rep{r['rep']} {r['system']:18s} " + "  ".join(parts)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller state, fewer reps (< 5 min)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
-    p.add_argument("--variants", default="default,many-small")
+    p.add_argument("--variants", default="default,many-small,megatron",
+                   help="comma-separated subset ('megatron': the Megatron scenario)")  # fmt: skip
     p.add_argument("--reps", type=int, default=None, help="override repetitions")
     p.add_argument("--state-mib", type=int, default=None, help="override the default state size")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker")
@@ -149,7 +173,7 @@ def main() -> int:
         p.error(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
     variants = []
     for name, mib, tensors, reps in QUICK if args.quick else FULL:
-        if name not in args.variants.split(","):
+        if name not in args.variants.split(",") or not systems_for(name, systems):
             continue
         if name == "default" and args.state_mib:
             mib = args.state_mib
@@ -157,6 +181,7 @@ def main() -> int:
 
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    gpt = GPT_QUICK if args.quick else GPT_FULL
     started = time.time()
     srv = server.start(args.tmpfs)
     results: list[dict[str, Any]] = []
@@ -165,17 +190,20 @@ def main() -> int:
         print(f"# {srv.version}, data in {srv.workdir}, endpoint {srv.endpoint_url}", flush=True)
         for variant in variants:
             name, mib, tensors, reps = variant
-            print(f"# {name}: {mib} MiB in {tensors} fp32 tensors, {reps} reps", flush=True)
+            model = gpt if name == MEGATRON else None
+            shown = f"{model.describe()}, " if model else ""
+            print(f"# {name}: {shown}{mib} MiB in {tensors} fp32 tensors, {reps} reps", flush=True)
+            on = systems_for(name, systems)
             for rep in range(reps):
-                order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
+                order = on[rep % len(on) :] + on[: rep % len(on)]
                 for system in order:
-                    r = run_worker(srv, system, variant, rep, args.timeout)
+                    r = run_worker(srv, system, variant, rep, args.timeout, model)
                     results.append(r)
                     print(_line(r), flush=True)
     finally:
         server.stop(srv)
     doc = report.build(results, variants, systems, srv.version, args.quick, args.note,
-                       time.time() - started)  # fmt: skip
+                       time.time() - started, {MEGATRON: gpt.describe()})  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -110,8 +110,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         mod = importlib.import_module(f"benchmarks.systems.{SYSTEMS[name]}")
         if hasattr(mod, "configure"):
             mod.configure(ctx)
-        state = build_state(spec["bytes"], spec["tensors"], spec["seed"])
-        size = sum(t.numel() * t.element_size() for t in state.values())
+        if hasattr(mod, "own_state"):  # what its save and load take, and its bytes
+            state, size = mod.own_state(spec)
+        else:
+            state = build_state(spec["bytes"], spec["tensors"], spec["seed"])
+            size = sum(t.numel() * t.element_size() for t in state.values())
         out["bytes"] = size
         payload: Any = mod.prepare(state) if hasattr(mod, "prepare") else state
         if hasattr(mod, "warm"):

@@ -4,7 +4,9 @@
 the bucket, and a key prefix unique to this repetition. ``save`` writes ``state`` (a dict of
 CPU tensors) under that prefix; ``load`` reads it back and returns a dict of tensors.
 A module may set ``LOAD = False`` (it has no load of its own) and may return a dict of extra
-figures from ``save`` (async stall, ...).
+figures from ``save`` (async stall, ...). A module with ``own_state(spec)`` builds what its
+``save`` and ``load`` take itself and says how many bytes that is (the Megatron systems:
+the model's shape, built in each rank).
 """
 
 from __future__ import annotations
@@ -22,4 +24,21 @@ SYSTEMS: dict[str, str] = {
     "s3torchconnector": "s3torchconnector_ckpt",
     "msc": "msc_torch",
     "dcp-fsspec": "dcp_fsspec",
+    "ceiling-2to2": "ceiling_megatron",
+    "megatron-cloudckpt": "megatron_cloudckpt",
+    "megatron-msc": "megatron_msc",
 }
+
+#: Variants that run systems of their own; every other variant runs the systems not listed.
+SCENARIOS: dict[str, tuple[str, ...]] = {
+    "megatron": ("ceiling-2to2", "megatron-cloudckpt", "megatron-msc"),
+}
+
+
+def systems_for(variant: str, selected: list[str]) -> list[str]:
+    """The ``selected`` systems that run on ``variant``, in ``selected``'s order."""
+    own = SCENARIOS.get(variant)
+    if own is not None:
+        return [s for s in selected if s in own]
+    taken = {s for names in SCENARIOS.values() for s in names}
+    return [s for s in selected if s not in taken]

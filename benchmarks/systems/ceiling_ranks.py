@@ -6,7 +6,8 @@ same forked gloo ranks as ``cloudckpt-dcp-2to3``: rank r of 2 uploads half of th
 bytes as its own object; rank r of 3 reads its third of them, across both objects.
 It is the raw-transfer bound for that job on this machine (three clients and the
 server share the cores), so the resharded load is compared with it, as well as with
-the one-process ceiling.
+the one-process ceiling. :func:`put_on` and :func:`get_on` take any number of ranks
+(``ceiling-2to2``, the Megatron scenario's bound, uses 2 and 2).
 """
 
 from __future__ import annotations
@@ -40,23 +41,35 @@ def warm(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
 
 
 def save(data: bytearray, ctx: Ctx) -> dict[str, Any]:
+    return put_on(SAVE_RANKS, data, ctx)
+
+
+def load(ctx: Ctx, template: Any) -> dict[str, Any]:
+    return get_on(LOAD_RANKS, ctx)
+
+
+def put_on(world: int, data: bytearray, ctx: Ctx) -> dict[str, Any]:
+    """``world`` ranks PUT one share of ``data`` each, as its own object."""
+
     def setup(rank: int, world: int) -> tuple[Step, Step]:
         a, b = _bounds(len(data), world, rank)
         return lambda: ceiling.put(ctx, _key(ctx, rank), memoryview(data)[a:b]), lambda: None
 
-    global _DATA
-    _DATA = data
-    return run_ranks(SAVE_RANKS, setup)
+    global _SAVED
+    _SAVED = (data, world)
+    return run_ranks(world, setup)
 
 
-#: The bytes the last save uploaded (the load checks each rank's third against them).
-_DATA = bytearray()
+#: The bytes the last save uploaded and its ranks (the load checks each share against them).
+_SAVED = (bytearray(), 1)
 
 
-def load(ctx: Ctx, template: Any) -> dict[str, Any]:
-    data = _DATA
+def get_on(world: int, ctx: Ctx) -> dict[str, Any]:
+    """``world`` ranks GET one share each of the last :func:`put_on`'s bytes, across its
+    objects, each rank checking its share afterwards."""
+    data, saved_on = _SAVED
     size = len(data)
-    objects = [_bounds(size, SAVE_RANKS, i) for i in range(SAVE_RANKS)]
+    objects = [_bounds(size, saved_on, i) for i in range(saved_on)]
 
     def setup(rank: int, world: int) -> tuple[Step, Step]:
         a, b = _bounds(size, world, rank)
@@ -74,4 +87,4 @@ def load(ctx: Ctx, template: Any) -> dict[str, Any]:
 
         return lambda: ceiling.get(ctx, spans), check
 
-    return run_ranks(LOAD_RANKS, setup)
+    return run_ranks(world, setup)

@@ -3,9 +3,10 @@
 ``run_ranks(world, setup)`` forks ``world`` processes; each joins a gloo group and calls
 ``setup(rank, world)``, which prepares its part untimed and returns ``(step, check)``.
 Between a barrier before ``step()`` and one after it the rank measures wall time, its
-own CPU time and its peak extra RSS; ``check()`` then runs untimed. The result is the
-slowest rank's time, the ranks' CPU summed and the largest rank's peak. With
-``CLOUDCKPT_BENCH_PROFILE=DIR`` each rank's step runs under cProfile, saved to DIR.
+own CPU time (with its waited-for children's) and its peak extra RSS; ``check()`` then
+runs untimed. The result is the slowest rank's time, the ranks' CPU summed and the
+largest rank's peak. With ``CLOUDCKPT_BENCH_PROFILE=DIR`` each rank's step runs under
+cProfile, saved to DIR.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ Setup = Callable[[int, int], tuple[Step, Step]]
 
 
 def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    """This rank's CPU, with that of the children it has waited for (megatron-core's
+    writer processes)."""
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 def _status_bytes(field: str) -> int:
