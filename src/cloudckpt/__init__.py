@@ -3,6 +3,7 @@
     import cloudckpt
     cloudckpt.save(model.state_dict(), "s3://bucket/run1/step-100.pt")
     state = cloudckpt.load("s3://bucket/run1/step-100.pt", map_location="cpu")
+    cloudckpt.save_safetensors(model.state_dict(), "s3://bucket/hf/", max_shard_size="5GB")
 
 See docs/ for the store URLs, transfer options and the commit guarantees. Names that
 need torch are imported on first use, so ``import cloudckpt`` (and the command line)
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .engine.async_save import SaveHandle, async_save, wait_all
     from .engine.buffers import release_buffers
     from .engine.load import load
+    from .engine.safetensors import load_safetensors, save_safetensors
     from .engine.save import SaveResult, save
     from .manager import CheckpointInfo, CheckpointManager
 
@@ -38,8 +40,10 @@ __all__ = [
     "errors",
     "get_defaults",
     "load",
+    "load_safetensors",
     "release_buffers",
     "save",
+    "save_safetensors",
     "wait_all",
 ]
 
@@ -50,6 +54,8 @@ _LAZY = {
     "async_save": ".engine.async_save",
     "wait_all": ".engine.async_save",
     "load": ".engine.load",
+    "load_safetensors": ".engine.safetensors",
+    "save_safetensors": ".engine.safetensors",
     "release_buffers": ".engine.buffers",
     "SaveResult": ".engine.save",
     "save": ".engine.save",

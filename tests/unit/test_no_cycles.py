@@ -48,3 +48,17 @@ def test_save_and_load_leave_no_buffers_in_cycles(tmp_path):
 def test_async_save_leaves_no_buffers_in_cycles(tmp_path):
     state = {"w": torch.randn(1 << 20)}
     assert _garbage_buffers(lambda: cloudckpt.async_save(state, tmp_path / "a.pt").result(60)) == []
+
+
+def test_safetensors_save_and_load_leave_no_buffers_in_cycles(tmp_path):
+    state = {"w": torch.randn(3 << 20), "b": torch.zeros(10)}
+
+    def round_trip():
+        url = tmp_path / "st"
+        cloudckpt.save_safetensors(state, url, max_shard_size=1 << 20, part_size=5 << 20)
+        out = cloudckpt.load_safetensors(url, read_chunk_size=1 << 20, device="meta")
+        assert out["w"].shape == state["w"].shape
+        out = cloudckpt.load_safetensors(url, read_chunk_size=1 << 20)
+        assert torch.equal(out["w"], state["w"])
+
+    assert _garbage_buffers(round_trip) == []

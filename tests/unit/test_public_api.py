@@ -24,8 +24,10 @@ def test_all_is_sorted_and_pinned():
         "errors",
         "get_defaults",
         "load",
+        "load_safetensors",
         "release_buffers",
         "save",
+        "save_safetensors",
         "wait_all",
     }
     for name in cloudckpt.__all__:
@@ -42,6 +44,7 @@ ALLOWED = {
     "dcp": {"dcp", "engine", "store", "format"},
     "manager": {"manager", "dcp", "engine", "store", "format"},
     "megatron": {"megatron", "dcp", "engine", "store", "format"},
+    "nemo": {"nemo", "megatron", "lightning", "manager", "dcp", "engine", "store", "format"},
     "cli": {"cli", "manager", "dcp", "engine", "store", "format"},
     "testing": {"testing"},
 }

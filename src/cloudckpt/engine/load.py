@@ -35,6 +35,7 @@ from ..errors import (
     NotFoundError,
 )
 from ..format.checksum import crc32
+from ..format.safetensors import is_safetensors_url
 from ..format.tensors import referenced_storages
 from ..format.unpickle import StorageRef, parse_persistent_id, unpickle
 from ..format.zipdir import Entry, check_local_header
@@ -45,7 +46,7 @@ from .memview import writable_view
 from .progress import progress_bar
 from .ranges import RangeReader
 
-__all__ = ["load"]
+__all__ = ["head_object", "load"]
 
 
 def _storage_view(storage: torch.UntypedStorage) -> memoryview:
@@ -86,7 +87,8 @@ class _Fetched:
     storages: dict[str, torch.UntypedStorage]
 
 
-def _head(store: Store, key: str) -> ObjectInfo:
+def head_object(store: Store, key: str) -> ObjectInfo:
+    """``Store.head``, with errors that say a bucket is missing or a URL is a prefix."""
     url = store.url(key)
     try:
         return store.head(key)
@@ -110,7 +112,7 @@ def _head(store: Store, key: str) -> ObjectInfo:
 def _plan(store: Store, key: str) -> _Plan:
     """Locate the archive's records, or decide to read the object whole."""
     url = store.url(key)
-    size = _head(store, key).size
+    size = head_object(store, key).size
     if size == 0:
         raise CorruptCheckpointError(f"{url} is empty")
     whole = _Plan(store, key, url, size)
@@ -263,9 +265,19 @@ def load(
 
     Returns what ``torch.load`` returns for the same bytes. ``keys`` loads only those
     top-level entries of a dict checkpoint, fetching only the bytes they need.
+
+    A URL ending in ``.safetensors`` or ``.safetensors.index.json`` is read by
+    :func:`cloudckpt.load_safetensors` (``{name: tensor}``; ``keys`` are tensor names,
+    ``map_location`` is its ``device``; ``weights_only`` does not apply: the format
+    holds no code).
     """
     if isinstance(keys, str):
         keys = [keys]
+    text = os.fspath(url) if isinstance(url, os.PathLike) else url
+    if isinstance(text, str) and is_safetensors_url(text):
+        from .safetensors import load_safetensors  # it imports this module
+
+        return load_safetensors(url, keys=keys, device=map_location, options=options, **overrides)
     where = open_target(url, options, **overrides)
     plan = _plan(where.store, where.key)
     if plan.whole:
