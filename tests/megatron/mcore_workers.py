@@ -261,6 +261,45 @@ def megatron_async_queue(rank: int, world: int, url: str, so: dict[str, Any]) ->
     assert_same(full_state(fresh, fresh_opt), want, "after the queue finalized")
 
 
+def queued_async_saves(rank: int, world: int, url: str, so: dict[str, Any]) -> None:
+    """A second async save returns while the first still uploads; both commit, in order."""
+    import importlib
+    import threading
+
+    # (the package's ``save`` function shadows its ``save`` module as an attribute)
+    megatron_save = importlib.import_module("cloudckpt.megatron.save")
+
+    gate = threading.Event()
+
+    class HeldWriter(megatron_save.CloudStorageWriter):
+        """The first save's writer: its upload waits for the gate (a stuck upload)."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if self.url.endswith("/first"):
+                gate.wait(timeout=120)
+            return super().write_data(plan, planner)
+
+    megatron_save.CloudStorageWriter = HeldWriter  # type: ignore[misc]
+    model = build_gpt(2)
+    opt = adam_for(model, 1)
+    want = full_state(model, opt)
+    first = cm.save(checkpoint_state(model, opt), f"{url}/first", async_save=True,
+                    storage_options=so)  # fmt: skip
+    second = cm.save(checkpoint_state(model, opt), f"{url}/second", async_save=True,
+                     storage_options=so)  # fmt: skip
+    assert first is not None and second is not None
+    # save() returned although the first upload can't finish: it was queued, not awaited.
+    assert not first.done() and not second.done()
+    gate.set()
+    first.result(timeout=120)
+    second.result(timeout=120)
+    for name in ("first", "second"):
+        fresh = build_gpt(2, seed=3)
+        fresh_opt = adam_for(fresh, 1)
+        load_into(fresh, fresh_opt, f"{url}/{name}", so)
+        assert_same(full_state(fresh, fresh_opt), want, name)
+
+
 def refused_save_fails_everywhere(rank: int, world: int, url: str, so: dict[str, Any]) -> None:
     """overwrite=False on a committed URL: every rank raises, the old checkpoint stays."""
     model = build_gpt(2)
@@ -398,6 +437,7 @@ __all__ = [
     "megatron_async_queue",
     "megatron_interop",
     "msc_interop",
+    "queued_async_saves",
     "refused_save_fails_everywhere",
     "round_trip_and_reshard",
 ]

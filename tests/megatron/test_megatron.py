@@ -50,6 +50,12 @@ def test_handle_finalizes_through_megatrons_async_calls_queue(moto_server: Any) 
     run_ranks(w.megatron_async_queue, 2, url, so, timeout=TIMEOUT)
 
 
+def test_a_second_async_save_queues_behind_a_stuck_first(moto_server: Any) -> None:
+    so = moto_server.storage_options()
+    url = f"s3://{moto_server.make_bucket('mcore-queued')}/run"
+    run_ranks(w.queued_async_saves, 2, url, so, timeout=TIMEOUT)
+
+
 def test_a_rank_that_refuses_fails_the_save_everywhere(moto_server: Any) -> None:
     so = moto_server.storage_options()
     url = f"s3://{moto_server.make_bucket('mcore-refused')}/run/iter_1"

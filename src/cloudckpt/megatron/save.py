@@ -169,30 +169,25 @@ def save(
         sharded_state_dict, validate_access_integrity, preprocess_common_before_consistancy_check
     )
     ranks = group_ranks(process_group)
-    _wait_previous(ranks)
     group = checkpoint_group(process_group)
     job = _SaveJob(text, ranks, group, overwrite)
     job.prepare(mc, sharded, common, async_save, options, overrides)
     handle = MegatronSaveHandle(text)
+    # Saves on one set of ranks run one after another (their collectives share the
+    # group), in the order every rank called them; a staged save queues its upload
+    # behind the previous one instead of holding up the training loop.
+    with _running_lock:
+        previous = _running.get(ranks)
+        _running[ranks] = handle
     if not async_save:
-        job.run(handle)
+        job.run(handle, previous)
         handle.result()
         return None
-    with _running_lock:
-        _running[ranks] = handle
     thread = threading.Thread(
-        target=job.run, args=(handle,), name="cloudckpt-megatron-save", daemon=False
+        target=job.run, args=(handle, previous), name="cloudckpt-megatron-save", daemon=False
     )
     thread.start()
     return handle
-
-
-def _wait_previous(ranks: tuple[int, ...]) -> None:
-    """Let a previous asynchronous save on these ranks finish (its error stays with it)."""
-    with _running_lock:
-        previous = _running.get(ranks)
-    if previous is not None:
-        previous.wait()
 
 
 class _SaveJob:
@@ -221,13 +216,12 @@ class _SaveJob:
         options: TransferOptions | None,
         overrides: dict[str, Any],
     ) -> None:
-        """Everything local: open the URL, clear the old marker, stage, map keys."""
+        """Everything local: resolve the URL, serialize the common state, map keys, stage."""
         try:
             self.location = CheckpointLocation(
                 self.url, resolve_options(options, url=self.url, **overrides)
             )
             if self.is_coordinator:
-                self.location.clear_marker(CONFIG_NAME, self.overwrite)
                 self.common_bytes = _serialize_common(common, self.location.url_of(COMMON_NAME))
             # Keys mapped first: that drops the replicas another rank saves, so only
             # the tensors this rank writes are staged.
@@ -281,9 +275,17 @@ class _SaveJob:
             pool.give_back([storage], [pinned])
 
     # -- the save's collectives (caller's thread or background) ------------------------
-    def run(self, handle: MegatronSaveHandle) -> None:
-        """Agree, write the data, commit; finish ``handle`` with the outcome."""
+    def run(self, handle: MegatronSaveHandle, previous: MegatronSaveHandle | None) -> None:
+        """After ``previous``: clear the marker, agree, write, commit; finish ``handle``."""
+        if previous is not None:
+            previous.wait()  # its outcome is its own handle's
         error: BaseException | None = None
+        if self.is_coordinator and self.error is None:
+            try:  # here, not in prepare: a queued save may target the previous one's URL
+                assert self.location is not None
+                self.location.clear_marker(CONFIG_NAME, self.overwrite)
+            except Exception as exc:
+                self.error = exc
         try:
             self._agree()
             self._write()
