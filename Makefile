@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudckpt-installed
 URL    ?=
 
-.PHONY: venv demo test test-compat lint bench bench-quick clean
+.PHONY: venv demo test test-compat test-nemo lint bench bench-quick clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,28 @@ test-compat: venv
 		--target .cache/megatron-core-$(MCORE_OLD) megatron-core==$(MCORE_OLD)
 	PYTHONPATH=.cache/megatron-core-$(MCORE_OLD) $(BIN)/python -m pytest -q tests/megatron \
 		tests/dcp/test_metadata_compat.py
+
+# cloudckpt.nemo against NeMo 2.7.3 (tests/nemo; docs/megatron.md). NeMo and what
+# `import nemo.lightning` needs go into a venv of their own under .cache, which sees
+# .venv's packages (torch, lightning, megatron-core, the test servers) through a .pth
+# file, so .venv is untouched. The tests run with NeMo's own Lightning pin (2.4) and
+# with .venv's Lightning, where tests/nemo/nemo_env.py applies the two import shims.
+NEMO_VENV ?= .cache/nemo-2.7.3
+NEMO_LIGHTNING ?= 2.4.0
+NEMO_STAMP := $(NEMO_VENV)/.cloudckpt-installed
+$(NEMO_STAMP): $(STAMP) tests/nemo/requirements.txt
+	test -x $(NEMO_VENV)/bin/python || $(BIN)/python -m venv $(NEMO_VENV)
+	$(BIN)/python -c "import sysconfig; print('import site; site.addsitedir(%r)' \
+		% sysconfig.get_paths()['purelib'])" > "$$($(NEMO_VENV)/bin/python -c \
+		"import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-cloudckpt-venv.pth"
+	$(NEMO_VENV)/bin/python -m pip install -q -r tests/nemo/requirements.txt
+	touch $(NEMO_STAMP)
+
+test-nemo: $(NEMO_STAMP)
+	test -d .cache/lightning-$(NEMO_LIGHTNING) || $(BIN)/python -m pip install -q --no-deps \
+		--target .cache/lightning-$(NEMO_LIGHTNING) lightning==$(NEMO_LIGHTNING)
+	PYTHONPATH=.cache/lightning-$(NEMO_LIGHTNING) $(NEMO_VENV)/bin/python -m pytest -q tests/nemo
+	$(NEMO_VENV)/bin/python -m pytest -q tests/nemo
 
 # Benchmarks against the peers (benchmarks/README.md). The peers' packages are
 # installed here, not in the test environment: s3fs pulls an aiobotocore that pins an

@@ -1,0 +1,254 @@
+"""NeMo 2's checkpoint I/O on cloudckpt: ``MegatronCheckpointIO`` for any URL.
+
+:class:`CloudMegatronCheckpointIO` does what NeMo's ``MegatronCheckpointIO``
+(``nemo/lightning/io/pl.py``) does, through :mod:`cloudckpt.megatron` instead of
+megatron-core's ``dist_checkpointing``: the ``weights/`` subfolder, ``content_metadata``
+from ``storage_options``, NeMo's strictness handling and its default content metadata.
+With ``async_save=True`` ``save_checkpoint`` returns the save's megatron-core
+``AsyncRequest``, which :class:`CloudAsyncFinalizableCheckpointIO` schedules on
+megatron-core's ``AsyncCallsQueue`` and NeMo's ``AsyncFinalizerCallback`` finalizes.
+
+Call order, as MegatronStrategy drives it: ``save_checkpoint`` on every rank (async:
+returns once staged; the request's finalize functions run on every rank when
+``maybe_finalize_save_checkpoint`` finds the save done); ``load_content_metadata`` then
+``load_checkpoint`` on every rank; ``remove_checkpoint`` on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from .. import megatron as cm
+from ..errors import NotFoundError
+from ..lightning.fs import register_options
+from ..options import TransferOptions, resolve_options
+from ._compat import (
+    AsyncCompatibleCheckpointIO,
+    AsyncFinalizableCheckpointIO,
+    IOMixin,
+    MegatronCheckpointIO,
+    WrappingCheckpointIO,
+)
+from .paths import checkpoint_dir, remove_tree, weights_url
+
+__all__ = [
+    "DEFAULT_CONTENT_METADATA",
+    "CloudAsyncFinalizableCheckpointIO",
+    "CloudMegatronCheckpointIO",
+    "cloud_checkpoint_io",
+]
+
+log = logging.getLogger("cloudckpt")
+
+#: What NeMo assumes for a checkpoint saved without content metadata (pre-2.1 NeMo).
+DEFAULT_CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+
+#: The constructor arguments NeMo may record in a checkpoint's ``context/io.json``
+#: (IOMixin): never the store settings, which can hold credentials.
+_RECORDED = ("async_save", "weights_only")
+
+
+class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
+    """NeMo's ``MegatronCheckpointIO`` for ``s3://``, ``gs://``, ``az://`` URLs and paths.
+
+    ``weights_only`` (the default) refuses pickled classes in the common state when
+    loading; pass False for checkpoints you trust. ``options`` and other keywords are
+    :class:`~cloudckpt.TransferOptions` fields (``storage_options={...}``, ``part_size``,
+    ...). They are not recorded in NeMo's ``context/io.json``: prefer the environment
+    or a cloudckpt profile for credentials. Megatron's save-strategy flags
+    (``ckpt_parallel_save``, ``torch_dist_multiproc``, ...) do not apply: cloudckpt's
+    writer has its own concurrency settings.
+    """
+
+    validated_consistency: bool  # set by NeMo's constructor
+
+    def __init__(
+        self,
+        async_save: bool = False,
+        *,
+        weights_only: bool = True,
+        options: TransferOptions | None = None,
+        **overrides: Any,
+    ) -> None:
+        super().__init__(save_ckpt_format="torch_dist", async_save=async_save)
+        self.weights_only = weights_only
+        self._options, self._overrides = options, overrides
+        resolve_options(options, **overrides)  # a bad option fails here, not at the first save
+        if options is not None or overrides:
+            register_options("", options, **overrides)  # for the callback and resume lookups
+
+    def io_transform_args(self, init_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """IOMixin's record of the constructor's arguments, without the store settings."""
+        captured: dict[str, Any] = super().io_transform_args(init_fn, *args, **kwargs)
+        return {k: v for k, v in captured.items() if k in _RECORDED}
+
+    # -- save ----------------------------------------------------------------------------
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> Any:
+        """Save to ``<path without .ckpt>/weights``; async: return the ``AsyncRequest``."""
+        url = weights_url(path)
+        validate = not (self.validated_consistency and self.assume_constant_structure)
+        self.validated_consistency = True
+        start = time.monotonic()
+        handle = cm.save(
+            checkpoint,
+            url,
+            async_save=self.async_save,
+            content_metadata=(storage_options or {}).get("content_metadata"),
+            validate_access_integrity=validate,
+            options=self._options,
+            **self._overrides,
+        )
+        log.info(
+            "%s checkpoint to %s in %.3fs",
+            "staged" if handle is not None else "saved",
+            url,
+            time.monotonic() - start,
+        )
+        return None if handle is None else handle.async_request()
+
+    # -- load ----------------------------------------------------------------------------
+    def _committed(self, path: Any) -> str:
+        """The committed megatron checkpoint of ``path``: ``<ckpt>/weights``, else ``<ckpt>``."""
+        base = checkpoint_dir(path)
+        candidates = (weights_url(path), base)
+        for url in candidates:
+            if cm.is_checkpoint(url, options=self._options, **self._overrides):
+                return url
+        raise NotFoundError(
+            f"no committed NeMo checkpoint at {base} (neither {candidates[0]} nor {base} "
+            "holds megatron's metadata.json: the save did not finish, or the path is wrong)"
+        )
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        sharded_state_dict: dict[str, Any] | None = None,
+        map_location: Any | None = None,
+        strict: Any = None,
+    ) -> Any:
+        """Load ``path`` (the checkpoint or its ``weights/``) into ``sharded_state_dict``.
+
+        ``strict`` as NeMo: None -> ``assume_ok_unexpected``; False drops what the
+        checkpoint lacks (``adjust_non_strict_load``) and logs all mismatches; True ->
+        ``assume_ok_unexpected``; a ``StrictHandling`` value is used as is.
+        """
+        if map_location is not None:
+            raise ValueError("map_location is not supported by CloudMegatronCheckpointIO")
+        if sharded_state_dict is None:
+            raise ValueError("CloudMegatronCheckpointIO.load_checkpoint needs sharded_state_dict")
+        url = self._committed(path)
+        if isinstance(strict, bool):
+            # NeMo's own back-compat rule (megatron's strict check skips factories).
+            if not strict:
+                sharded_state_dict = self.adjust_non_strict_load(url, sharded_state_dict)
+            strict = "assume_ok_unexpected" if strict else "log_all"
+        start = time.monotonic()
+        loaded = cm.load(
+            sharded_state_dict,
+            url,
+            strict="assume_ok_unexpected" if strict is None else strict,
+            weights_only=self.weights_only,
+            options=self._options,
+            **self._overrides,
+        )
+        log.info("loaded checkpoint %s in %.3fs", url, time.monotonic() - start)
+        return _on_current_device(loaded)
+
+    def adjust_non_strict_load(self, path: Any, sharded_state_dict: dict[str, Any]) -> Any:
+        """Drop the sharded entries the checkpoint does not hold (NeMo's non-strict load)."""
+        from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        stored = cm.load_tensors_metadata(path, options=self._options, **self._overrides)
+        missing: list[str] = []
+
+        def absent(x: Any) -> bool:
+            if isinstance(x, ShardedBase) and x.key not in stored:
+                missing.append(x.key)
+                return True
+            return False
+
+        _, kept = extract_matching_values(sharded_state_dict, absent)
+        log.info("not in the checkpoint, so not loaded: %s", missing)
+        return kept
+
+    def load_content_metadata(
+        self, path: Any = None, preloaded_state_dict: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The ``content_metadata`` saved with the checkpoint, or NeMo's back-compat default."""
+        url = None if path is None else self._committed(path)
+        found = cm.load_content_metadata(
+            url,
+            preloaded_state_dict=preloaded_state_dict,
+            options=self._options,
+            **self._overrides,
+        )
+        if found is None:
+            log.info("no content metadata in %s; assuming %s", url, DEFAULT_CONTENT_METADATA)
+            return dict(DEFAULT_CONTENT_METADATA)
+        return dict(found)
+
+    # -- remove --------------------------------------------------------------------------
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the whole NeMo checkpoint (weights and context), its commit marker first."""
+        removed = remove_tree(checkpoint_dir(path))
+        log.debug("removed %s (%d objects)", checkpoint_dir(path), removed)
+
+
+def _on_current_device(state: Any) -> Any:
+    """NeMo's ``_fix_tensors_device``: CUDA tensors onto this rank's device (CPU: as is)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return state
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def move(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_cuda and t.device != device:
+            return t.to(device)
+        return t
+
+    return dict_list_map_outplace(move, state)
+
+
+class CloudAsyncFinalizableCheckpointIO(AsyncFinalizableCheckpointIO, IOMixin):  # type: ignore[misc]
+    """NeMo's ``AsyncFinalizableCheckpointIO`` that starts with megatron-core >= 0.16.
+
+    NeMo 2.7's own refuses to start there (it probes the removed
+    ``strategies.tensorstore``). This one is the same class otherwise, so NeMo's
+    ``ModelCheckpoint`` and ``AsyncFinalizerCallback`` accept it: ``save_checkpoint``
+    schedules the wrapped IO's ``AsyncRequest`` (plus NeMo's ``finalize_fn``) on
+    megatron-core's ``AsyncCallsQueue``; ``maybe_finalize_save_checkpoint`` finalizes.
+    """
+
+    def __init__(self, checkpoint_io: Any) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        if not isinstance(checkpoint_io, AsyncCompatibleCheckpointIO):
+            raise ValueError(f"Incompatible wrapped checkpoint_io type: {type(checkpoint_io)}")
+        if not getattr(checkpoint_io, "async_save", False):
+            raise ValueError(
+                "CloudAsyncFinalizableCheckpointIO wraps an IO made with async_save=True "
+                "(use cloud_checkpoint_io(async_save=...))"
+            )
+        WrappingCheckpointIO.__init__(self, checkpoint_io)
+        self.async_calls_queue = AsyncCallsQueue()
+
+
+def cloud_checkpoint_io(
+    async_save: bool, **options: Any
+) -> CloudMegatronCheckpointIO | CloudAsyncFinalizableCheckpointIO:
+    """The checkpoint I/O for ``MegatronStrategy(checkpoint_io=..., ckpt_async_save=...)``.
+
+    Pass the strategy's ``ckpt_async_save`` as ``async_save`` (MegatronStrategy does not
+    hand it to a given IO): True gives the async wrapper NeMo's callbacks require, False
+    the plain IO. ``options`` go to :class:`CloudMegatronCheckpointIO`.
+    """
+    io = CloudMegatronCheckpointIO(async_save=async_save, **options)
+    return CloudAsyncFinalizableCheckpointIO(io) if async_save else io

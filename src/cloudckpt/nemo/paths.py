@@ -1,0 +1,143 @@
+"""A NeMo 2 checkpoint's layout, as string URLs, and the few store operations on it.
+
+NeMo builds its paths with ``pathlib``, which turns ``s3://bucket/run`` into
+``s3:/bucket/run``. Everything here joins strings instead::
+
+    <dirpath>/<name>/                  one checkpoint (Lightning calls it <name>.ckpt)
+      weights/                         the megatron-core torch_dist checkpoint;
+        metadata.json                  ... its commit marker (written last)
+      context/                         NeMo's io.json, model.yaml and artifacts
+    <dirpath>/<name>-unfinished        NeMo's marker: a save or removal is under way
+
+Store settings (credentials, endpoint) come from :func:`cloudckpt.lightning.fs.
+register_options`, which the classes of cloudckpt.nemo call with what they were given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import NotFoundError
+from ..lightning.fs import target_for, unwrap
+from ..manager.gc import delete_prefix
+from ..store import ObjectInfo
+
+__all__ = [
+    "CONTEXT",
+    "UNFINISHED_SUFFIX",
+    "WEIGHTS",
+    "as_url",
+    "checkpoint_dir",
+    "children",
+    "download_tree",
+    "has_objects",
+    "marker_url",
+    "object_exists",
+    "remove_object",
+    "remove_tree",
+    "touch",
+    "upload_tree",
+    "weights_url",
+]
+
+WEIGHTS = "weights"
+CONTEXT = "context"
+UNFINISHED_SUFFIX = "-unfinished"
+COMMIT_NAME = "metadata.json"  # megatron-core's marker inside weights/
+
+
+def as_url(path: Any) -> str:
+    """A path or URL as a string without a trailing slash (``cloudckpt://`` unwrapped)."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    return unwrap(text).rstrip("/")
+
+
+def checkpoint_dir(path: Any) -> str:
+    """NeMo's ``ckpt_to_dir`` on strings: ``.../name.ckpt`` (or ``.../name/weights``) ->
+    ``.../name``."""
+    url = as_url(path)
+    url = url.removesuffix(".ckpt")
+    return url.removesuffix("/" + WEIGHTS)
+
+
+def weights_url(path: Any) -> str:
+    """Where the megatron checkpoint of the NeMo checkpoint ``path`` lives."""
+    return f"{checkpoint_dir(path)}/{WEIGHTS}"
+
+
+def marker_url(path: Any) -> str:
+    """NeMo's ``<checkpoint>-unfinished`` marker (one for a checkpoint and its EMA copy)."""
+    return checkpoint_dir(path).removesuffix("-EMA") + UNFINISHED_SUFFIX
+
+
+def object_exists(url: str) -> bool:
+    where = target_for(url)
+    try:
+        where.store.head(where.key)
+    except (NotFoundError, IsADirectoryError):
+        return False
+    return True
+
+
+def has_objects(url: str) -> bool:
+    """True if any object lies under ``url/`` (a "directory" of an object store)."""
+    where = target_for(url)
+    return next(iter(where.store.list(where.key.rstrip("/") + "/")), None) is not None
+
+
+def touch(url: str) -> None:
+    where = target_for(url)
+    where.store.put(where.key, b"")
+
+
+def remove_object(url: str) -> None:
+    """Delete one object (absent already is fine)."""
+    where = target_for(url)
+    where.store.delete(where.key)
+
+
+def children(url: str) -> tuple[dict[str, list[ObjectInfo]], dict[str, ObjectInfo]]:
+    """What lies directly under ``url``: ``({dir name: its objects}, {file name: object})``."""
+    where = target_for(url)
+    prefix = where.key.rstrip("/") + "/"
+    dirs: dict[str, list[ObjectInfo]] = {}
+    files: dict[str, ObjectInfo] = {}
+    for obj in where.store.list(prefix):
+        name, slash, _ = obj.key[len(prefix) :].partition("/")
+        if slash:
+            dirs.setdefault(name, []).append(obj)
+        else:
+            files[name] = obj
+    return dirs, files
+
+
+def remove_tree(url: str) -> int:
+    """Delete a NeMo checkpoint directory: its commit marker first, so an interrupted
+    removal never leaves a checkpoint that looks committed. Returns objects deleted."""
+    where = target_for(url)
+    prefix = where.key.rstrip("/") + "/"
+    where.store.delete(f"{prefix}{WEIGHTS}/{COMMIT_NAME}")
+    return delete_prefix(where.store, prefix, where.options)
+
+
+def upload_tree(local: Path, url: str) -> None:
+    """Copy every file under the local directory ``local`` to ``url/<relative path>``."""
+    where = target_for(url)
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            where.store.put(f"{where.key}/{path.relative_to(local).as_posix()}", path.read_bytes())
+
+
+def download_tree(url: str, local: Path) -> int:
+    """Copy every object under ``url/`` into the local directory ``local``; returns the count."""
+    where = target_for(url)
+    prefix = where.key.rstrip("/") + "/"
+    count = 0
+    for obj in where.store.list(prefix):
+        target = local / obj.key[len(prefix) :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(where.store.get(obj.key))
+        count += 1
+    return count
