@@ -12,6 +12,10 @@ before NeMo is imported; with Lightning 2.4 neither applies:
 
 ``require()`` skips the calling test module when NeMo 2 can't be imported
 (``make test-nemo`` builds an environment with it; ``make test`` has none).
+
+Importing this module also puts tests/megatron on ``sys.path``, for its GPT builder
+(``mcore_workers``); a conftest.py here would shadow the suite's root conftest, which
+other test modules import by name.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "megatron"))
 
 ONE_LOGGER_PL = "nv_one_logger.training_telemetry.integration.pytorch_lightning"
 
