@@ -64,8 +64,10 @@ class CheckpointLocation:
             return
         if not overwrite:
             raise AlreadyExistsError(
-                f"a committed checkpoint already exists at {self.url} ({self.url_of(name)}); "
-                "pass overwrite=True or save to a new URL"
+                # "Checkpoint already exists" is the phrase torch's FileSystemWriter uses
+                # (and its own tests match): same words, same meaning.
+                f"Checkpoint already exists at {self.url} ({self.url_of(name)}) and "
+                "overwrite=False: pass overwrite=True or save to a new URL"
             )
         self.store.delete(self.key(name))
 
