@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..errors import AlreadyExistsError, BucketNotFoundError, NotFoundError
-from ..options import TransferOptions
+from ..options import TransferOptions, resolve_options
 from ..store import Store, join_key, open_url, split_url
 
 __all__ = ["CheckpointLocation", "LocatedCheckpoint", "url_string"]
@@ -32,6 +32,14 @@ class CheckpointLocation:
         self.options = options
         self._opened: tuple[Store, str] | None = None
         self._pid = -1
+
+    @classmethod
+    def resolve(
+        cls, url: str | os.PathLike[str], options: TransferOptions | None = None, **overrides: Any
+    ) -> CheckpointLocation:
+        """``url`` with the call's options resolved (keywords > ``options`` > profile >
+        defaults), as every DCP and Megatron entry point takes them."""
+        return cls(url, resolve_options(options, url=os.fspath(url), **overrides))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

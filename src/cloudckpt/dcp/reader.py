@@ -39,7 +39,7 @@ from ..format.dcp.archive import parse_archive
 from ..format.dcp.index import LayoutIndex, parse_index
 from ..format.dcp.layout import layout_name
 from ..format.dcp.metadata import ChunkIndex
-from ..options import TransferOptions, resolve_options
+from ..options import TransferOptions
 from .commit_read import adopt, layout_document, read_commit, save_id_of
 from .fetch import RangeFetcher
 from .location import CheckpointLocation, LocatedCheckpoint
@@ -83,7 +83,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         **overrides: Any,
     ) -> None:
         super().__init__()
-        self.location = CheckpointLocation(url, resolve_options(options, url=url, **overrides))
+        self.location = CheckpointLocation.resolve(url, options, **overrides)
         self.weights_only = weights_only
         self.extension_registry = extension_registry
         self.load_id = str(uuid.uuid4())

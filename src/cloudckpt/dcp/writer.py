@@ -53,7 +53,7 @@ from ..format.dcp.layout import (
     metadata_name,
     split_items,
 )
-from ..options import TransferOptions, resolve_options
+from ..options import TransferOptions
 from ..store import byte_view
 from .location import CheckpointLocation, LocatedCheckpoint
 
@@ -156,7 +156,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         for name, value in (("files_per_rank", files_per_rank), ("prefix_fanout", prefix_fanout)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        self.location = CheckpointLocation(url, resolve_options(options, url=url, **overrides))
+        self.location = CheckpointLocation.resolve(url, options, **overrides)
         self.files_per_rank = files_per_rank
         self.prefix_fanout = prefix_fanout
         self.overwrite = overwrite

@@ -16,7 +16,7 @@ from ..dcp.location import CheckpointLocation
 from ..dcp.reader import CloudStorageReader
 from ..engine.load import load as load_object
 from ..errors import BucketNotFoundError, NotFoundError
-from ..options import TransferOptions, resolve_options
+from ..options import TransferOptions
 from . import mcore
 from .layout import COMMON_NAME, CONFIG_NAME, BackendRecord, decode_config
 from .save import CONTENT_METADATA_KEY
@@ -42,9 +42,11 @@ class _MetadataOnce(CloudStorageReader):
         return self._metadata
 
 
-def _location(url: str | os.PathLike[str], options: Any, overrides: dict[str, Any]) -> Any:
-    text = os.fspath(url)
-    return CheckpointLocation(text, resolve_options(options, url=text, **overrides))
+def _committed(url: str | os.PathLike[str], options: Any, overrides: dict[str, Any]) -> Any:
+    """The checkpoint's location, once its ``metadata.json`` was found and read."""
+    where = CheckpointLocation.resolve(url, options, **overrides)
+    _record(where)
+    return where
 
 
 def _record(where: CheckpointLocation) -> BackendRecord:
@@ -65,7 +67,7 @@ def is_checkpoint(
     url: str | os.PathLike[str], *, options: TransferOptions | None = None, **overrides: Any
 ) -> bool:
     """True if ``url`` holds a committed Megatron checkpoint cloudckpt can read."""
-    where = _location(url, options, overrides)
+    where = CheckpointLocation.resolve(url, options, **overrides)
     try:
         _record(where)
     except BucketNotFoundError:
@@ -87,14 +89,14 @@ def load_common_state_dict(
     ``weights_only`` (the default) refuses pickled classes; Megatron-LM's ``args``
     namespace is one, so pass ``weights_only=False`` for checkpoints you trust.
     """
-    where = _location(url, options, overrides)
-    _record(where)
+    return _common(_committed(url, options, overrides), weights_only)
+
+
+def _common(where: CheckpointLocation, weights_only: bool) -> dict[str, Any]:
     loaded = load_object(
-        where.url_of(COMMON_NAME),
-        map_location="cpu",
-        weights_only=weights_only,
+        where.url_of(COMMON_NAME), map_location="cpu", weights_only=weights_only,
         options=where.options,
-    )
+    )  # fmt: skip
     return dict(loaded)
 
 
@@ -122,8 +124,7 @@ def load_tensors_metadata(
 ) -> dict[str, Any]:
     """Every tensor in the checkpoint as a ShardedTensor without data (global shape, dtype)."""
     mc = mcore.require()
-    where = _location(url, options, overrides)
-    _record(where)
+    where = _committed(url, options, overrides)
     metadata = _reader(where, True).read_metadata()
     result: dict[str, Any] = mc.TorchDistLoadShardedStrategy().load_tensors_metadata(
         where.url, metadata
@@ -135,12 +136,15 @@ def load_sharded_metadata(
     url: str | os.PathLike[str], *, options: TransferOptions | None = None, **overrides: Any
 ) -> dict[str, Any]:
     """Like :func:`load_tensors_metadata`, with the ShardedObjects too."""
-    mc = mcore.require()
-    where = _location(url, options, overrides)
-    _record(where)
+    where = _committed(url, options, overrides)
+    return _sharded_metadata(mcore.RemoteDir(where.url, _reader(where, True)))
+
+
+def _sharded_metadata(remote: mcore.RemoteDir) -> dict[str, Any]:
     mcore.install_reader_hook()
-    remote = mcore.RemoteDir(where.url, _reader(where, True))
-    result: dict[str, Any] = mc.TorchDistLoadShardedStrategy().load_sharded_metadata(remote)
+    result: dict[str, Any] = (
+        mcore.require().TorchDistLoadShardedStrategy().load_sharded_metadata(remote)
+    )
     return result
 
 
@@ -163,11 +167,12 @@ def load(
     numpy RNG states). Other keywords are :class:`~cloudckpt.TransferOptions` fields.
     """
     mc = mcore.require()
-    where = _location(url, options, overrides)
-    _record(where)
+    where = _committed(url, options, overrides)
+    # One reader for the whole load: megatron's steps ask for .metadata several times.
+    remote = mcore.RemoteDir(where.url, _reader(where, weights_only))
     if mc.force_all_tensors_to_non_fp8 is not None:
         mc.force_all_tensors_to_non_fp8(sharded_state_dict)
-    common = load_common_state_dict(where.url, weights_only=weights_only, options=where.options)
+    common = _common(where, weights_only)
     sharded, nonpersistent, factories = mc.load_preprocess(sharded_state_dict)
     mc.merge(common, nonpersistent)
     sharded, _ = mc.extract_sharded_base(sharded)
@@ -175,7 +180,7 @@ def load(
     handling = mc.parse_strict_flag(strict)
     ckpt_metadata = None
     if mc.StrictHandling.requires_explicit_ckpt_mismatch_check(handling):
-        ckpt_metadata = load_sharded_metadata(where.url, options=where.options)
+        ckpt_metadata = _sharded_metadata(remote)
     local_metadata = global_metadata = None
     if validate_access_integrity or mc.StrictHandling.requires_global_app_metadata(handling):
         local_metadata, global_metadata = mc.determine_global_metadata(sharded)
@@ -184,7 +189,6 @@ def load(
     )
 
     mcore.install_reader_hook()
-    remote = mcore.RemoteDir(where.url, _reader(where, weights_only))
     loaded = mc.TorchDistLoadShardedStrategy().load(sharded, remote)
     mc.merge(common, loaded)
     common = mc.apply_factory_merges(common, factories)

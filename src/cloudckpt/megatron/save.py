@@ -35,7 +35,7 @@ from ..dcp.writer import CloudStorageWriter
 from ..engine.staging import StagingPool, get_pool
 from ..errors import CloudCkptError, DistributedSaveError
 from ..format.picklability import raise_if_unpicklable
-from ..options import TransferOptions, resolve_options
+from ..options import TransferOptions
 from . import mcore
 from .groups import checkpoint_group, group_ranks
 from .layout import COMMON_NAME, CONFIG_NAME, encode_config
@@ -218,9 +218,7 @@ class _SaveJob:
     ) -> None:
         """Everything local: resolve the URL, serialize the common state, map keys, stage."""
         try:
-            self.location = CheckpointLocation(
-                self.url, resolve_options(options, url=self.url, **overrides)
-            )
+            self.location = CheckpointLocation.resolve(self.url, options, **overrides)
             if self.is_coordinator:
                 self.common_bytes = _serialize_common(common, self.location.url_of(COMMON_NAME))
             # Keys mapped first: that drops the replicas another rank saves, so only
@@ -322,6 +320,7 @@ class _SaveJob:
     def _commit(self) -> None:
         """Coordinator: ``common.pt`` then ``metadata.json``; every rank learns the outcome."""
         outcome: list[Any] = [None]
+        failed: Exception | None = None
         if self.is_coordinator:
             where = self.location
             assert where is not None and self.common_bytes is not None
@@ -329,10 +328,10 @@ class _SaveJob:
                 where.store.put(where.key(COMMON_NAME), self.common_bytes)
                 where.store.put(where.key(CONFIG_NAME), encode_config())
             except Exception as exc:
-                outcome[0] = f"{type(exc).__name__}: {exc}"
-                dist.broadcast_object_list(outcome, src=self.coordinator, group=self.group)
-                raise
+                failed, outcome[0] = exc, f"{type(exc).__name__}: {exc}"
         dist.broadcast_object_list(outcome, src=self.coordinator, group=self.group)
+        if failed is not None:
+            raise failed
         if outcome[0] is not None:
             failures = {self.coordinator: str(outcome[0])}
             raise DistributedSaveError(_failed(self.url, failures), failures)

@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import NotFoundError
 from ..lightning.fs import target_for, unwrap
 from ..manager.gc import delete_prefix
+from ..megatron.layout import CONFIG_NAME
 from ..store import ObjectInfo
 
 __all__ = [
@@ -45,7 +46,6 @@ __all__ = [
 WEIGHTS = "weights"
 CONTEXT = "context"
 UNFINISHED_SUFFIX = "-unfinished"
-COMMIT_NAME = "metadata.json"  # megatron-core's marker inside weights/
 
 
 def as_url(path: Any) -> str:
@@ -118,7 +118,7 @@ def remove_tree(url: str) -> int:
     removal never leaves a checkpoint that looks committed. Returns objects deleted."""
     where = target_for(url)
     prefix = where.key.rstrip("/") + "/"
-    where.store.delete(f"{prefix}{WEIGHTS}/{COMMIT_NAME}")
+    where.store.delete(f"{prefix}{WEIGHTS}/{CONFIG_NAME}")
     return delete_prefix(where.store, prefix, where.options)
 
 

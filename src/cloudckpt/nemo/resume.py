@@ -25,6 +25,7 @@ from ..errors import NotFoundError
 from ..lightning.callback import is_remote
 from ..lightning.fs import register_options
 from ..manager.distributed import on_rank0
+from ..megatron.layout import CONFIG_NAME
 from ..options import TransferOptions
 from ._compat import AppState, AutoResume
 from .paths import (
@@ -42,7 +43,7 @@ __all__ = ["CheckpointEntry", "CloudAutoResume", "latest_checkpoint", "list_chec
 
 log = logging.getLogger("cloudckpt")
 
-_COMMIT = f"{WEIGHTS}/metadata.json"
+_COMMIT = f"{WEIGHTS}/{CONFIG_NAME}"  # megatron-core's commit marker
 _ADAPTER_META = f"{WEIGHTS}/adapter_metadata.json"
 
 
