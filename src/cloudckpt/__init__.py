@@ -4,6 +4,7 @@
     cloudckpt.save(model.state_dict(), "s3://bucket/run1/step-100.pt")
     state = cloudckpt.load("s3://bucket/run1/step-100.pt", map_location="cpu")
     cloudckpt.save_safetensors(model.state_dict(), "s3://bucket/hf/", max_shard_size="5GB")
+    cloudckpt.export_safetensors("s3://bucket/run1/step-100", "s3://bucket/hf/", dtype="bf16")
 
 See docs/ for the store URLs, transfer options and the commit guarantees. Names that
 need torch are imported on first use, so ``import cloudckpt`` (and the command line)
@@ -19,6 +20,7 @@ from . import errors
 from .options import TransferOptions, configure, get_defaults
 
 if TYPE_CHECKING:
+    from .dcp.export import ExportResult, export_safetensors
     from .engine.async_save import SaveHandle, async_save, wait_all
     from .engine.buffers import release_buffers
     from .engine.load import load
@@ -31,6 +33,7 @@ from ._version import __version__
 __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
+    "ExportResult",
     "SaveHandle",
     "SaveResult",
     "TransferOptions",
@@ -38,6 +41,7 @@ __all__ = [
     "async_save",
     "configure",
     "errors",
+    "export_safetensors",
     "get_defaults",
     "load",
     "load_safetensors",
@@ -50,6 +54,8 @@ __all__ = [
 _LAZY = {
     "CheckpointInfo": ".manager",
     "CheckpointManager": ".manager",
+    "ExportResult": ".dcp.export",
+    "export_safetensors": ".dcp.export",
     "SaveHandle": ".engine.async_save",
     "async_save": ".engine.async_save",
     "wait_all": ".engine.async_save",

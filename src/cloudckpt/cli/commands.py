@@ -35,6 +35,7 @@ from ..store.local import LocalStore
 from .archive import describe, verify_archive, verify_archive_bytes
 from .bench import run_bench
 from .copy import PARTIAL_SUFFIX, copy_object
+from .export import cmd_export
 from .output import Printer, human_bytes, human_time, progress
 
 __all__ = ["COMMANDS", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_VERIFY_FAILED", "Settings"]
@@ -597,4 +598,5 @@ COMMANDS = {
     "latest": cmd_latest,
     "gc": cmd_gc,
     "bench": cmd_bench,
+    "export": cmd_export,
 }

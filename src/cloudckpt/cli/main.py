@@ -44,6 +44,7 @@ examples:
   cloudckpt info s3://bucket/run1/step-000000300
   cloudckpt cp s3://bucket/run1/step-000000300/state.pt ./state.pt
   cloudckpt verify s3://bucket/run1          every checksum of every committed checkpoint
+  cloudckpt export s3://bucket/run1/step-000000300 s3://bucket/hf/ --dtype bf16
   cloudckpt gc s3://bucket/run1 --dry-run    what a failed save left behind
   cloudckpt bench s3://bucket/scratch        throughput, latency, suggested settings
 
@@ -152,6 +153,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--part-size", type=parse_size, help="multipart part size (default 64MiB)")
     p.add_argument("--concurrency", type=int, help="parts/ranges in flight (default 10/15)")
     p.add_argument("--state-dir", help="where upload journals live (default ~/.cache/cloudckpt/cp)")
+    _progress_flags(p)
+
+    p = add(
+        "export",
+        "a DCP checkpoint as consolidated safetensors shards, store to store",
+        "Reads the tensors of the DCP checkpoint at SRC (written on any number of ranks) "
+        "with ranged reads and writes them whole, in shards of at most --max-shard-size, "
+        "with model.safetensors.index.json last (the Hugging Face layout), at DST. "
+        "Memory stays bounded by one read batch and the parts in flight. Run the same "
+        "command again after a failure: finished files are kept.",
+    )
+    p.add_argument("src", help="DCP checkpoint prefix (holding .metadata)")
+    p.add_argument("dst", help="folder, .safetensors file or .safetensors.index.json")
+    p.add_argument("--dtype", help="cast floating-point tensors (bf16, fp16, fp32)")
+    p.add_argument(
+        "--include", action="append", metavar="GLOB", help="only names matching (repeatable)"
+    )
+    p.add_argument(
+        "--exclude", action="append", metavar="GLOB", help="drop names matching (repeatable)"
+    )
+    p.add_argument(
+        "--rename",
+        action="append",
+        metavar="OLD=NEW",
+        help="replace a name prefix (repeatable; model.= strips model.)",
+    )
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="bytes per shard (5GB, 500MiB; none: one file)"
+    )
+    p.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="rewrite every file, even one an earlier run finished",
+    )
     _progress_flags(p)
 
     p = add(

@@ -33,7 +33,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -394,7 +394,7 @@ def _checked_state(state: Any, url: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _metadata(metadata: Mapping[str, str] | None, url: str) -> dict[str, str]:
+def header_metadata(metadata: Mapping[str, str] | None, url: str) -> dict[str, str]:
     """The header's ``__metadata__``: ``format: pt`` (transformers checks it), then the
     caller's."""
     given = dict(metadata or {})
@@ -416,6 +416,41 @@ def _payload(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
     return writable_view(t.data_ptr(), t.nbytes), t
 
 
+@contextlib.contextmanager
+def streamed_file(
+    store: Store,
+    key: str,
+    options: TransferOptions,
+    header: bytes,
+    size: int,
+    advance: Callable[[int], None],
+) -> Iterator[Callable[[torch.Tensor], None]]:
+    """Stream one file to ``key``: ``header`` (from ``encode_header``), then each tensor
+    the caller passes to the yielded function, in the header's order. The file is
+    visible only once the block ends without error; on any failure it is aborted.
+
+    A tensor's memory is sent from where it lies (large ones) and must not change until
+    the block ends; ``size`` is the file's size, for the part plan."""
+    sink = BorrowingSink(store, key, options, size_hint=size, on_progress=advance)
+
+    def put(t: torch.Tensor) -> None:
+        view, owner = _payload(t)
+        if view.nbytes >= BORROW_MIN:
+            sink.write_borrowed(view, owner)
+        elif view.nbytes:
+            sink.write(view)
+
+    try:
+        sink.write(header)
+        yield put
+        sink.commit()
+    except BaseException as exc:
+        error = sink.abort_after(exc)
+        if error is exc:
+            raise
+        raise error from None
+
+
 def _write_file(
     store: Store,
     key: str,
@@ -424,29 +459,17 @@ def _write_file(
     metadata: Mapping[str, str],
     advance: Callable[[int], None],
 ) -> int:
-    """Stream one file (header, then each tensor's bytes) to ``key``; visible only once
-    complete, aborted on any failure. Returns its size."""
+    """Stream one file holding ``tensors`` to ``key``; returns its size."""
     specs = ((n, t.dtype, tuple(t.shape), t.nbytes) for n, t in tensors.items())
     header, order = encode_header(specs, metadata, store.url(key))
     size = len(header) + sum(t.nbytes for t in tensors.values())
-    sink = BorrowingSink(store, key, options, size_hint=size, on_progress=advance)
-    try:
-        sink.write(header)
+    with streamed_file(store, key, options, header, size, advance) as put:
         for name in order:
-            view, owner = _payload(tensors[name])
-            if view.nbytes >= BORROW_MIN:
-                sink.write_borrowed(view, owner)
-            elif view.nbytes:
-                sink.write(view)
-        return sink.commit()
-    except BaseException as exc:
-        error = sink.abort_after(exc)
-        if error is exc:
-            raise
-        raise error from None
+            put(tensors[name])
+    return size
 
 
-def _names(key: str) -> tuple[str, str]:
+def file_names(key: str) -> tuple[str, str]:
     """``(folder, stem)`` of a save's files: ``.../x.safetensors`` and
     ``.../x.safetensors.index.json`` give stem ``x``; a folder gives ``model``."""
     folder, _, name = key.rpartition("/")
@@ -459,7 +482,7 @@ def _names(key: str) -> tuple[str, str]:
     return key.rstrip("/"), DEFAULT_STEM
 
 
-def _retire_index(store: Store, index_key: str, files: Sequence[str]) -> None:
+def retire_index(store: Store, index_key: str, files: Sequence[str]) -> None:
     """Delete an existing index that names a file this save will overwrite, before the
     first byte is written: no reader may combine shards of two saves."""
     try:
@@ -474,7 +497,7 @@ def _retire_index(store: Store, index_key: str, files: Sequence[str]) -> None:
         store.delete(index_key)
 
 
-def _remove_stale(store: Store, folder: str, stem: str, keep: set[str]) -> None:
+def remove_stale(store: Store, folder: str, stem: str, keep: set[str]) -> None:
     """After a commit: delete what an earlier save under ``stem`` left that the new
     checkpoint does not use (index first). Failures are logged: the save is committed."""
     prefix = f"{folder}/" if folder else ""
@@ -519,8 +542,8 @@ def save_safetensors(
     where = open_target(url, options, **overrides)
     store, opts = where.store, where.options
     tensors = _checked_state(state_dict, where.url)
-    meta = _metadata(metadata, where.url)
-    folder, stem = _names(where.key)
+    meta = header_metadata(metadata, where.url)
+    folder, stem = file_names(where.key)
     groups = [list(tensors)]
     if max_shard_size is not None:
         limit = parse_shard_size(max_shard_size)
@@ -532,9 +555,9 @@ def save_safetensors(
     with progress_bar(f"save {stem}", payload, opts.progress) as advance:
         if len(groups) == 1:
             size = _write_file(store, keys[0], opts, tensors, meta, advance)
-            _remove_stale(store, folder, stem, {files[0]})
+            remove_stale(store, folder, stem, {files[0]})
             return SaveResult(store.url(keys[0]), size, time.perf_counter() - started)
-        _retire_index(store, index_key, files)
+        retire_index(store, index_key, files)
         written: list[str] = []
         size = 0
         try:
@@ -550,5 +573,5 @@ def save_safetensors(
                 with contextlib.suppress(Exception):
                     store.delete(key)
             raise
-        _remove_stale(store, folder, stem, {*files, stem + INDEX_SUFFIX})
+        remove_stale(store, folder, stem, {*files, stem + INDEX_SUFFIX})
     return SaveResult(store.url(index_key), size + len(index), time.perf_counter() - started)

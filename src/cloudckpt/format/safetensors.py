@@ -416,9 +416,15 @@ def is_shard_name(name: str, stem: str | None = None) -> bool:
     return m is not None and (stem is None or m.group(1) == stem)
 
 
-def encode_index(weight_map: Mapping[str, str], total_size: int) -> bytes:
-    """The index as transformers writes it (sorted keys, two-space indent)."""
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+def encode_index(
+    weight_map: Mapping[str, str], total_size: int, metadata: Mapping[str, Any] | None = None
+) -> bytes:
+    """The index as transformers writes it (sorted keys, two-space indent); ``metadata``
+    adds fields beside ``total_size`` (readers ignore what they do not know)."""
+    index = {
+        "metadata": {**(metadata or {}), "total_size": total_size},
+        "weight_map": dict(weight_map),
+    }
     return (json.dumps(index, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
