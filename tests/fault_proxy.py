@@ -16,6 +16,15 @@ among the requests ``match(method, target)`` accepts (all by default):
 | ``short``       | a Content-Length smaller than the body it stands for, then close  | applied |
 | ``slow``        | no answer for ``slow_seconds`` (past the client's timeout)        | untouched |
 
+With ``prefix_rate`` it also enforces a request rate per key prefix, as S3 does per
+partitioned prefix: a token bucket of ``prefix_burst`` tokens (default: one second's
+worth) refilled at ``prefix_rate`` per second for each prefix; a request finding its
+bucket empty gets a 503 ``SlowDown`` and is not forwarded. The prefix of a request is
+``prefix_of(target)``, by default the first folder of the key in a path-style target
+(``/bucket/run/step-1/x`` -> ``run``; bucket-level requests and top-level keys: ``""``).
+``throttled[prefix]`` counts the 503s the limit sent, ``forwarded[prefix]`` the requests
+sent upstream (faults injected by kind are counted in ``injected``).
+
 Request loops are bounded: the proxy serves at most ``max_requests`` requests and stops
 with the context manager.
 """
@@ -28,9 +37,10 @@ import random
 import socket
 import socketserver
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 KINDS = ("slowdown", "internal", "reset", "reset_after", "truncate", "short", "slow")
 _ERROR_BODY = (
@@ -53,6 +63,9 @@ class FaultProxy:
         slow_seconds: float = 3.0,
         max_requests: int = 100_000,
         match: Callable[[str, str], bool] | None = None,
+        prefix_rate: float | None = None,
+        prefix_burst: float | None = None,
+        prefix_of: Callable[[str], str] | None = None,
     ) -> None:
         unknown = set(kinds) - set(KINDS) | set((schedule or {}).values()) - set(KINDS)
         if unknown:
@@ -70,6 +83,12 @@ class FaultProxy:
         self.requests = 0
         self.injected: Counter[str] = Counter()
         self.enabled = True
+        self.prefix_rate = prefix_rate
+        self.prefix_burst = prefix_burst
+        self.prefix_of = prefix_of or first_folder
+        self.throttled: Counter[str] = Counter()
+        self.forwarded: Counter[str] = Counter()
+        self._buckets: dict[str, tuple[float, float]] = {}  # prefix -> (tokens, stamp)
         self._server: socketserver.ThreadingTCPServer | None = None
         self._stop = threading.Event()
 
@@ -114,6 +133,22 @@ class FaultProxy:
                 self.injected[kind] += 1
             return kind
 
+    def _admit(self, target: str) -> bool:
+        """Take a token from the request's prefix bucket; False: answer SlowDown."""
+        if self.prefix_rate is None or not self.enabled:
+            return True
+        prefix = self.prefix_of(target)
+        burst = self.prefix_burst if self.prefix_burst is not None else self.prefix_rate
+        with self._lock:
+            now = time.monotonic()
+            tokens, stamp = self._buckets.get(prefix, (burst, now))
+            tokens = min(burst, tokens + (now - stamp) * self.prefix_rate)
+            admitted = tokens >= 1
+            self._buckets[prefix] = (tokens - 1 if admitted else tokens, now)
+            if not admitted:
+                self.throttled[prefix] += 1
+            return admitted
+
     # -- one client connection -----------------------------------------------------------
     def _serve(self, sock: socket.socket) -> None:
         reader = sock.makefile("rb")
@@ -124,11 +159,15 @@ class FaultProxy:
                     return
                 method, target, headers, body = request
                 kind = self._choose(method, target)
-                if kind in ("slowdown", "internal"):
+                if kind is None and not self._admit(target):
+                    kind = "limited"
+                if kind in ("slowdown", "internal", "limited"):
                     status, code = (
-                        (503, "SlowDown") if kind == "slowdown" else (500, "InternalError")
+                        (500, "InternalError") if kind == "internal" else (503, "SlowDown")
                     )
                     payload = _ERROR_BODY.format(code=code).encode()
+                    if method == "HEAD":  # an answer to HEAD has no body
+                        payload = b""
                     _send(sock, status, [("Content-Type", "application/xml")], payload)
                     continue
                 if kind == "reset":
@@ -159,6 +198,8 @@ class FaultProxy:
     def _forward(
         self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
     ) -> tuple[int, list[tuple[str, str]], bytes]:
+        with self._lock:
+            self.forwarded[self.prefix_of(target)] += 1
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
             conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
@@ -175,6 +216,12 @@ class FaultProxy:
             return resp.status, out, data
         finally:
             conn.close()
+
+
+def first_folder(target: str) -> str:
+    """The first folder of the key in a path-style request target (``""`` if none)."""
+    parts = unquote(urlsplit(target).path).split("/")  # ["", bucket, folder..., name]
+    return parts[2] if len(parts) > 3 else ""
 
 
 def _read_request(reader, sock: socket.socket):
@@ -215,4 +262,4 @@ def _reset(sock: socket.socket) -> None:
     sock.close()
 
 
-__all__ = ["KINDS", "FaultProxy"]
+__all__ = ["KINDS", "FaultProxy", "first_folder"]

@@ -16,6 +16,7 @@ builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``
     ├── AccessDeniedError (PermissionError)       credentials lack permission
     ├── StorageError (OSError)                    the store failed a request
     │   ├── TransientError                        worth retrying (throttled, 5xx, reset)
+    │   │   └── ThrottledError                    the store asked for fewer requests
     │   └── RetriesExhaustedError                 transient faults outlasted retries
     ├── SerializationError (TypeError)
     │   └── UnpicklableError                      state holds a closure/lambda/handle
@@ -50,6 +51,7 @@ __all__ = [
     "RetriesExhaustedError",
     "SerializationError",
     "StorageError",
+    "ThrottledError",
     "TransientError",
     "UnpicklableError",
     "UnsafeCheckpointError",
@@ -109,6 +111,14 @@ class TransientError(StorageError):
 
     Every store method retries these (cloudckpt.store.retry); one that outlasts the
     retry budget is re-raised as :class:`RetriesExhaustedError`.
+    """
+
+
+class ThrottledError(TransientError):
+    """The store asked for fewer requests: S3 ``503 SlowDown``, a 429, Azure ``ServerBusy``.
+
+    Retried like any transient fault; it also slows the request rate of its key prefix
+    (``adaptive_rate``, cloudckpt.store.retry).
     """
 
 

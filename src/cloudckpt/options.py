@@ -48,6 +48,10 @@ class TransferOptions:
     max_bytes_in_flight: int | None = None
     #: Requests per second per key prefix (token bucket); ``None`` disables it.
     requests_per_second: float | None = None
+    #: Slow a key prefix's requests down when the store throttles them (503 SlowDown,
+    #: 429, ServerBusy) and speed them up again as they succeed; never above
+    #: ``requests_per_second`` (docs/reliability.md, "Adaptive request rate").
+    adaptive_rate: bool = True
     #: Attempts per request, the first included.
     max_attempts: int = 10
     #: First retry delay in seconds; doubles each attempt (full jitter).
@@ -91,6 +95,8 @@ class TransferOptions:
             raise ConfigError("option max_bytes_in_flight must be positive or None")
         if self.requests_per_second is not None and self.requests_per_second <= 0:
             raise ConfigError("option requests_per_second must be positive or None")
+        if not isinstance(self.adaptive_rate, bool):
+            raise ConfigError(f"option adaptive_rate={self.adaptive_rate!r} must be True or False")
         for name in ("backoff_base", "backoff_max", "connect_timeout", "request_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"option {name} must be positive")

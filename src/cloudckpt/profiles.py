@@ -8,7 +8,7 @@ The file is ``$CLOUDCKPT_CONFIG``, else ``$XDG_CONFIG_HOME/cloudckpt/config.toml
     match = ["s3://training/"]       # ...and URLs under these prefixes use it too
     part_size = "128MiB"
     write_concurrency = 16
-    requests_per_second = 3500
+    requests_per_second = 3500      # a static cap; adaptive_rate = true works under it
 
     [profiles.minio.storage_options]
     endpoint_url = "http://minio.internal:9000"
@@ -51,6 +51,7 @@ _TRANSFER_KEYS = {
     "read_concurrency": "int",
     "max_attempts": "int",
     "requests_per_second": "float",
+    "adaptive_rate": "bool",
     "backoff_base": "float",
     "backoff_max": "float",
     "connect_timeout": "float",
@@ -124,6 +125,11 @@ def _parse(name: str, table: Any, path: Path) -> Profile:
         value = table[key]
         if kind == "size":
             transfer[key] = _size(value, f"{where} {key}")
+            continue
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where} {key} = {value!r} is not true or false")
+            transfer[key] = value
             continue
         try:
             transfer[key] = int(value) if kind == "int" else float(value)

@@ -29,6 +29,7 @@ from ..errors import (
     CredentialsError,
     NotFoundError,
     StorageError,
+    ThrottledError,
     TransientError,
 )
 from .base import (
@@ -71,12 +72,11 @@ _CODES: dict[str, type[CloudCkptError]] = {
         ("AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"),
         CredentialsError,
     ),
+    **dict.fromkeys(("ServerBusy", "TooManyRequests"), ThrottledError),
     **dict.fromkeys(
         (
-            "ServerBusy",
             "OperationTimedOut",
             "InternalError",
-            "TooManyRequests",
             # The body arrived damaged: sending it again is the fix.
             "Md5Mismatch",
             "Crc64Mismatch",

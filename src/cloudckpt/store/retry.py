@@ -1,11 +1,20 @@
-"""How a store retries a request: the policy, the per-prefix rate limit, cancellation.
+"""How a store retries a request: the policy, the per-prefix rate limits, cancellation.
 
 Every public :class:`~cloudckpt.store.base.Store` method runs its backend primitive
 through :meth:`RetryPolicy.run`; nothing above the store layer retries by hand. A
 request is retried on :class:`~cloudckpt.errors.TransientError` (throttling, 5xx,
 resets, timeouts, short answers) with exponential backoff and full jitter, after
-waiting for a token from the rate limiter of its key prefix, until ``max_attempts``
-attempts have been made; then :class:`~cloudckpt.errors.RetriesExhaustedError`.
+waiting for its key prefix's rate limiters, until ``max_attempts`` attempts have been
+made; then :class:`~cloudckpt.errors.RetriesExhaustedError`.
+
+A key prefix (a "scope": the store's URL and the key's folder) has up to two limiters,
+each shared by every transfer of the process (and replaced in a forked child):
+
+- :class:`RateLimiter`, a static token bucket at ``requests_per_second``, when set;
+- :class:`AdaptiveRate` (``adaptive_rate``, the default), which does nothing but count
+  requests until the store throttles one (:class:`~cloudckpt.errors.ThrottledError`),
+  then paces the scope by additive increase, multiplicative decrease (AIMD). The
+  algorithm and its constants are explained in docs/reliability.md.
 
 A transfer group (the engine's scheduler) stops the retries of its requests by
 running them inside :func:`cancel_scope`: a backoff wait or a rate-limit wait ends at
@@ -17,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import os
 import random
 import threading
@@ -25,15 +35,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from ..errors import ConfigError, RetriesExhaustedError, TransientError
+from ..errors import ConfigError, RetriesExhaustedError, ThrottledError, TransientError
 
 if TYPE_CHECKING:
     from ..options import TransferOptions
 
 __all__ = [
+    "AdaptiveRate",
     "Cancelled",
     "RateLimiter",
     "RetryPolicy",
+    "adaptive_limiter",
     "cancel_scope",
     "current_cancel",
     "rate_limiter",
@@ -96,7 +108,140 @@ class RateLimiter:
             _wait(wait, cancel)
 
 
+#: A throttle cuts the allowed rate to this fraction of the rate the scope was sending.
+DECREASE = 0.5
+#: After a cut, the allowed rate climbs back to where it was over this many seconds of
+#: requests succeeding at the allowed rate (the additive step is set at each cut).
+RECOVER_SECONDS = 5.0
+#: The allowed rate never falls below this many requests per second.
+FLOOR = 0.5
+#: The additive step is at least this many requests per second, per second.
+MIN_STEP = 1.0
+#: Having climbed to this multiple of the rate that drew its first throttle without
+#: drawing another, the limiter steps aside (the store's limit has moved, or the
+#: throttle answered a burst).
+RELEASE = 2.0
+#: The window over which a scope's sending rate is measured, and the shortest span a
+#: measurement divides by.
+METER_SECONDS = 1.0
+METER_MIN_SECONDS = 0.1
+
+
+class AdaptiveRate:
+    """One scope's request rate, adapted to the store's throttling (AIMD).
+
+    Call order, per attempt: :meth:`acquire` (or :meth:`reserve` and wait) before the
+    request, then :meth:`throttled` with the stamp it returned if the store answered
+    :class:`~cloudckpt.errors.ThrottledError`, or :meth:`succeeded` if it answered.
+
+    Until the first throttle it is not engaged (``rate`` is None): it only counts the
+    requests it lets through, without a lock or a wait. A throttle sets the allowed rate
+    to ``DECREASE`` times the rate the scope was sending (never below ``FLOOR``, never
+    above ``ceiling``), unless the throttled request was let through before the last
+    cut: answers to requests already in flight cut once, not once each. Each success
+    then adds ``step / rate`` (``step`` per second at the allowed rate), so the rate
+    returns to its pre-cut value in ``RECOVER_SECONDS`` unless throttled again; at
+    ``RELEASE`` times the first throttled rate (or at ``ceiling``) it disengages.
+    """
+
+    def __init__(
+        self, ceiling: float | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        #: A rate the limiter never allows more than (the static ``requests_per_second``).
+        self.ceiling = ceiling
+        #: Allowed requests per second; None: not engaged, no limit.
+        self.rate: float | None = None
+        #: Cuts made so far.
+        self.cuts = 0
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._step = 0.0  # additive increase, requests per second per second
+        self._target = 0.0  # the end of this climb; past it without a throttle, climb faster
+        self._release = math.inf  # the rate at which the limiter disengages
+        self._next = -math.inf  # the earliest start of the next request (engaged)
+        self._cut_at = -math.inf  # when the rate was last cut
+        # The sending-rate meter; updated without the lock, so a count may be lost to a
+        # race: it only sets the rate of the first cut.
+        self._window_start = clock()
+        self._window_count = 0
+        self._last_rate = 0.0
+
+    def reserve(self) -> tuple[float, float]:
+        """``(stamp, wait)``: this request's stamp for :meth:`throttled`, and the seconds
+        to wait before sending it."""
+        now = self._clock()
+        span = now - self._window_start
+        if span >= METER_SECONDS:
+            self._last_rate = self._window_count / span
+            self._window_start = now
+            self._window_count = 0
+        self._window_count += 1
+        if self.rate is None:
+            return now, 0.0
+        with self._lock:
+            if self.rate is None:
+                return now, 0.0
+            start = max(now, self._next)
+            self._next = start + 1.0 / self.rate
+        return now, start - now
+
+    def acquire(self, cancel: threading.Event | None = None) -> float:
+        """Wait for this scope's next slot; returns the stamp for :meth:`throttled`."""
+        stamp, wait = self.reserve()
+        if wait > 0:
+            _wait(wait, cancel)
+        return stamp
+
+    def sending_rate(self) -> float:
+        """Requests per second let through lately (the last full window, or this one)."""
+        span = self._clock() - self._window_start
+        return max(self._last_rate, self._window_count / max(span, METER_MIN_SECONDS))
+
+    def throttled(self, stamp: float) -> None:
+        """The request stamped ``stamp`` was throttled: cut the rate, once per window."""
+        with self._lock:
+            if stamp < self._cut_at:
+                return  # let through before the last cut, which answered for it
+            base = self.sending_rate()
+            if self.rate is not None:
+                base = min(base, self.rate)
+            if self.ceiling is not None:
+                base = min(base, self.ceiling)
+            rate = max(FLOOR, base * DECREASE)
+            if self.ceiling is not None:
+                rate = min(rate, self.ceiling)
+            before = max(base, rate / DECREASE)  # what the climb returns to
+            if self.rate is None:
+                self._release = RELEASE * before
+                if self.ceiling is not None:
+                    self._release = min(self._release, self.ceiling)
+                self._next = -math.inf
+            self._step = max(MIN_STEP, (before - rate) / RECOVER_SECONDS)
+            self._target = before
+            self.rate = rate
+            self._cut_at = self._clock()
+            self.cuts += 1
+        log.debug("throttled: request rate cut to %.2f/s", rate)
+
+    def succeeded(self) -> None:
+        """A request was answered: probe upward by ``step / rate``."""
+        if self.rate is None:
+            return
+        with self._lock:
+            if self.rate is None:
+                return
+            rate = self.rate + min(self._step / self.rate, self.rate)
+            if rate >= self._target:  # climbed back unthrottled: the next climb is steeper
+                self._step *= 2
+                self._target = rate + self._step * RECOVER_SECONDS
+            self.rate = None if rate >= self._release else rate
+
+
+#: Scopes whose adaptive limiter is kept while none is engaged; past it, idle ones go.
+MAX_SCOPES = 4096
+
 _limiters: dict[tuple[str, float], RateLimiter] = {}
+_adaptive: dict[tuple[str, float | None], AdaptiveRate] = {}
 _limiters_lock = threading.Lock()
 
 
@@ -111,9 +256,28 @@ def rate_limiter(scope: str, rate: float | None) -> RateLimiter | None:
         return limiter
 
 
+def adaptive_limiter(scope: str, ceiling: float | None = None) -> AdaptiveRate:
+    """The process-wide adaptive limiter of ``scope``, never above ``ceiling``.
+
+    Found without a lock once it exists: this is on every request's path.
+    """
+    key = (scope, ceiling)
+    limiter = _adaptive.get(key)
+    if limiter is None:
+        with _limiters_lock:
+            limiter = _adaptive.get(key)
+            if limiter is None:
+                if len(_adaptive) >= MAX_SCOPES:
+                    for idle in [k for k, v in _adaptive.items() if v.rate is None]:
+                        del _adaptive[idle]
+                limiter = _adaptive[key] = AdaptiveRate(ceiling)
+    return limiter
+
+
 def _reset_after_fork() -> None:
     global _limiters_lock
     _limiters.clear()
+    _adaptive.clear()
     _limiters_lock = threading.Lock()
 
 
@@ -133,6 +297,9 @@ class RetryPolicy:
     backoff_max: float = 20.0
     #: Requests per second per key prefix (token bucket); ``None``: no limit.
     requests_per_second: float | None = None
+    #: Slow a key prefix down when the store throttles it (:class:`AdaptiveRate`), never
+    #: above ``requests_per_second``.
+    adaptive_rate: bool = True
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -146,6 +313,7 @@ class RetryPolicy:
             backoff_base=options.backoff_base,
             backoff_max=options.backoff_max,
             requests_per_second=options.requests_per_second,
+            adaptive_rate=options.adaptive_rate,
         )
 
     def delay(self, attempt: int) -> float:
@@ -156,9 +324,10 @@ class RetryPolicy:
         """Run ``fn`` until it succeeds, retrying transient faults with jittered backoff.
 
         ``what`` names the request in errors ("put s3://b/k"); ``scope`` selects the
-        rate limiter. Non-transient errors pass through at once.
+        rate limiters. Non-transient errors pass through at once.
         """
         limiter = rate_limiter(scope, self.requests_per_second)
+        adaptive = adaptive_limiter(scope, self.requests_per_second) if self.adaptive_rate else None
         cancel = current_cancel()
         attempt = 0
         while True:
@@ -166,9 +335,12 @@ class RetryPolicy:
                 raise Cancelled()
             if limiter is not None:
                 limiter.acquire(cancel)
+            stamp = adaptive.acquire(cancel) if adaptive is not None else 0.0
             try:
-                return fn()
+                result = fn()
             except TransientError as exc:
+                if adaptive is not None and isinstance(exc, ThrottledError):
+                    adaptive.throttled(stamp)
                 attempt += 1
                 if attempt >= self.max_attempts:
                     raise RetriesExhaustedError(
@@ -180,3 +352,7 @@ class RetryPolicy:
                     _wait(delay, cancel)
                 except Cancelled:
                     raise Cancelled() from exc
+            else:
+                if adaptive is not None:
+                    adaptive.succeeded()
+                return result

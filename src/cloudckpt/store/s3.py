@@ -38,6 +38,7 @@ from ..errors import (
     CredentialsError,
     NotFoundError,
     StorageError,
+    ThrottledError,
     TransientError,
 )
 from .base import (
@@ -97,12 +98,18 @@ _CODES: dict[str, type[CloudCkptError]] = {
             "SlowDown",
             "Throttling",
             "ThrottlingException",
+            "RequestLimitExceeded",
+            "TooManyRequests",
+            "503",  # a HEAD answer has no body: botocore gives the status as its code
+        ),
+        ThrottledError,
+    ),
+    **dict.fromkeys(
+        (
             "RequestTimeout",
             "RequestTimeTooSkewed",
             "InternalError",
             "ServiceUnavailable",
-            "RequestLimitExceeded",
-            "TooManyRequests",
         ),
         TransientError,
     ),

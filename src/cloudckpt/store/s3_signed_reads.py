@@ -36,7 +36,7 @@ from urllib3.exceptions import HTTPError as URLLib3Error
 from urllib3.util import Url, parse_url
 from urllib3.util.retry import Retry
 
-from ..errors import TransientError
+from ..errors import ThrottledError, TransientError
 from .status import TRANSIENT_STATUS
 
 __all__ = ["MAX_MISSES", "REUSE_SECONDS", "SignedReads"]
@@ -134,6 +134,8 @@ class SignedReads:
         answer.release_conn()
         with self._lock:
             self._signatures.pop(key, None)
+        if status in (429, 503):  # S3's SlowDown (its error document is not parsed here)
+            raise ThrottledError(f"reading {where}: the server answered {status} (SlowDown)")
         if status in TRANSIENT_STATUS:
             raise TransientError(f"reading {where}: the server answered {status}")
         return None

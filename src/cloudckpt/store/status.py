@@ -18,6 +18,7 @@ from ..errors import (
     CredentialsError,
     NotFoundError,
     StorageError,
+    ThrottledError,
     TransientError,
 )
 
@@ -34,6 +35,9 @@ STATUS_ERRORS: Mapping[int, type[CloudCkptError]] = {
     412: AlreadyExistsError,
     416: CorruptCheckpointError,
     **dict.fromkeys(TRANSIENT_STATUS, TransientError),
+    # Every service means "too many requests" by it; a 503 means it only on S3 (SlowDown,
+    # by the error code) and Azure (ServerBusy): those backends say so in their codes.
+    429: ThrottledError,
 }
 
 
@@ -46,9 +50,10 @@ _MESSAGES: Mapping[type[CloudCkptError], str] = {
     AlreadyExistsError: "{url} already exists",
     CorruptCheckpointError: "{url} is shorter than the range being read",
     TransientError: "{op} {url}: {detail}",
+    ThrottledError: "{op} {url}: {detail}",
     StorageError: "{op} {url} failed: {detail}:",
 }
-_WITH_MESSAGE = (TransientError, StorageError)
+_WITH_MESSAGE = (TransientError, ThrottledError, StorageError)
 
 
 def error_for(
