@@ -15,6 +15,7 @@ def test_all_is_sorted_and_pinned():
     assert set(cloudckpt.__all__) == {
         "CheckpointInfo",
         "CheckpointManager",
+        "ExportResult",
         "SaveHandle",
         "SaveResult",
         "TransferOptions",
@@ -22,6 +23,7 @@ def test_all_is_sorted_and_pinned():
         "async_save",
         "configure",
         "errors",
+        "export_safetensors",
         "get_defaults",
         "load",
         "load_safetensors",
