@@ -63,7 +63,8 @@ test-nemo: $(NEMO_STAMP)
 BENCH_STAMP := $(VENV)/.cloudckpt-bench-installed
 $(BENCH_STAMP): $(STAMP)
 	v=$$($(BIN)/python -c "import botocore; print(botocore.__version__)"); \
-	$(BIN)/python -m pip install -q s3fs s3torchconnector multi-storage-client matplotlib && \
+	$(BIN)/python -m pip install -q s3fs s3torchconnector multi-storage-client matplotlib \
+	    runai-model-streamer runai-model-streamer-s3 && \
 	$(BIN)/python -m pip install -q "botocore==$$v"
 	touch $(BENCH_STAMP)
 

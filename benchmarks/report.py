@@ -17,7 +17,8 @@ GiB = 1024**3
 MiB = 1024**2
 PEERS = ("boto3-nemo", "lightning-s3fs", "s3torchconnector", "msc", "dcp-fsspec")
 PACKAGES = ("torch", "botocore", "boto3", "s3fs", "aiobotocore", "lightning",
-            "s3torchconnector", "multi-storage-client")  # fmt: skip
+            "s3torchconnector", "multi-storage-client", "megatron-core", "safetensors",
+            "runai-model-streamer", "runai-model-streamer-s3", "isal")  # fmt: skip
 #: Targets on the default state (issue 8).
 SAVE_RATIO, LOAD_RATIO, STALL_RATIO = 0.85, 0.85, 2.0
 #: Issue 4: DCP saves and (resharded) loads at this share of the ceiling.
@@ -27,7 +28,12 @@ RSS_ALLOWANCE = 10 * 64 * MiB + 64 * MiB  # write_concurrency x part_size + 64 M
 #: reader with multi-storage-client, and against the raw transfer of the same 2 ranks.
 MEGATRON_PEER_RATIO, MEGATRON_CEILING_RATIO = 1.5, 0.8
 #: The ceiling each variant's ``x ceiling`` is taken against (default: ``ceiling``).
-CEILINGS = {"megatron": "ceiling-2to2"}
+CEILINGS = {"megatron": "ceiling-2to2", "safetensors": "ceiling-st"}
+#: The safetensors scenario (issue 17): load at this share of the ceiling GET and ahead of
+#: every peer; an export (DCP -> safetensors) within this many times the ceiling's GET +
+#: PUT of the same bytes, its peak extra RSS under this many output shards.
+ST_LOAD_RATIO, EXPORT_TIME_RATIO, EXPORT_RSS_SHARDS = 0.85, 1.3, 2.0
+ST_PEERS = ("st-runai", "st-boto3")
 FINDINGS = Path(__file__).with_name("findings.md")
 
 
@@ -76,6 +82,7 @@ def _figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if not ok:
             continue
         gib = ok[0]["bytes"] / GiB
+        out["bytes"] = ok[0]["bytes"]
         out[f"{op}_GBps"] = _median([r["bytes"] / r[op]["seconds"] / 1e9 for r in ok])
         out[f"{op}_seconds"] = _median([r[op]["seconds"] for r in ok])
         out[f"{op}_cpu_s_per_GiB"] = _median([r[op]["cpu_s"] / gib for r in ok])
@@ -95,6 +102,7 @@ UNITS = {
     "GBps": "GB/s (1e9 B/s)", "seconds": "s", "cpu_s_per_GiB": "CPU s/GiB",
     "peak_extra_rss_MiB": "MiB", "requests": "requests", "vs_ceiling": "x ceiling",
     "vs_ceiling_2to3": "x ceiling-2to3", "vs_megatron_msc": "x megatron-msc",
+    "vs_get_put": "x ceiling GET + PUT time", "bytes": "B",
     "stall_s": "s", "total_s": "s", "memcpy_s": "s", "vs_memcpy": "x warm memcpy",
     "error": "error", "reps": "count",
 }  # fmt: skip
@@ -131,6 +139,11 @@ def build(
                 against["vs_ceiling_2to3"] = layout
             if system == "megatron-cloudckpt":
                 against["vs_megatron_msc"] = peer
+            if system == "st-export" and figs.get("load_seconds") and figs.get("bytes"):
+                c_save, c_load = ceiling.get("save_GBps"), ceiling.get("load_GBps")
+                if c_save and c_load:  # the export's time over the ceiling's GET + PUT
+                    get_put = figs["bytes"] / 1e9 * (1 / c_save + 1 / c_load)
+                    figs["export_vs_get_put"] = figs["load_seconds"] / get_put
             for op in ("save", "load"):
                 for label, other in against.items():
                     if figs.get(f"{op}_GBps") and other.get(f"{op}_GBps"):
@@ -222,6 +235,21 @@ def targets(table: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]
     for op, verb in (("save", "PUT"), ("load", "GET")):
         check(f"Megatron {op} vs ceiling-2to2 {verb} (same 2 ranks)", mm.get(f"{op}_vs_ceiling"),
               MEGATRON_CEILING_RATIO, True, "x")  # fmt: skip
+    st = table.get("safetensors", {})
+    sc, sx = st.get("st-cloudckpt", {}), st.get("st-export", {})
+    check("safetensors load vs ceiling-st GET", sc.get("load_vs_ceiling"), ST_LOAD_RATIO, True,
+          "x")  # fmt: skip
+    peers = {p: st[p]["load_GBps"] for p in ST_PEERS if st.get(p, {}).get("load_GBps")}
+    if peers:
+        best = max(peers, key=lambda p: peers[p])
+        check(f"safetensors load ahead of every peer (best: {best})", sc.get("load_GBps"),
+              peers[best], True, _unit("load_GBps"))  # fmt: skip
+    check("export time vs ceiling GET + PUT of the same bytes", sx.get("export_vs_get_put"),
+          EXPORT_TIME_RATIO, False, "x")  # fmt: skip
+    if sx.get("bytes"):  # one output file under the default 5GB shards: the whole model
+        check("export peak extra RSS (MiB) vs 2x the largest output shard",
+              sx.get("load_peak_extra_rss_MiB"), EXPORT_RSS_SHARDS * sx["bytes"] / MiB, False,
+              "MiB")  # fmt: skip
     return out
 
 
@@ -301,6 +329,19 @@ def _megatron_table(v: dict[str, Any], by_system: dict[str, dict[str, Any]]) -> 
     return lines
 
 
+def _safetensors_table(v: dict[str, Any], by_system: dict[str, dict[str, Any]]) -> list[str]:
+    lines = _megatron_table(v, by_system)
+    lines[0] = (f"### {v['name']}: {v.get('model', 'a model')}; {v['MiB']} MiB in "
+                f"{v['tensors']:,} tensors, median of {v['reps']} rep(s)")  # fmt: skip
+    ex = by_system.get("st-export", {})
+    if "export_vs_get_put" in ex:
+        lines += ["", f"st-export: the export (its load column) took "
+                  f"{ex['export_vs_get_put']:.2f}x the ceiling's GET + PUT time of the same "
+                  "bytes; its save column is the DCP save it exports from. st-runai reads "
+                  "only (its file is written untimed)."]  # fmt: skip
+    return lines
+
+
 def markdown_tables(doc: dict[str, Any]) -> str:
     """One table per state variant, plus the failures and the targets."""
     lines: list[str] = []
@@ -311,6 +352,8 @@ def markdown_tables(doc: dict[str, Any]) -> str:
     for v in doc["variants"]:
         by_system = by.get(v["name"], {})
         table = _megatron_table if v["name"] in CEILINGS else _state_table
+        if v["name"] == "safetensors":
+            table = _safetensors_table
         lines += table(v, by_system)
         failures = [
             f"- {system} {op}: `{figs[f'{op}_error']}`"

@@ -4,6 +4,7 @@
                                                   # + a Megatron GPTModel checkpoint
     .venv/bin/python -m benchmarks.run --quick    # the same shape, smaller, under 5 minutes
     .venv/bin/python -m benchmarks.run --variants megatron   # the Megatron scenario alone
+    .venv/bin/python -m benchmarks.run --variants safetensors   # the safetensors scenario
 
 Run from the repository root (``make bench`` does). Starts ``rclone serve s3`` with its
 data on tmpfs (``server.py``), then for every repetition runs every system of the
@@ -34,7 +35,8 @@ from benchmarks import report, server
 from benchmarks.systems import SYSTEMS, systems_for
 from benchmarks.systems.megatron_gpt import FULL as GPT_FULL
 from benchmarks.systems.megatron_gpt import QUICK as GPT_QUICK
-from benchmarks.systems.megatron_gpt import GptShape
+from benchmarks.systems.st_model import FULL as ST_FULL
+from benchmarks.systems.st_model import QUICK as ST_QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,17 +44,35 @@ MiB = 1024 * 1024
 BUCKET = "bench"
 
 MEGATRON = "megatron"
+SAFETENSORS = "safetensors"
+#: The scenarios' models (full, quick): their shapes set the variant's bytes and tensors.
+MODELS: dict[str, tuple[Any, Any]] = {
+    MEGATRON: (GPT_FULL, GPT_QUICK),
+    SAFETENSORS: (ST_FULL, ST_QUICK),
+}
 
 
-def _megatron(shape: GptShape, reps: int) -> tuple[str, int, int, int]:
-    """The Megatron scenario as a variant: its model's size in MiB (rounded) and tensors."""
-    return (MEGATRON, round(shape.nbytes / MiB), shape.tensors, reps)
+def _scenario(name: str, quick: bool, reps: int) -> tuple[str, int, int, int]:
+    """A scenario as a variant: its model's size in MiB (rounded) and tensors."""
+    shape = MODELS[name][quick]
+    return (name, round(shape.nbytes / MiB), shape.tensors, reps)
 
 
 #: (name, MiB, tensors, repetitions) for each state variant; "megatron" is the Megatron
-#: scenario (a GPTModel checkpoint, its own systems: benchmarks/systems/megatron_gpt.py).
-FULL = [("default", 1024, 100, 5), ("many-small", 160, 10_000, 3), _megatron(GPT_FULL, 3)]
-QUICK = [("default", 128, 100, 3), ("many-small", 20, 10_000, 1), _megatron(GPT_QUICK, 1)]
+#: scenario (a GPTModel checkpoint, its own systems: benchmarks/systems/megatron_gpt.py),
+#: "safetensors" the safetensors one (a bf16 model: benchmarks/systems/st_model.py).
+FULL = [
+    ("default", 1024, 100, 5),
+    ("many-small", 160, 10_000, 3),
+    _scenario(MEGATRON, False, 3),
+    _scenario(SAFETENSORS, False, 3),
+]
+QUICK = [
+    ("default", 128, 100, 3),
+    ("many-small", 20, 10_000, 1),
+    _scenario(MEGATRON, True, 1),
+    _scenario(SAFETENSORS, True, 1),
+]
 
 
 def _worker_env(srv: server.S3Server) -> dict[str, str]:
@@ -80,10 +100,10 @@ def run_worker(
     variant: tuple[str, int, int, int],
     rep: int,
     timeout: float,
-    model: GptShape | None = None,
+    model: Any = None,
 ) -> dict[str, Any]:
     """One system, one repetition, in a fresh process; its objects are removed afterwards.
-    ``model``: the Megatron scenario's model (its exact bytes replace the variant's MiB)."""
+    ``model``: a scenario's model shape (its exact bytes replace the variant's MiB)."""
     name, mib, tensors, _reps = variant
     prefix = f"{name}-r{rep}-{system}"
     spec = {
@@ -146,8 +166,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller state, fewer reps (< 5 min)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
-    p.add_argument("--variants", default="default,many-small,megatron",
-                   help="comma-separated subset ('megatron': the Megatron scenario)")  # fmt: skip
+    p.add_argument("--variants", default="default,many-small,megatron,safetensors",
+                   help="comma-separated subset (megatron, safetensors: scenarios)")  # fmt: skip
     p.add_argument("--reps", type=int, default=None, help="override repetitions")
     p.add_argument("--state-mib", type=int, default=None, help="override the default state size")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker")
@@ -181,7 +201,7 @@ def main() -> int:
 
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    gpt = GPT_QUICK if args.quick else GPT_FULL
+    models = {name: shapes[args.quick] for name, shapes in MODELS.items()}
     started = time.time()
     srv = server.start(args.tmpfs)
     results: list[dict[str, Any]] = []
@@ -190,9 +210,10 @@ def main() -> int:
         print(f"# {srv.version}, data in {srv.workdir}, endpoint {srv.endpoint_url}", flush=True)
         for variant in variants:
             name, mib, tensors, reps = variant
-            model = gpt if name == MEGATRON else None
+            model = models.get(name)
             shown = f"{model.describe()}, " if model else ""
-            print(f"# {name}: {shown}{mib} MiB in {tensors} fp32 tensors, {reps} reps", flush=True)
+            kind = "" if model else " fp32"
+            print(f"# {name}: {shown}{mib} MiB in {tensors}{kind} tensors, {reps} reps", flush=True)
             on = systems_for(name, systems)
             for rep in range(reps):
                 order = on[rep % len(on) :] + on[: rep % len(on)]
@@ -203,7 +224,8 @@ def main() -> int:
     finally:
         server.stop(srv)
     doc = report.build(results, variants, systems, srv.version, args.quick, args.note,
-                       time.time() - started, {MEGATRON: gpt.describe()})  # fmt: skip
+                       time.time() - started,
+                       {n: m.describe() for n, m in models.items()})  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

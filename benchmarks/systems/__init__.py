@@ -6,7 +6,9 @@ CPU tensors) under that prefix; ``load`` reads it back and returns a dict of ten
 A module may set ``LOAD = False`` (it has no load of its own) and may return a dict of extra
 figures from ``save`` (async stall, ...). A module with ``own_state(spec)`` builds what its
 ``save`` and ``load`` take itself and says how many bytes that is (the Megatron systems:
-the model's shape, built in each rank).
+the model's shape, built in each rank). A module with ``setup(state, ctx)`` only reads:
+``setup`` writes what it reads, untimed, instead of a save; one with ``verify(ctx, state)``
+is checked by it after the load's clock.
 """
 
 from __future__ import annotations
@@ -27,11 +29,17 @@ SYSTEMS: dict[str, str] = {
     "ceiling-2to2": "ceiling_megatron",
     "megatron-cloudckpt": "megatron_cloudckpt",
     "megatron-msc": "megatron_msc",
+    "ceiling-st": "ceiling",
+    "st-cloudckpt": "st_cloudckpt",
+    "st-runai": "st_runai",
+    "st-boto3": "st_boto3",
+    "st-export": "st_export",
 }
 
 #: Variants that run systems of their own; every other variant runs the systems not listed.
 SCENARIOS: dict[str, tuple[str, ...]] = {
     "megatron": ("ceiling-2to2", "megatron-cloudckpt", "megatron-msc"),
+    "safetensors": ("ceiling-st", "st-cloudckpt", "st-runai", "st-boto3", "st-export"),
 }
 
 
