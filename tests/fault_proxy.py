@@ -23,7 +23,8 @@ bucket empty gets a 503 ``SlowDown`` and is not forwarded. The prefix of a reque
 ``prefix_of(target)``, by default the first folder of the key in a path-style target
 (``/bucket/run/step-1/x`` -> ``run``; bucket-level requests and top-level keys: ``""``).
 ``throttled[prefix]`` counts the 503s the limit sent, ``forwarded[prefix]`` the requests
-sent upstream (faults injected by kind are counted in ``injected``).
+sent upstream (faults injected by kind are counted in ``injected``), ``body_bytes[method]``
+the bytes of the answers' bodies upstream sent (what clients fetched).
 
 Request loops are bounded: the proxy serves at most ``max_requests`` requests and stops
 with the context manager.
@@ -88,6 +89,8 @@ class FaultProxy:
         self.prefix_of = prefix_of or first_folder
         self.throttled: Counter[str] = Counter()
         self.forwarded: Counter[str] = Counter()
+        #: Bytes of the answers' bodies from upstream, by request method.
+        self.body_bytes: Counter[str] = Counter()
         self._buckets: dict[str, tuple[float, float]] = {}  # prefix -> (tokens, stamp)
         self._server: socketserver.ThreadingTCPServer | None = None
         self._stop = threading.Event()
@@ -209,6 +212,8 @@ class FaultProxy:
             conn.endheaders(body if body else None)
             resp = conn.getresponse()
             data = resp.read()
+            with self._lock:
+                self.body_bytes[method] += len(data)
             drop = ("connection", "transfer-encoding")
             if method != "HEAD":  # a HEAD answer's Content-Length describes the object
                 drop += ("content-length",)

@@ -43,6 +43,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "CredentialsError",
+    "DistributedLoadError",
     "DistributedSaveError",
     "InvalidURLError",
     "MissingKeyError",
@@ -152,6 +153,15 @@ class UnsupportedFormatError(CloudCkptError, ValueError):
 
 class DistributedSaveError(CloudCkptError, RuntimeError):
     """A multi-rank save failed on some rank(s); ``failures`` maps each to its error."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+class DistributedLoadError(CloudCkptError, RuntimeError):
+    """A load shared by several ranks failed on other rank(s); ``failures`` maps each to
+    its error (the failing rank raises its own)."""
 
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         super().__init__(message)

@@ -45,6 +45,15 @@ from .directory import read_directory
 from .memview import writable_view
 from .progress import progress_bar
 from .ranges import RangeReader
+from .share import (
+    agree,
+    broadcast_views,
+    from_first,
+    group_rank,
+    settle,
+    share_group,
+    split_even,
+)
 
 __all__ = ["head_object", "load"]
 
@@ -172,14 +181,15 @@ def _small_records(plan: _Plan, options: TransferOptions) -> dict[str, memoryvie
     return found
 
 
-def _fetch(
+def _structure(
     plan: _Plan,
     options: TransferOptions,
     weights_only: bool,
     keys: Sequence[str] | None,
-    advance: Callable[[int], None],
+    on_storage: Callable[[Entry, torch.UntypedStorage], None] | None,
 ) -> _Fetched:
-    """Unpickle the structure and fill every storage it needs, in parallel, checked."""
+    """Unpickle ``data.pkl``, allocating each storage it names (``on_storage`` is told of
+    each, to read it at once); with ``keys``, only the storages they reference are kept."""
     small = _small_records(plan, options)
     data_pkl = small[plan.prefix + "data.pkl"]
     byteorder = plan.prefix + "byteorder"
@@ -187,44 +197,97 @@ def _fetch(
     refs: dict[str, StorageRef] = {}
     storages: dict[str, torch.UntypedStorage] = {}
     typed: dict[str, torch.storage.TypedStorage] = {}
-    eager = keys is None
+
+    def persistent_load(saved_id: Any) -> Any:
+        ref = parse_persistent_id(saved_id, plan.url)
+        if ref.key in typed:
+            return typed[ref.key]
+        entry = _record(plan, ref.key)
+        if entry.size != ref.nbytes:
+            raise CorruptCheckpointError(
+                f"{plan.url}: record data/{ref.key} holds {entry.size} bytes, expected {ref.nbytes}"
+            )
+        storage = torch.UntypedStorage(ref.nbytes)
+        refs[ref.key] = ref
+        storages[ref.key] = storage
+        if on_storage is not None:
+            on_storage(entry, storage)
+        typed[ref.key] = torch.storage.TypedStorage(
+            wrap_storage=storage, dtype=ref.dtype, _internal=True
+        )
+        return typed[ref.key]
+
+    result = unpickle(data_pkl, persistent_load, weights_only=weights_only, url=plan.url)
+    if keys is not None:
+        result = _select(result, keys, plan.url)
+        wanted = referenced_storages(result, {s._cdata: k for k, s in storages.items()})
+        for k in set(storages) - wanted:
+            del storages[k]
+    return _Fetched(result, data_pkl, order, refs, storages)
+
+
+def _record(plan: _Plan, key: str) -> Entry:
+    entry = plan.entries.get(f"{plan.prefix}data/{key}")
+    if entry is None:
+        raise CorruptCheckpointError(f"{plan.url}: storage record data/{key} is missing")
+    return entry
+
+
+def _fetch(
+    plan: _Plan,
+    options: TransferOptions,
+    weights_only: bool,
+    keys: Sequence[str] | None,
+    advance: Callable[[int], None],
+) -> _Fetched:
+    """Unpickle the structure and fill every storage it needs, in parallel, checked;
+    without ``keys`` each read starts as soon as unpickling meets its storage."""
     with RangeReader(plan.store, options, stream=True, advance=advance) as reader:
 
-        def persistent_load(saved_id: Any) -> Any:
-            ref = parse_persistent_id(saved_id, plan.url)
-            if ref.key in typed:
-                return typed[ref.key]
-            entry = plan.entries.get(f"{plan.prefix}data/{ref.key}")
-            if entry is None:
-                raise CorruptCheckpointError(
-                    f"{plan.url}: storage record data/{ref.key} is missing"
-                )
-            if entry.size != ref.nbytes:
-                raise CorruptCheckpointError(
-                    f"{plan.url}: record data/{ref.key} holds {entry.size} bytes, "
-                    f"expected {ref.nbytes}"
-                )
-            storage = torch.UntypedStorage(ref.nbytes)
-            refs[ref.key] = ref
-            storages[ref.key] = storage
-            if eager:
-                _read_record(reader, plan, entry, _storage_view(storage))
-            typed[ref.key] = torch.storage.TypedStorage(
-                wrap_storage=storage, dtype=ref.dtype, _internal=True
-            )
-            return typed[ref.key]
+        def read_now(entry: Entry, storage: torch.UntypedStorage) -> None:
+            _read_record(reader, plan, entry, _storage_view(storage))
 
-        result = unpickle(data_pkl, persistent_load, weights_only=weights_only, url=plan.url)
+        fetched = _structure(plan, options, weights_only, keys, read_now if keys is None else None)
         if keys is not None:
-            result = _select(result, keys, plan.url)
-            wanted = referenced_storages(result, {s._cdata: k for k, s in storages.items()})
-            for k in sorted(wanted):
-                entry = plan.entries[f"{plan.prefix}data/{k}"]
-                _read_record(reader, plan, entry, _storage_view(storages[k]))
-            for k in set(storages) - wanted:
-                del storages[k]
+            for k in sorted(fetched.storages):
+                _read_record(reader, plan, _record(plan, k), _storage_view(fetched.storages[k]))
         reader.run()
-    return _Fetched(result, data_pkl, order, refs, storages)
+    return fetched
+
+
+def _fetch_shared(
+    plan: _Plan,
+    options: TransferOptions,
+    weights_only: bool,
+    keys: Sequence[str] | None,
+    advance: Callable[[int], None],
+    group: Any,
+) -> _Fetched:
+    """:func:`_fetch` with every rank of ``group``: each reads and checks about 1/N of
+    the records (contiguous in the object), then they exchange them (engine/share.py)."""
+    me, ranks = group_rank(group)
+    error: BaseException | None = None
+    fetched: _Fetched | None = None
+    items: list[tuple[int, memoryview]] = []
+    try:
+        fetched = _structure(plan, options, weights_only, keys, None)
+        found = sorted(
+            ((_record(plan, k), fetched.storages[k]) for k in fetched.storages),
+            key=lambda es: es[0].header_offset,
+        )
+        owners = split_even([e.size for e, _ in found], ranks)
+        items = [(o, _storage_view(st)) for o, (_, st) in zip(owners, found, strict=True)]
+        with RangeReader(plan.store, options, stream=True, advance=advance) as reader:
+            for owner, (entry, storage) in zip(owners, found, strict=True):
+                if owner == me:
+                    _read_record(reader, plan, entry, _storage_view(storage))
+            reader.run()
+    except Exception as exc:
+        error = exc
+    settle(group, error, f"the shared load of {plan.url}")
+    assert fetched is not None
+    broadcast_views(group, items)
+    return fetched
 
 
 def _read_whole(plan: _Plan, map_location: Any, weights_only: bool) -> Any:
@@ -258,6 +321,8 @@ def load(
     weights_only: bool = True,
     *,
     keys: Sequence[str] | None = None,
+    share: bool = False,
+    process_group: Any = None,
     options: TransferOptions | None = None,
     **overrides: Any,
 ) -> Any:
@@ -265,6 +330,13 @@ def load(
 
     Returns what ``torch.load`` returns for the same bytes. ``keys`` loads only those
     top-level entries of a dict checkpoint, fetching only the bytes they need.
+
+    ``share=True``: every rank of ``process_group`` (default: the world) calls ``load``
+    at once, as a DDP resume does, and the object's bytes are read once in all: each
+    rank reads and checks a share of the records and the ranks exchange them over a
+    gloo group (engine/share.py). Ranks naming different objects each load their own;
+    a rank that fails makes every rank raise. Without an initialized process group, or
+    alone in it, it is a plain load.
 
     A URL ending in ``.safetensors`` or ``.safetensors.index.json`` is read by
     :func:`cloudckpt.load_safetensors` (``{name: tensor}``; ``keys`` are tensor names,
@@ -279,7 +351,11 @@ def load(
 
         return load_safetensors(url, keys=keys, device=map_location, options=options, **overrides)
     where = open_target(url, options, **overrides)
-    plan = _plan(where.store, where.key)
+    group = share_group(process_group) if share else None
+    if group is None:
+        plan = _plan(where.store, where.key)
+    else:
+        plan, group = _agreed_plan(where.store, where.key, keys, group)
     if plan.whole:
         result = _read_whole(plan, map_location, weights_only)
         return _select(result, keys, plan.url) if keys is not None else result
@@ -287,8 +363,34 @@ def load(
     total = sum(e.local_header_size + e.size for e in data)
     name = f"load {where.key.rsplit('/', 1)[-1]}"
     with progress_bar(name, total, where.options.progress) as advance:
-        fetched = _fetch(plan, where.options, weights_only, keys, advance)
+        if group is None:
+            fetched = _fetch(plan, where.options, weights_only, keys, advance)
+        else:
+            fetched = _fetch_shared(plan, where.options, weights_only, keys, advance, group)
     return _restore(fetched, map_location, weights_only, plan.url, keys)
+
+
+def _agreed_plan(
+    store: Store, key: str, keys: Sequence[str] | None, group: Any
+) -> tuple[_Plan, Any]:
+    """The plan, made once by the group's first rank (one HEAD and one directory read
+    for all), and ``group`` if every rank loads this object the same way; else each
+    rank's own plan and None (each loads on its own)."""
+    if not agree(group, (store.url(key), keys and list(keys))):
+        return _plan(store, key), None
+    plan: _Plan | None = None
+    error: BaseException | None = None
+    if group_rank(group)[0] == 0:
+        try:
+            plan = _plan(store, key)
+        except Exception as exc:
+            error = exc
+    sent = None
+    if plan is not None:  # everything but the store, which each rank opens itself
+        sent = (plan.url, plan.size, plan.entries, plan.prefix, plan.tail, plan.tail_start)
+    got = from_first(group, sent, error, f"the shared load of {store.url(key)}")
+    shared = _Plan(store, key, *got)
+    return shared, None if shared.whole else group
 
 
 def _restore(

@@ -35,12 +35,16 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         async_save: bool = False,
         *,
         max_in_flight: int = 1,
+        share_reads: bool = True,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
         self.async_save = async_save
         self.max_in_flight = max_in_flight
+        #: Under an initialized process group, every rank loads a checkpoint at once
+        #: (Lightning's resume): read its bytes once in all and exchange them.
+        self.share_reads = share_reads
         # Kept as given and resolved per URL, so a profile a URL selects still applies.
         self._options, self._overrides = options, overrides
         resolve_options(options, **overrides)  # a bad option fails here, not at the first save
@@ -70,7 +74,9 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Read a checkpoint; waits for a pending save of the same path first."""
+        """Read a checkpoint; waits for a pending save of the same path first. Under
+        an initialized process group (every rank resumes), the ranks read its bytes once
+        in all and exchange them (``share_reads``; see ``cloudckpt.load(share=True)``)."""
         url = unwrap(path)
         target = target_for(url)
         for h in self._pending_handles():
@@ -80,6 +86,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             url,
             map_location=map_location,
             weights_only=True if weights_only is None else weights_only,
+            share=self.share_reads,
             options=self._options,
             **self._overrides,
         )

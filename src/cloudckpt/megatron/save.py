@@ -32,12 +32,12 @@ import torch.distributed.checkpoint as dcp
 
 from ..dcp.location import CheckpointLocation
 from ..dcp.writer import CloudStorageWriter
+from ..engine.groups import checkpoint_group, group_ranks
 from ..engine.staging import StagingPool, get_pool
 from ..errors import CloudCkptError, DistributedSaveError
 from ..format.picklability import raise_if_unpicklable
 from ..options import TransferOptions
 from . import mcore
-from .groups import checkpoint_group, group_ranks
 from .layout import COMMON_NAME, CONFIG_NAME, encode_config
 
 __all__ = ["DistributedSaveError", "MegatronSaveHandle", "save"]

@@ -1,12 +1,13 @@
-"""The gloo process group a Megatron checkpoint's collectives run on.
+"""The gloo process group checkpoint collectives run on.
 
-A save's planning, its "every rank's data is durable" gather and its commit broadcast
-run on a group created for checkpointing alone, never on the training group: an
-asynchronous upload then can't interleave its collectives with the training loop's
-(which hangs or corrupts both), and object collectives never need a device (gloo works
-whatever the training backend is). One group per set of ranks, created on first use by
-every member (a collective itself, so every rank's first save must be in step, as
-megatron-core's own save already requires).
+A Megatron save's planning, its "every rank's data is durable" gather and its commit
+broadcast, and a shared load's agreement and broadcasts (engine/share.py), run on a
+group created for checkpointing alone, never on the training group: an asynchronous
+upload then can't interleave its collectives with the training loop's (which hangs or
+corrupts both), and CPU tensors and objects never need a device (gloo works whatever
+the training backend is). One group per set of ranks, created on first use by every
+member (a collective itself, so every rank's first use must be in step, as
+megatron-core's own save and a DDP resume already are).
 """
 
 from __future__ import annotations

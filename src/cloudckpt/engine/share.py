@@ -1,0 +1,156 @@
+"""Read once, share: bytes that every rank of a group loads are read by one rank each.
+
+When several ranks load the same object (a DDP resume), each byte range is assigned to
+one rank (contiguous runs of about equal size, in offset order, so reads still join),
+read and checked there (its CRC-32, by the rank that read it), then broadcast to the
+others over a gloo group of its own (:mod:`.groups`). The store sees each byte once,
+and each rank makes a 1/N share of the requests.
+
+Collectives frame it, so no rank ever waits for bytes that will not come: :func:`agree`
+(every rank names the same object, else each loads on its own), :func:`from_first` (the
+first rank finds the object and its directory, once for all; if it cannot, every rank
+raises), the reads, :func:`settle` (every rank's reads
+succeeded, else every rank raises), then :func:`broadcast_views`. Small views are
+packed into buckets for the broadcast (one collective per bucket, not per tensor);
+large ones go from their own memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedLoadError
+from .groups import checkpoint_group
+
+__all__ = [
+    "agree",
+    "broadcast_views",
+    "from_first",
+    "group_rank",
+    "settle",
+    "share_group",
+    "split_even",
+]
+
+#: Views at least this large are broadcast from their own memory, one collective each.
+LARGE = 1024 * 1024
+#: Smaller views are packed into buckets of up to this many bytes.
+BUCKET = 16 * 1024 * 1024
+
+
+def share_group(process_group: Any = None) -> Any | None:
+    """The gloo group a load shares over, or None where there is no one to share with."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_world_size(process_group) < 2:
+        return None
+    return checkpoint_group(process_group)
+
+
+def group_rank(group: Any) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group``."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def agree(group: Any, value: Any, error: BaseException | None = None, what: str = "") -> bool:
+    """Whether every rank of ``group`` passed an equal ``value`` (a collective). If any
+    rank passed an ``error`` instead, every rank raises: the failing rank its own error,
+    the others :class:`DistributedLoadError` naming it and ``what`` failed."""
+    mine = (None if error is None else f"{type(error).__name__}: {error}", value)
+    got: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, mine, group=group)
+    failures = {dist.get_global_rank(group, i): m for i, (m, _) in enumerate(got) if m}
+    if error is not None:
+        raise error
+    if failures:
+        named = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        raise DistributedLoadError(f"{what} failed on another rank ({named})", failures)
+    return all(v == got[0][1] for _, v in got)
+
+
+def from_first(group: Any, value: Any, error: BaseException | None, what: str) -> Any:
+    """``value`` of the group's first rank, on every rank (a collective; the others pass
+    None). If it passed an ``error``, it raises it and the others
+    :class:`DistributedLoadError` naming it."""
+    sent = [(None if error is None else f"{type(error).__name__}: {error}", value)]
+    first = dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(sent, src=first, group=group)
+    message, got = sent[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise DistributedLoadError(f"{what} failed on rank {first} ({message})", {first: message})
+    return got
+
+
+def settle(group: Any, error: BaseException | None, what: str) -> None:
+    """Raise on every rank if any rank's part of ``what`` failed (a collective)."""
+    agree(group, None, error, what)
+
+
+def split_even(sizes: Sequence[int], parts: int) -> list[int]:
+    """The owner (0..parts-1) of each item: contiguous runs of about equal total size,
+    each item to the part its middle byte falls in."""
+    total = sum(sizes)
+    owners: list[int] = []
+    pos = 0
+    for n in sizes:
+        middle = pos + n / 2
+        owners.append(min(parts - 1, int(middle * parts / total)) if total else 0)
+        pos += n
+    return owners
+
+
+def _tensor(view: memoryview) -> torch.Tensor:
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def broadcast_views(group: Any, items: Sequence[tuple[int, memoryview]]) -> int:
+    """Make every rank's ``view`` hold its owner's bytes; ``items`` is ``(owner, view)``
+    in the same order on every rank, each view already filled on its owner. Returns
+    the bytes this rank received."""
+    me, _ = group_rank(group)
+    received = 0
+    bucket: list[memoryview] = []
+    bucket_owner = -1
+    bucket_size = 0
+
+    def flush() -> None:
+        nonlocal bucket, bucket_size, received
+        if not bucket:
+            return
+        packed = torch.empty(bucket_size, dtype=torch.uint8)
+        src = dist.get_global_rank(group, bucket_owner)
+        if me == bucket_owner:
+            pos = 0
+            for v in bucket:
+                packed[pos : pos + v.nbytes].copy_(_tensor(v))
+                pos += v.nbytes
+        dist.broadcast(packed, src=src, group=group)
+        if me != bucket_owner:
+            pos = 0
+            for v in bucket:
+                _tensor(v).copy_(packed[pos : pos + v.nbytes])
+                pos += v.nbytes
+            received += bucket_size
+        bucket, bucket_size = [], 0
+
+    for owner, view in items:
+        if not view.nbytes:
+            continue
+        if view.nbytes >= LARGE:
+            flush()
+            dist.broadcast(_tensor(view), src=dist.get_global_rank(group, owner), group=group)
+            received += view.nbytes if me != owner else 0
+            continue
+        if owner != bucket_owner or bucket_size + view.nbytes > BUCKET:
+            flush()
+            bucket_owner = owner
+        bucket.append(view)
+        bucket_size += view.nbytes
+    flush()
+    return received
