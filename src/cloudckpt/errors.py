@@ -43,6 +43,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "CredentialsError",
+    "DeadlineExceededError",
     "DistributedLoadError",
     "DistributedSaveError",
     "InvalidURLError",
@@ -125,6 +126,11 @@ class ThrottledError(TransientError):
 
 class RetriesExhaustedError(StorageError):
     """A transient fault (throttling, 5xx, timeout, reset) outlasted the retry budget."""
+
+
+class DeadlineExceededError(StorageError):
+    """A save did not finish within its ``deadline``: it was cancelled, its upload
+    aborted, nothing committed. The message names the requests still running."""
 
 
 class SerializationError(CloudCkptError, TypeError):

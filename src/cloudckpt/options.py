@@ -60,8 +60,12 @@ class TransferOptions:
     backoff_max: float = 20.0
     #: Seconds to establish a connection.
     connect_timeout: float = 10.0
-    #: Seconds without progress on a request before it is abandoned and retried.
+    #: Seconds without progress on a request before it is abandoned and retried on a
+    #: fresh connection (the stall timeout).
     request_timeout: float = 120.0
+    #: Seconds one object of a save may take, first byte to commit; past it the save
+    #: fails (``DeadlineExceededError``), its upload aborted. ``None``: no deadline.
+    deadline: float | None = None
     #: Show a progress bar on stderr.
     progress: bool = False
     #: Backend settings: endpoint, credentials, region (see docs/configuration.md).
@@ -91,6 +95,12 @@ class TransferOptions:
             or self.read_gap < 0
         ):
             raise ConfigError(f"option read_gap={self.read_gap!r} must be an integer >= 0")
+        if self.deadline is not None and (
+            isinstance(self.deadline, bool)
+            or not isinstance(self.deadline, (int, float))
+            or self.deadline <= 0
+        ):
+            raise ConfigError(f"option deadline={self.deadline!r} must be positive seconds or None")
         if self.max_bytes_in_flight is not None and self.max_bytes_in_flight < 1:
             raise ConfigError("option max_bytes_in_flight must be positive or None")
         if self.requests_per_second is not None and self.requests_per_second <= 0:

@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, TypeVar
 
+from ..errors import DeadlineExceededError
 from ..options import IO_THREADS, TransferOptions
 from ..store.retry import Cancelled, cancel_scope
 
@@ -98,16 +100,66 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-class TransferGroup:
-    """Requests of one operation: bounded concurrency, first error wins, cancel on failure."""
+#: After a deadline passed, how long cancelling waits for requests still running (they
+#: end on their own, at their request timeout; the caller does not wait for them).
+EXPIRED_GRACE = 1.0
 
-    def __init__(self, options: TransferOptions, limit: int) -> None:
+
+def _rank_prefix() -> str:
+    """``"rank N: "`` in a job with an initialized process group, else nothing."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return f"rank {dist.get_rank()}: "
+    except Exception:  # pragma: no cover - torch without distributed
+        pass
+    return ""
+
+
+class TransferGroup:
+    """Requests of one operation: bounded concurrency, first error wins, cancel on failure.
+
+    With ``deadline`` (seconds from now) the operation fails once it passes:
+    :class:`~cloudckpt.errors.DeadlineExceededError` naming the requests still running,
+    raised by :meth:`submit` or :meth:`wait`, and the group cancelled (a stuck request is
+    left to end on its own timeout; nobody waits for it).
+    """
+
+    def __init__(
+        self, options: TransferOptions, limit: int, *, deadline: float | None = None
+    ) -> None:
         self.options = options
         self._slots = threading.BoundedSemaphore(limit)
-        self._futures: list[tuple[Future[Any], Callable[[], None] | None]] = []
+        self._futures: list[tuple[Future[Any], Callable[[], None] | None, str]] = []
         self._lock = threading.Lock()
         self.cancel_event = threading.Event()
         self.error: BaseException | None = None
+        self.deadline = deadline
+        self._expires = None if deadline is None else time.monotonic() + deadline
+        self.expired = False
+
+    def _remaining(self) -> float | None:
+        return None if self._expires is None else max(0.0, self._expires - time.monotonic())
+
+    def _check_deadline(self) -> None:
+        if self._expires is not None and time.monotonic() >= self._expires:
+            self._expire()
+
+    def _expire(self) -> None:
+        with self._lock:
+            running = [what for f, _, what in self._futures if not f.done()]
+            if self.error is None:
+                shown = "; ".join(running[:4]) + (
+                    f" and {len(running) - 4} more" if len(running) > 4 else ""
+                )
+                self.error = DeadlineExceededError(
+                    f"{_rank_prefix()}not finished within its {self.deadline:g} s deadline "
+                    f"(still running: {shown or 'nothing'}); cancelled, nothing committed"
+                )
+            self.expired = True
+        self.cancel_event.set()
+        raise self.error
 
     def submit(
         self,
@@ -122,6 +174,7 @@ class TransferGroup:
         """
         while not self._slots.acquire(timeout=0.5):
             self.raise_if_failed()
+            self._check_deadline()
         self.raise_if_failed_releasing()
 
         def run() -> T:
@@ -144,8 +197,17 @@ class TransferGroup:
 
         future = get_scheduler().executor.submit(run)
         with self._lock:
-            self._futures.append((future, on_done))
+            self._futures.append((future, on_done, what))
         return future
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` in the group and wait for it (within the deadline): a request the
+        caller needs the answer of (create an upload, complete it)."""
+        future = self.submit(fn, what)
+        done, _ = futures_wait([future], timeout=self._remaining())
+        if not done:
+            self._expire()
+        return future.result()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -159,8 +221,10 @@ class TransferGroup:
     def wait(self) -> None:
         """Wait for every request; raise the first failure."""
         with self._lock:
-            futures = [f for f, _ in self._futures]
-        futures_wait(futures)
+            futures = [f for f, _, _ in self._futures]
+        _, running = futures_wait(futures, timeout=self._remaining())
+        if running and self.error is None:
+            self._expire()
         with self._lock:  # done: drop them (their callbacks may point back at the caller)
             self._futures = [f for f in self._futures if not f[0].done()]
         self.raise_if_failed()
@@ -170,11 +234,11 @@ class TransferGroup:
         self.cancel_event.set()
         with self._lock:
             futures = list(self._futures)
-        for f, on_done in futures:
+        for f, on_done, _ in futures:
             if f.cancel():  # never started: give back what its start would have released
                 self._slots.release()
                 if on_done is not None:
                     on_done()
-        futures_wait([f for f, _ in futures])
+        futures_wait([f for f, _, _ in futures], timeout=EXPIRED_GRACE if self.expired else None)
         with self._lock:
             self._futures = [f for f in self._futures if not f[0].done()]

@@ -92,7 +92,7 @@ class ObjectSink:
         self.part_size = choose_part_size(size_hint, options.part_size, options.write_concurrency)
         self._pool = SaveBuffers(options.write_concurrency, self.part_size)
         self._budget = get_scheduler().set_budget(options.max_bytes_in_flight)
-        self._group = TransferGroup(options, options.write_concurrency)
+        self._group = TransferGroup(options, options.write_concurrency, deadline=options.deadline)
         self._buf: bytearray | None = None
         self._fill = 0
         self._offset = 0  # bytes handed to parts so far
@@ -208,7 +208,10 @@ class ObjectSink:
         offset = self._offset
         self._offset += size
         if self._upload is None:
-            self._upload = self.store.create_multipart(self.key)
+            url = self.store.url(self.key)
+            self._upload = self._group.call(
+                lambda: self.store.create_multipart(self.key), f"create the upload of {url}"
+            )
         upload = self._upload
         number = self._next_part
         self._next_part += 1
@@ -237,7 +240,7 @@ class ObjectSink:
         self._closed = True
         if self._upload is None:
             data = memoryview(self._buf)[: self._fill] if self._buf is not None else b""
-            self.store.put(self.key, data)
+            self._last_request(lambda: self.store.put(self.key, data), "put")
             if self._buf is not None:
                 self._release_buffer(self._buf)
                 self._buf = None
@@ -252,8 +255,13 @@ class ObjectSink:
         self._group.wait()
         parts = sorted(self._parts, key=lambda p: p.number)
         upload = self._upload
-        self.store.complete_multipart(upload, parts)
+        self._last_request(lambda: self.store.complete_multipart(upload, parts), "complete")
         return self.bytes_written
+
+    def _last_request(self, request: Callable[[], None], what: str) -> None:
+        """The request that makes the object visible, run in the group: the deadline
+        bounds it as it bounds the parts."""
+        self._group.call(request, f"{what} {self.store.url(self.key)}")
 
     def abort_after(self, exc: BaseException) -> BaseException:
         """Abort once ``exc`` stopped the write; return the error worth raising: this
@@ -355,7 +363,7 @@ class BorrowingSink(ObjectSink):
             self._seal_small()
             data = b"".join(self._views)
             self._views, self._owners, self._pending = [], [], 0
-            self.store.put(self.key, data)
+            self._last_request(lambda: self.store.put(self.key, data), "put")
             if self._on_progress is not None:
                 self._on_progress(len(data))
             return self.bytes_written

@@ -1,0 +1,111 @@
+"""Bounded saves: a stalled connection is retried on a fresh one (``request_timeout``, the
+stall timeout); a save that cannot finish within ``deadline`` fails, on every rank of a
+DCP save, naming what is stuck, with its uploads aborted and nothing committed."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import cloudckpt
+from cloudckpt.dcp import CloudStorageWriter
+from cloudckpt.errors import DeadlineExceededError
+from cloudckpt.options import MiB
+from fault_proxy import FaultProxy
+from ranks import run_ranks
+from servers import unique_bucket_name
+
+DEADLINE = 3.0
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(3 * MiB // 4, generator=g) for i in range(4)}  # 12 MiB
+
+
+def _parts(method: str, target: str) -> bool:
+    return method == "PUT" and "partNumber=" in target
+
+
+def _open_uploads(server: Any, bucket: str) -> list[Any]:
+    return server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def _keys(server: Any, bucket: str) -> list[str]:
+    listed = server.client().list_objects_v2(Bucket=bucket).get("Contents", [])
+    return sorted(o["Key"] for o in listed)
+
+
+def test_a_stalled_part_is_retried_on_a_fresh_connection(rclone_server: Any) -> None:
+    bucket = rclone_server.make_bucket(unique_bucket_name("stall"))
+    state = _state()
+    # The first part upload gets no answer at all; the client gives up on it after the
+    # stall timeout and sends it again.
+    with FaultProxy(
+        rclone_server.endpoint_url, schedule={2: "slow"}, slow_seconds=60.0, match=_parts
+    ) as proxy:
+        so = {**rclone_server.storage_options(), "endpoint_url": proxy.url}
+        url = f"s3://{bucket}/c.pt"
+        cloudckpt.save(state, url, storage_options=so, part_size=5 * MiB, request_timeout=1.5)
+        assert proxy.injected["slow"] == 1
+    got = cloudckpt.load(url, storage_options=rclone_server.storage_options())
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_save_past_its_deadline_fails_naming_the_stuck_part(rclone_server: Any) -> None:
+    bucket = rclone_server.make_bucket(unique_bucket_name("deadline"))
+    # Every part upload stalls, longer than the request timeout allows anyone to notice.
+    with FaultProxy(
+        rclone_server.endpoint_url, rate=1.0, kinds=("slow",), slow_seconds=60.0, match=_parts
+    ) as proxy:
+        so = {**rclone_server.storage_options(), "endpoint_url": proxy.url}
+        url = f"s3://{bucket}/run/c.pt"
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as info:
+            cloudckpt.save(
+                _state(), url, storage_options=so, part_size=5 * MiB, request_timeout=60.0,
+                deadline=DEADLINE,
+            )  # fmt: skip
+        elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert f"upload part 1 of {url}" in message and f"{DEADLINE:g} s deadline" in message
+    assert elapsed < DEADLINE + 10, elapsed
+    assert _keys(rclone_server, bucket) == []  # nothing committed
+    assert _open_uploads(rclone_server, bucket) == []  # the upload was aborted
+
+
+def _dcp_save(rank: int, world: int, url: str, so: dict[str, Any], out: Any) -> None:
+    state = {"model": _state(seed=rank), "rank": torch.tensor(rank)}
+    started = time.monotonic()
+    writer = CloudStorageWriter(
+        url, storage_options=so, part_size=5 * MiB, request_timeout=60.0, deadline=DEADLINE
+    )
+    with pytest.raises((CheckpointException, DeadlineExceededError)) as info:
+        dcp.save(state, storage_writer=writer)
+    elapsed = time.monotonic() - started
+    assert elapsed < DEADLINE + 10, (rank, elapsed)
+    # Every rank learns which rank and object were stuck.
+    assert "rank 1: not finished within its 3 s deadline" in str(info.value), str(info.value)
+    assert "__1_0.distcp" in str(info.value)
+
+
+def test_a_rank_stuck_past_the_deadline_fails_every_rank(rclone_server: Any) -> None:
+    bucket = rclone_server.make_bucket(unique_bucket_name("deadline-dcp"))
+
+    def rank_1_data(method: str, target: str) -> bool:
+        return _parts(method, target) and "__1_0.distcp" in target
+
+    with FaultProxy(
+        rclone_server.endpoint_url, rate=1.0, kinds=("slow",), slow_seconds=60.0,
+        match=rank_1_data,
+    ) as proxy:  # fmt: skip
+        so = {**rclone_server.storage_options(), "endpoint_url": proxy.url}
+        run_ranks(_dcp_save, 2, f"s3://{bucket}/run/step-1", so, None, timeout=120)
+        assert proxy.injected["slow"] >= 1
+    assert ".metadata" not in " ".join(_keys(rclone_server, bucket))
+    assert _open_uploads(rclone_server, bucket) == []
