@@ -12,7 +12,6 @@ import gc
 import importlib
 import json
 import os
-import resource
 import sys
 import time
 import traceback
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.systems import SYSTEMS
-from benchmarks.systems.common import Ctx
+from benchmarks.systems.common import Ctx, cpu_seconds, reset_peak, status_kib
 from cloudckpt.testing import count_requests
 
 #: Columns of the benchmark's weight matrices.
@@ -45,40 +44,16 @@ def build_state(total_bytes: int, tensors: int, seed: int) -> dict[str, torch.Te
     return {f"layer{i:05d}.weight": torch.rand(rows, cols, generator=gen) for i in range(tensors)}
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where it is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _cpu() -> float:
-    s = resource.getrusage(resource.RUSAGE_SELF)
-    c = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-
-
 def measure(fn: Callable[[], Any], log_path: str, server: str) -> tuple[Any, dict[str, Any]]:
     """Run ``fn``; its result and figures (time, CPU, peak extra RSS, requests logged)."""
     gc.collect()
-    exact = _reset_peak()
-    rss0 = _status_kib("VmRSS")
-    cpu0, off, t0 = _cpu(), os.path.getsize(log_path), time.perf_counter()
+    exact = reset_peak()
+    rss0 = status_kib("VmRSS")
+    cpu0, off, t0 = cpu_seconds(), os.path.getsize(log_path), time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - t0
-    cpu = _cpu() - cpu0
-    peak = _status_kib("VmHWM")
+    cpu = cpu_seconds() - cpu0
+    peak = status_kib("VmHWM")
     return out, {
         "seconds": seconds,
         "cpu_s": cpu,

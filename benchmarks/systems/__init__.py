@@ -16,6 +16,7 @@ from __future__ import annotations
 #: Benchmark name -> module under ``benchmarks.systems``; the order is the table's order.
 SYSTEMS: dict[str, str] = {
     "ceiling": "ceiling",
+    "ceiling-curl": "ceiling_curl",
     "ceiling-2to3": "ceiling_ranks",
     "cloudckpt": "cloudckpt_sync",
     "cloudckpt-async": "cloudckpt_async",

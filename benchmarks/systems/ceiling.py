@@ -99,15 +99,23 @@ def balanced(size: int, largest: int, streams: int, smallest: int = 1024 * 1024)
 
 def prepare(state: dict[str, torch.Tensor]) -> bytearray:
     """The pre-built bytes: every tensor's bytes back to back (built before the clock)."""
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    out = bytearray(total)
+    out = bytearray(nbytes(state))
+    pack(state, out)
+    return out
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def pack(state: dict[str, torch.Tensor], out: Any) -> None:
+    """Every tensor's bytes back to back into ``out`` (a writable buffer of ``nbytes``)."""
     flat = torch.frombuffer(out, dtype=torch.uint8)
     pos = 0
     for t in state.values():
         n = t.numel() * t.element_size()
         flat[pos : pos + n] = t.contiguous().view(-1).view(torch.uint8)
         pos += n
-    return out
 
 
 def save(data: bytearray, ctx: Ctx) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,3 +39,29 @@ class Ctx:
 def empty_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Destination tensors of the same shapes (what a model already holds before a load)."""
     return {k: torch.empty_like(v) for k, v in state.items()}
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` figure in KiB (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where it is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and of its children that have been waited for."""
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
