@@ -33,6 +33,7 @@ Messages name the URL or the key path involved and never contain credentials.
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 __all__ = [
     "AccessDeniedError",
@@ -164,6 +165,9 @@ class DistributedSaveError(CloudCkptError, RuntimeError):
         super().__init__(message)
         self.failures = failures
 
+    def __reduce__(self) -> tuple[Any, ...]:  # sent between ranks: keep the failures
+        return (type(self), (str(self), self.failures))
+
 
 class DistributedLoadError(CloudCkptError, RuntimeError):
     """A load shared by several ranks failed on other rank(s); ``failures`` maps each to
@@ -172,6 +176,9 @@ class DistributedLoadError(CloudCkptError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         super().__init__(message)
         self.failures = failures
+
+    def __reduce__(self) -> tuple[Any, ...]:  # sent between ranks: keep the failures
+        return (type(self), (str(self), self.failures))
 
 
 class UnsafeCheckpointError(CloudCkptError, pickle.UnpicklingError):

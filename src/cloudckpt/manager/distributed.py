@@ -42,15 +42,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def on_rank0(fn: Callable[[], T]) -> T:
-    """``fn()`` on rank 0, its result (or error) broadcast to every rank."""
+def on_rank0(fn: Callable[[], T], group: Any = None) -> T:
+    """``fn()`` on rank 0, its result (or error) broadcast to every rank (over
+    ``group``, default the world; a background commit uses the checkpoint group)."""
     if not is_distributed():
         return fn()
     import torch.distributed as dist
 
     box: list[Any] = [None]
     error: BaseException | None = None
-    if dist.get_rank() == 0:
+    first = 0 if group is None else dist.get_global_rank(group, 0)
+    if dist.get_rank() == first:
         try:
             box[0] = ("ok", fn())
         except Exception as exc:  # shipped to the other ranks, re-raised here below
@@ -60,7 +62,7 @@ def on_rank0(fn: Callable[[], T]) -> T:
                 box[0] = ("error", exc)
             except Exception:
                 box[0] = ("error", f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=first, group=group)
     status, value = box[0]
     if error is not None:
         raise error

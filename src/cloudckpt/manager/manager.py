@@ -28,10 +28,11 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ..errors import AlreadyExistsError, ConfigError, NotFoundError
+from ..engine.groups import checkpoint_group
+from ..errors import AlreadyExistsError, ConfigError, DistributedSaveError, NotFoundError
 from ..options import TransferOptions
 from ..store import Store, open_target
-from .distributed import barrier, on_rank0
+from .distributed import barrier, is_distributed, on_rank0, rank
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
 from .marker import (
     MARKER_NAME,
@@ -44,7 +45,7 @@ from .marker import (
     step_dir,
     write_marker,
 )
-from .payload import PayloadKind, payload_kind
+from .payload import DcpPayload, PayloadKind, payload_kind
 from .retention import KeepEveryNSteps, KeepLast, KeepTopK, RetentionPolicy, to_delete
 
 __all__ = ["CheckpointManager", "ManagedSaveHandle"]
@@ -88,6 +89,17 @@ class ManagedSaveHandle:
     def add_done_callback(self, fn: Callable[[ManagedSaveHandle], None]) -> None:
         """Run ``fn(handle)`` after commit or failure."""
         self._future.add_done_callback(lambda _f: fn(self))
+
+
+class _Staged:
+    """What a DCP async save's handle reports before its commit: DCP's ``async_save``
+    returns once the state is staged, so it is staged from the start."""
+
+    def __init__(self, stall_seconds: float) -> None:
+        self.stall_seconds = stall_seconds
+
+    def staged(self) -> bool:
+        return True
 
 
 class CheckpointManager:
@@ -145,6 +157,7 @@ class CheckpointManager:
         self._cache: dict[tuple[str, int], CheckpointInfo] = {}
         self._pending: set[int] = set()
         self._lock = threading.Lock()
+        self._dcp_in_flight: ManagedSaveHandle | None = None
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, kind={self.kind.name!r})"
@@ -229,14 +242,20 @@ class CheckpointManager:
         """Like :meth:`save`, but returns once ``state`` is snapshotted.
 
         The marker is written when the payload has committed, then retention runs; the
-        handle's ``result()`` returns the committed checkpoint. Only the single-object
-        kind on one process is supported (DCP async saves go through DCP's own
-        ``async_save`` with the cloudckpt writer).
+        handle's ``result()`` returns the committed checkpoint. ``kind="object"``: one
+        process (``cloudckpt.async_save``). ``kind="dcp"``: call it on every rank; DCP's
+        ``async_save`` stages each rank's state and writes it through the cloudckpt
+        writer in the background, on a gloo group of the checkpoint's own, and once
+        ``.metadata`` is written (every rank's data durable) rank 0 writes the marker
+        and every rank's handle gets the committed checkpoint (or the error). A DCP
+        save waits for this manager's previous one to finish first.
         """
         self._check_step(step)
         metrics = _check_metrics(metrics)
+        if isinstance(self.kind, DcpPayload):
+            return self._async_save_dcp(step, state, metrics, metadata or {})
         if self.kind.name != "object" or not hasattr(self.kind, "filename"):
-            raise ConfigError("async_save supports kind='object'; use save() for DCP")
+            raise ConfigError(f"async_save does not support kind={self.kind.name!r}")
         try:
             from ..engine.async_save import async_save as engine_async_save
         except ImportError as exc:  # the engine's async save is not in this build
@@ -255,20 +274,63 @@ class CheckpointManager:
             raise
         handle = ManagedSaveHandle(step, inner)
 
-        def finish(_inner: Any) -> None:
-            try:
-                _inner.result()
-                info = self._commit(step, metrics, metadata or {})
-            except BaseException as exc:
-                handle._future.set_exception(exc)
-                return
-            finally:
-                with self._lock:
-                    self._pending.discard(step)
-            self._retain_quietly()
-            handle._future.set_result(info)
+        def commit() -> CheckpointInfo:
+            inner.result()
+            return self._commit(step, metrics, metadata or {})
 
-        inner.add_done_callback(finish)
+        inner.add_done_callback(lambda _inner: self._finish(handle, commit, retain=True))
+        return handle
+
+    def _finish(
+        self, handle: ManagedSaveHandle, commit: Callable[[], CheckpointInfo], retain: bool
+    ) -> None:
+        """Complete ``handle`` with ``commit()`` (the marker) or its error, then apply
+        retention (``retain``: this process is the one that prunes)."""
+        try:
+            info = commit()
+        except BaseException as exc:
+            handle._future.set_exception(exc)
+            return
+        finally:
+            with self._lock:
+                self._pending.discard(handle.step)
+        if retain:
+            self._retain_quietly()
+        handle._future.set_result(info)
+
+    def _async_save_dcp(
+        self, step: int, state: Any, metrics: dict[str, float], metadata: Mapping[str, Any]
+    ) -> ManagedSaveHandle:
+        assert isinstance(self.kind, DcpPayload)
+        self._refuse_committed(step)
+        previous = self._dcp_in_flight
+        if previous is not None:  # its collectives and ours share the checkpoint group
+            previous.wait()
+        group = checkpoint_group() if is_distributed() else None
+        with self._lock:
+            self._pending.add(step)
+        started = time.perf_counter()
+        try:
+            future = self.kind.async_save(state, self.step_url(step), self.options, group)
+        except BaseException:
+            with self._lock:
+                self._pending.discard(step)
+            raise
+        handle = ManagedSaveHandle(step, _Staged(time.perf_counter() - started))
+
+        def write_marker() -> CheckpointInfo:  # rank 0, once DCP's save is done
+            error = future.exception()  # DCP's outcome, the same on every rank
+            if error is not None:
+                raise _named_failure(error, self.step_url(step))
+            return self._commit(step, metrics, metadata)
+
+        # On every rank, in DCP's saving thread: rank 0 commits, the group hears it.
+        future.add_done_callback(
+            lambda _f: self._finish(
+                handle, lambda: on_rank0(write_marker, group), retain=rank() == 0
+            )
+        )
+        self._dcp_in_flight = handle
         return handle
 
     def _refuse_committed(self, step: int) -> None:
@@ -402,6 +464,22 @@ class CheckpointManager:
         )
         self.restored_step = info.step
         return result
+
+
+def _named_failure(error: BaseException, url: str) -> BaseException:
+    """DCP's ``CheckpointException`` (whose message names only the ranks) as a
+    :class:`DistributedSaveError` naming each failed rank and its error."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return error
+    named = {}
+    for r, wrapped in failures.items():
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        named[int(r)] = f"{type(exc).__name__}: {exc}"
+    listed = "; ".join(f"rank {r}: {m}" for r, m in sorted(named.items()))
+    return DistributedSaveError(
+        f"the DCP save of {url} failed ({listed}); nothing committed", named
+    )
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

@@ -8,6 +8,7 @@ manager lists the prefix and commits. On restore: ``kind.load(...)`` on every ra
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from ..engine.load import load
@@ -94,6 +95,23 @@ class DcpPayload:
 
         writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
         dcp.save(state, storage_writer=writer)
+
+    def async_save(
+        self, state: Any, prefix_url: str, options: TransferOptions, process_group: Any
+    ) -> Future[Any]:
+        """``dcp.async_save`` through the cloudckpt writer: returns once DCP has staged
+        ``state`` to host memory; the future completes once ``.metadata`` is written
+        (every rank's data durable) or the save failed on any rank. Its collectives run
+        on ``process_group`` (a gloo group of the checkpoint's own: never interleaved
+        with training's)."""
+        import torch.distributed.checkpoint as dcp
+
+        writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
+        kwargs = {} if process_group is None else {"process_group": process_group}
+        pending: Any = dcp.async_save(state, storage_writer=writer, **kwargs)
+        # torch >= 2.7 answers an AsyncSaveResponse when staging is asynchronous too.
+        future: Future[Any] = getattr(pending, "upload_completion", pending)
+        return future
 
     def load(
         self,
