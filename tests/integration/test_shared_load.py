@@ -15,7 +15,7 @@ import cloudckpt
 import cloudckpt.engine.load as load_module
 from cloudckpt.errors import DistributedLoadError, StorageError
 from cloudckpt.lightning import CloudCheckpointIO
-from fault_proxy import FaultProxy
+from cloudckpt.testing.fault_proxy import FaultProxy
 from ranks import run_ranks
 from servers import unique_bucket_name
 

@@ -16,7 +16,7 @@ import threading
 import torch
 
 import cloudckpt
-from fault_proxy import FaultProxy
+from cloudckpt.testing.fault_proxy import FaultProxy
 
 #: The proxy's limit per prefix: requests per second, and the burst it allows.
 RATE, BURST = 20.0, 5.0

@@ -16,7 +16,7 @@ import cloudckpt
 from cloudckpt.dcp import CloudStorageWriter
 from cloudckpt.errors import DeadlineExceededError
 from cloudckpt.options import MiB
-from fault_proxy import FaultProxy
+from cloudckpt.testing.fault_proxy import FaultProxy
 from ranks import run_ranks
 from servers import unique_bucket_name
 

@@ -8,7 +8,7 @@ import torch
 import cloudckpt
 from cloudckpt import errors
 from cloudckpt.options import MiB
-from fault_proxy import FaultProxy
+from cloudckpt.testing.fault_proxy import FaultProxy
 
 # Enough attempts for 10% faults. The timeout stays well above a normal request's
 # latency: a request abandoned by the client may still reach the server, and rclone

@@ -10,8 +10,8 @@ import cloudckpt
 from cloudckpt import errors
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.options import MiB
+from cloudckpt.testing.fault_proxy import FaultProxy
 from dcp_compat import SINGLE
-from fault_proxy import FaultProxy
 
 RETRYING = {"max_attempts": 12, "backoff_base": 0.01, "backoff_max": 0.2, "request_timeout": 4.0}
 

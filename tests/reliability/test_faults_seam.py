@@ -10,7 +10,7 @@ import cloudckpt
 from cloudckpt.cli import main as cli_main
 from cloudckpt.options import MiB
 from cloudckpt.store import open_target
-from fault_proxy import FaultProxy
+from cloudckpt.testing.fault_proxy import FaultProxy
 
 RETRYING = {"max_attempts": 12, "backoff_base": 0.01, "backoff_max": 0.2, "request_timeout": 4.0}
 

@@ -16,7 +16,7 @@ from cloudckpt.errors import NotFoundError, RetriesExhaustedError, TransientErro
 from cloudckpt.options import MiB, resolve_options
 from cloudckpt.store import RetryPolicy, open_url
 from cloudckpt.store.s3_signed_reads import MAX_MISSES
-from fault_proxy import FaultProxy
+from cloudckpt.testing.fault_proxy import FaultProxy
 from servers import free_port
 
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
