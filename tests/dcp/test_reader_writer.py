@@ -294,3 +294,21 @@ def test_bad_arguments() -> None:
         CloudStorageWriter("ftp://b/k")
     assert CloudStorageWriter.validate_checkpoint_id("s3://b/k")
     assert not CloudStorageReader.validate_checkpoint_id("ftp://b/k")
+
+
+def test_many_ranks_spread_their_objects_over_sub_prefixes_by_default() -> None:
+    from collections import Counter
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from cloudckpt.format.dcp.layout import auto_fanout
+
+    assert [auto_fanout(n) for n in (1, 8, 64, 65, 128, 1024)] == [1, 1, 1, 2, 2, 16]
+    few = CloudStorageWriter("memory://fanout/a").prepare_global_plan([SavePlan([])] * 64)
+    assert {p.storage_data for p in few} == {f"__{r}_" for r in range(64)}  # flat
+    many = CloudStorageWriter("memory://fanout/b").prepare_global_plan([SavePlan([])] * 1024)
+    assert many[0].storage_data == "d00/__0_" and many[17].storage_data == "d01/__17_"
+    per_prefix = Counter(p.storage_data.split("/")[0] for p in many)
+    assert len(per_prefix) == 16 and set(per_prefix.values()) == {64}
+    flat = CloudStorageWriter("memory://fanout/c", prefix_fanout=1)
+    assert all("/" not in p.storage_data for p in flat.prepare_global_plan([SavePlan([])] * 1024))

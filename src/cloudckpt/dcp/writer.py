@@ -47,6 +47,7 @@ from ..format.dcp.layout import (
     DATA_SUFFIX,
     WHOLE_LIMIT,
     StorageInfo,
+    auto_fanout,
     data_prefix,
     item_nbytes,
     layout_name,
@@ -132,12 +133,20 @@ class _Tap:
         """Nothing to flush: the sink uploads parts on its own schedule."""
 
 
+def _world_size() -> int:
+    """The job's ranks (1 without an initialized process group)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
     """Writes a DCP checkpoint under ``url`` (``s3://bucket/ckpt/step-100``, a path, ...).
 
     ``files_per_rank`` data objects are written concurrently by each rank (each one
     uploading ``write_concurrency`` parts at once); ``prefix_fanout`` spreads ranks'
-    objects over that many sub-prefixes; ``overwrite=False`` refuses a URL that
+    objects over that many sub-prefixes (default: one per 64 ranks, none up to 64:
+    ``format.dcp.layout.auto_fanout``); ``overwrite=False`` refuses a URL that
     already holds a committed checkpoint. Other keyword arguments are
     :class:`~cloudckpt.TransferOptions` fields (``part_size``, ``storage_options``...).
     """
@@ -147,13 +156,15 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         url: str | os.PathLike[str],
         *,
         files_per_rank: int = 1,
-        prefix_fanout: int = 1,
+        prefix_fanout: int | None = None,
         overwrite: bool = True,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
         for name, value in (("files_per_rank", files_per_rank), ("prefix_fanout", prefix_fanout)):
+            if value is None and name == "prefix_fanout":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         self.location = CheckpointLocation.resolve(url, options, **overrides)
@@ -200,15 +211,19 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         if not self.use_collectives and self.rank is not None:
             self._clear_marker(self._own_marker())
             return dataclasses.replace(
-                plan, storage_data=data_prefix(self.rank, self.prefix_fanout)
+                plan, storage_data=data_prefix(self.rank, self._fanout(_world_size()))
             )
         return plan
+
+    def _fanout(self, world_size: int) -> int:
+        return self.prefix_fanout if self.prefix_fanout is not None else auto_fanout(world_size)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: clear the old marker, then give each rank its object name prefix."""
         self._clear_marker(metadata_name())
+        fanout = self._fanout(len(plans))
         return [
-            dataclasses.replace(plan, storage_data=data_prefix(i, self.prefix_fanout))
+            dataclasses.replace(plan, storage_data=data_prefix(i, fanout))
             if not isinstance(plan.storage_data, str)
             else plan
             for i, plan in enumerate(plans)
@@ -219,7 +234,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         """Stream this rank's items into ``files_per_rank`` data objects, concurrently."""
         prefix = plan.storage_data
         if not isinstance(prefix, str):
-            prefix = data_prefix(self.rank or 0, self.prefix_fanout)
+            prefix = data_prefix(self.rank or 0, self._fanout(_world_size()))
         files = [
             (f"{prefix}{n}{DATA_SUFFIX}", bucket)
             for n, bucket in enumerate(split_items(plan.items, self.files_per_rank))

@@ -10,9 +10,11 @@ A checkpoint is a prefix holding
   rank's data objects have committed, so it is the commit marker: a prefix without it
   is never loadable.
 
-With ``prefix_fanout=N`` data objects sit under ``d00/`` ... ``d{N-1}/`` so that a
-store that partitions by key prefix (S3) spreads the load; ``relative_path`` carries
-the sub-prefix, so ``FileSystemReader`` still reads a downloaded copy.
+With ``prefix_fanout=N`` data objects sit under ``d00/`` ... ``d{N-1}/`` (rank ``r``
+under ``d{r % N}``) so that a store that partitions by key prefix (S3) spreads the
+load; the default is one sub-prefix per 64 ranks (:func:`auto_fanout`), none up to 64.
+``relative_path`` carries the sub-prefix, so ``FileSystemReader`` still reads a
+downloaded copy.
 """
 
 from __future__ import annotations
@@ -62,6 +64,17 @@ def layout_name(rank: int | None = None) -> str:
 def metadata_name(rank: int | None = None) -> str:
     """``.metadata``, or ``__{rank}.metadata`` when ranks save without collectives."""
     return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+#: Ranks whose data objects share one sub-prefix when the writer spreads them itself.
+RANKS_PER_PREFIX = 64
+
+
+def auto_fanout(world_size: int) -> int:
+    """Sub-prefixes for ``world_size`` ranks' data objects: one up to
+    :data:`RANKS_PER_PREFIX` ranks, then one per that many (1,024 ranks: 16), so no key
+    prefix takes more than 64 ranks' uploads (docs/scale.md has the arithmetic)."""
+    return max(1, -(-world_size // RANKS_PER_PREFIX))
 
 
 def data_prefix(rank: int, fanout: int) -> str:
