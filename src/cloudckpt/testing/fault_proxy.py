@@ -214,7 +214,7 @@ class FaultProxy:
             data = resp.read()
             with self._lock:
                 self.body_bytes[method] += len(data)
-            drop = ("connection", "transfer-encoding")
+            drop: tuple[str, ...] = ("connection", "transfer-encoding")
             if method != "HEAD":  # a HEAD answer's Content-Length describes the object
                 drop += ("content-length",)
             out = [(k, v) for k, v in resp.getheaders() if k.lower() not in drop]
