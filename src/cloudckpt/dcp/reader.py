@@ -23,17 +23,21 @@ block boundaries into small scratch buffers), chunks read whole by their CRC-32 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..engine.memview import writable_view
+from ..engine.share import agree, broadcast_views, group_rank, settle, share_group, split_even
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..format.dcp.archive import parse_archive
 from ..format.dcp.index import LayoutIndex, parse_index
@@ -49,6 +53,22 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint._extension import ExtensionRegistry
 
 __all__ = ["CloudStorageReader"]
+
+
+class _Recorder:
+    """A planner that keeps each tensor it is handed (``commit_tensor``), so a shared
+    load sends the bytes this rank read, whatever the planner does with them."""
+
+    def __init__(self, planner: LoadPlanner) -> None:
+        self._planner = planner
+        self.committed: dict[int, torch.Tensor] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        self.committed[id(read_item)] = tensor
+        self._planner.commit_tensor(read_item, tensor)
 
 
 class CloudStorageReader(LocatedCheckpoint, StorageReader):
@@ -79,12 +99,16 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         *,
         weights_only: bool = True,
         extension_registry: ExtensionRegistry | None = None,
+        share_reads: bool = True,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
         self.location = CheckpointLocation.resolve(url, options, **overrides)
         self.weights_only = weights_only
+        #: When every rank's plan is the same (a replicated state, a DDP resume), each
+        #: rank reads a share of the tensor data and the ranks exchange it.
+        self.share_reads = share_reads
         self.extension_registry = extension_registry
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[Any, Any] = {}
@@ -168,16 +192,94 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
 
     # -- data ----------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Fetch what ``plan`` needs, check it, and hand it to ``planner``."""
+        """Fetch what ``plan`` needs, check it, and hand it to ``planner``; when every
+        rank asks for the same items, each reads a share and they exchange them."""
+        group = self._share_group(plan)
+        if group is not None:
+            self._read_shared(plan, planner, group)
+        else:
+            self._read(plan, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _share_group(self, plan: LoadPlan) -> Any:
+        """The group to share this load over: only when collectives are in use and
+        every rank's plan names the same items the same way (a collective)."""
+        if not self.share_reads or not self.use_collectives:
+            return None
+        group = share_group()
+        if group is None:
+            return None
+        digest = hashlib.sha256(self.url.encode())
+        for item in plan.items:
+            i = item.storage_index
+            digest.update(
+                repr((item.type, i.fqn, i.offset, i.index, item.storage_offsets, item.lengths,
+                      item.dest_offsets)).encode()
+            )  # fmt: skip
+        return group if agree(group, digest.hexdigest()) else None
+
+    def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, group: Any) -> None:
+        """Each rank reads the tensor items of about 1/N of the data (whole archives,
+        contiguous in the checkpoint), byte items all; then every tensor goes from the
+        rank that read and checked it to the others (engine/share.py)."""
+        me, ranks = group_rank(group)
+        tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+        archives: dict[tuple[str, int], int] = {}
+        for item in sorted(tensors, key=self._place):
+            archives.setdefault(self._place(item), self._info(item).length)
+        owner_of = dict(zip(archives, split_even(list(archives.values()), ranks), strict=True))
+        owners = [owner_of[self._place(i)] for i in tensors]
+        mine = [i for i, o in zip(tensors, owners, strict=True) if o == me]
+        mine += [i for i in plan.items if i.type == LoadItemType.BYTE_IO]
+        error: BaseException | None = None
+        recorder = _Recorder(planner)
+        try:
+            self._read(dataclasses.replace(plan, items=mine), cast(LoadPlanner, recorder))
+        except Exception as exc:
+            error = exc
+        settle(group, error, f"the shared load of {self.url}")
+        views: list[tuple[int, memoryview]] = []
+        keep: list[torch.Tensor] = []  # every buffer a view points into, alive till sent
+        staged: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        for item, owner in zip(tensors, owners, strict=True):
+            if owner == me:  # what this rank read, as it handed it to the planner
+                buf = recorder.committed[id(item)]
+                if not (buf.is_contiguous() and buf.device.type == "cpu"):
+                    buf = buf.detach().cpu().contiguous()
+            else:  # where the planner wants it (a planner may hand out a scratch tensor)
+                target = planner.resolve_tensor(item)
+                buf = target
+                if not (target.is_contiguous() and target.device.type == "cpu"):
+                    buf = torch.empty(tuple(target.shape), dtype=target.dtype)
+                staged.append((item, target, buf))
+            keep.append(buf)
+            views.append((owner, writable_view(buf.data_ptr(), buf.nbytes)))
+        broadcast_views(group, views)
+        for item, target, buf in staged:
+            if buf is not target:
+                target.copy_(buf)
+            planner.commit_tensor(item, target)
+
+    def _info(self, item: Any) -> Any:
+        try:
+            return self.storage_data[item.storage_index]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"{self.url}: .metadata has no storage entry for {item.storage_index}"
+            ) from None
+
+    def _place(self, item: Any) -> tuple[str, int]:
+        info = self._info(item)
+        return (info.relative_path, info.offset)
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Fetch ``plan``'s items in two rounds, check them, hand them to ``planner``."""
         archives: dict[tuple[str, int], Archive] = {}
         extensions: dict[tuple[str, ...], tuple[Any, ...]] = {}
         for item in plan.items:
-            try:
-                info = self.storage_data[item.storage_index]
-            except KeyError:
-                raise CorruptCheckpointError(
-                    f"{self.url}: .metadata has no storage entry for {item.storage_index}"
-                ) from None
+            info = self._info(item)
             descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
             if descriptors not in extensions:
                 extensions[descriptors] = self._stream_extensions(
@@ -239,9 +341,6 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 )
                 s.target.copy_(src)
             planner.commit_tensor(s.item, s.target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
     def _stream_extensions(self, descriptors: Sequence[str], fqn: str) -> tuple[Any, ...]:
         """The stream extensions that decode a chunk written through ``descriptors``
