@@ -47,9 +47,14 @@ def worker(conn) -> None:  # runs in the spawned process
         msg = conn.recv()
         if msg is None:
             return
-        structure, storages, nbytes, url, opts = msg
+        structure, storages, parts, tensors, nbytes, url, opts = msg
         snap = Snapshot(
-            structure=structure, storages=storages, pinned=[False] * len(storages), nbytes=nbytes
+            structure=structure,
+            storages=storages,
+            pinned=[False] * len(storages),
+            parts=parts,
+            tensors=tensors,
+            nbytes=nbytes,
         )
         started = time.perf_counter()
         cloudckpt.save(snap.materialize(), url, storage_options=opts)
@@ -124,7 +129,17 @@ def main() -> None:
 
             t0 = time.perf_counter()
             snap = snapshot(state, pool)
-            parent.send((snap.structure, snap.storages, snap.nbytes, f"{base}/p{rep}.pt", opts))
+            parent.send(
+                (
+                    snap.structure,
+                    snap.storages,
+                    snap.parts,
+                    snap.tensors,
+                    snap.nbytes,
+                    f"{base}/p{rep}.pt",
+                    opts,
+                )
+            )
             stall["process"].append(time.perf_counter() - t0)
             steps, secs = train_while(model, opt, x, y, lambda: not parent.poll())
             parent.recv()

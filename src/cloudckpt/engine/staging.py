@@ -1,11 +1,26 @@
 """Snapshots for async save: the object's structure pickled now, tensor bytes copied now.
 
-``snapshot(obj)`` pickles ``obj`` in the caller's thread with a ``persistent_id`` that
-copies every tensor storage into a host buffer taken from a reusable pool (pinned
-memory, filled on a side CUDA stream, for CUDA tensors). The result is independent of
-the live object: training may mutate its tensors, dicts and scalars the moment
-``snapshot`` returns. ``Snapshot.materialize()`` rebuilds the object over the staged
-buffers (in the background), with views and shared storages exactly as they were.
+``snapshot(obj)`` pickles ``obj`` in the caller's thread and copies every tensor storage
+it references into host buffers taken from a reusable pool (pinned memory, filled on a
+side CUDA stream, for CUDA tensors). The result is independent of the live object:
+training may mutate its tensors, dicts and scalars the moment ``snapshot`` returns.
+``Snapshot.materialize()`` rebuilds the object over the staged buffers (in the
+background), with views and shared storages exactly as they were.
+
+The caller's thread pays per tensor, so that part is kept short (docs/async.md,
+"Many small tensors"):
+
+- a ``reducer_override`` reduces a plain CPU or CUDA tensor to ``(storage index,
+  offset, size, stride, requires_grad, dtype)`` itself; anything else (subclasses,
+  ``Parameter``, tensors with Python state or hooks, sparse, quantized, nested, other
+  devices) goes through torch's own ``__reduce_ex__``, whose storages come back here;
+- CPU storages of at most ``SMALL_MAX`` bytes are copied (one ``memmove`` each) into
+  shared slabs of ``SLAB_BYTES`` from the pool, not into a pool entry each; larger and
+  CUDA storages get a pool buffer each, as before.
+
+``materialize`` gives every staged storage a ``torch.UntypedStorage`` of its own, over its
+part of the slab (no copy; the part keeps the slab alive), so ``torch.save`` writes one
+record per original storage, as it would for the live object.
 
 Staged tensors are CPU tensors, so an async-saved archive records CPU as every
 storage's location (``map_location`` is not needed to load it on a CPU-only host).
@@ -13,16 +28,30 @@ storage's location (``map_location`` is not needed to load it on a CPU-only host
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import io
 import pickle
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["Snapshot", "StagingPool", "get_pool", "snapshot"]
+__all__ = ["SLAB_BYTES", "SMALL_MAX", "Snapshot", "StagingPool", "get_pool", "snapshot"]
+
+#: Size of one slab: the pool buffer that small CPU storages share.
+SLAB_BYTES = 4 << 20
+#: CPU storages up to this size are staged into slabs (at most 1/16 of a slab is lost
+#: at a slab's end); larger ones get a pool buffer of their own.
+SMALL_MAX = 256 << 10
+_ALIGN = 64  # each part of a slab starts on a 64-byte boundary, as torch's allocator does
+
+_memmove = ctypes.memmove
+_Tensor = torch.Tensor
+_strided = torch.strided
+_tensor_metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
 
 
 class StagingPool:
@@ -69,32 +98,113 @@ def get_pool() -> StagingPool:
     return _pool
 
 
+#: A staged tensor: (staged storage, storage offset, size, stride, requires_grad, dtype).
+_TensorLayout = tuple[int, Any, Any, tuple[int, ...], bool, torch.dtype]
+
+
+def _staged_tensor(*args: Any) -> Any:
+    """Placeholder named in a snapshot's structure; ``Snapshot.materialize`` resolves it."""
+    raise pickle.UnpicklingError("a staging snapshot is read by Snapshot.materialize() only")
+
+
+def _staged_storage(*args: Any) -> Any:
+    """Placeholder named in a snapshot's structure; ``Snapshot.materialize`` resolves it."""
+    raise pickle.UnpicklingError("a staging snapshot is read by Snapshot.materialize() only")
+
+
 @dataclass
 class Snapshot:
-    """A pickled structure plus the staged copies of its storages."""
+    """A pickled structure plus the staged copies of its storages.
+
+    ``storages`` are the pool buffers (``pinned`` says which are pinned): one per large or
+    CUDA storage, and the slabs the small CPU storages share. ``parts[i]`` says where
+    staged storage ``i`` (the index the structure names) lies: ``(buffer, offset,
+    nbytes)``, with ``offset == -1`` for a whole buffer of its own and ``buffer == -1``
+    for an empty storage. ``tensors[k]`` is the tensor the structure names ``k``: (staged
+    storage, storage offset, size, stride, requires_grad, dtype).
+    """
 
     structure: bytes
     storages: list[torch.UntypedStorage] = field(default_factory=list)
     pinned: list[bool] = field(default_factory=list)
+    parts: list[tuple[int, int, int]] = field(default_factory=list)
+    tensors: list[_TensorLayout] = field(default_factory=list)
     nbytes: int = 0
+
+    def staged_storages(self) -> list[torch.UntypedStorage]:
+        """One storage per staged storage, each over its own bytes (no copy)."""
+        slabs: dict[int, Any] = {}
+        out: list[torch.UntypedStorage] = []
+        for buffer, offset, nbytes in self.parts:
+            if buffer < 0:
+                out.append(torch.UntypedStorage(0))
+                continue
+            storage = self.storages[buffer]
+            if offset < 0:
+                out.append(storage)
+                continue
+            view = slabs.get(buffer)
+            if view is None:
+                # A ctypes array over the slab that holds the slab: every part made from it
+                # by frombuffer holds the array, so the slab outlives its parts.
+                view = (ctypes.c_uint8 * storage.nbytes()).from_address(storage.data_ptr())
+                view.owner = storage  # type: ignore[attr-defined]
+                slabs[buffer] = view
+            part = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)
+            out.append(part.untyped_storage())
+        return out
 
     def materialize(self) -> Any:
         """The object rebuilt over the staged buffers (views and sharing preserved)."""
-        storages = self.storages
+        storages = self.staged_storages()
+        new_dtypes = torch.storage._new_dtypes()
+        rebuild_v2 = torch._utils._rebuild_tensor_v2
+        rebuild_v3 = torch._utils._rebuild_tensor_v3
+        typed = torch.storage.TypedStorage
 
-        class _Loader(pickle.Unpickler):
-            def persistent_load(self, pid: Any) -> Any:
-                index, dtype = pid
-                return torch.storage.TypedStorage(
-                    wrap_storage=storages[index], dtype=dtype, _internal=True
+        def storage(index: int, dtype: torch.dtype) -> torch.storage.TypedStorage:
+            return typed(wrap_storage=storages[index], dtype=dtype, _internal=True)
+
+        def tensor(k: int) -> torch.Tensor:
+            index, offset, size, stride, requires_grad, dtype = self.tensors[k]
+            # What torch's own reduction of the live tensor would have rebuilt.
+            if dtype in new_dtypes:
+                return rebuild_v3(
+                    storage(index, torch.uint8),
+                    offset,
+                    size,
+                    stride,
+                    requires_grad,
+                    OrderedDict(),
+                    dtype,
                 )
+            return rebuild_v2(
+                storage(index, dtype), offset, size, stride, requires_grad, OrderedDict()
+            )
 
-        return _Loader(io.BytesIO(self.structure)).load()
+        placeholders = {"_staged_tensor": tensor, "_staged_storage": storage}
+        return _SnapshotLoader(self.structure, placeholders).load()
 
     def release(self, pool: StagingPool | None = None) -> None:
         """Return the buffers to the pool once the save no longer needs them."""
         (pool or _pool).give_back(self.storages, self.pinned)
-        self.storages, self.pinned = [], []
+        self.storages, self.pinned, self.parts, self.tensors = [], [], [], []
+
+
+class _SnapshotLoader(pickle.Unpickler):
+    """Unpickles a snapshot's structure, its placeholders resolved by ``placeholders``.
+
+    A module-level class: one defined inside ``materialize`` would be cyclic garbage
+    holding the snapshot (and its buffers) until the collector runs."""
+
+    def __init__(self, data: bytes, placeholders: dict[str, Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._placeholders = placeholders
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name in self._placeholders:
+            return self._placeholders[name]
+        return super().find_class(module, name)
 
 
 class _StagingPickler(pickle.Pickler):
@@ -103,39 +213,115 @@ class _StagingPickler(pickle.Pickler):
         self.pool = pool
         self.snap = snap
         self.index: dict[int, int] = {}
+        self.tensors = snap.tensors
         self.stream: Any = None
+        self.slab = -1  # index in snap.storages of the slab being filled
+        self.slab_address = 0
+        self.slab_used = SLAB_BYTES
 
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
+        # Called for every object that is not a builtin container or scalar: the common
+        # case (a plain dense CPU or CUDA tensor) comes first and stays short, the copy of
+        # a small CPU storage inlined (this runs once per tensor while training waits).
+        if type(obj) is _Tensor:
+            cpu = obj.is_cpu
+            if not (
+                (cpu or obj.is_cuda)
+                and obj.layout is _strided
+                and not obj.is_quantized
+                and not obj.is_nested
+                and not obj._backward_hooks  # torch warns about those: let it
+                and not obj.__dict__
+                and not _tensor_metadata(obj)  # conj / neg bits
+            ):
+                return NotImplemented  # torch's reduction; its storages come back below
+            storage = obj.untyped_storage()
+            index = self.index.get(storage._cdata)
+            if index is None:
+                nbytes = storage.nbytes()
+                if cpu and 0 < nbytes <= SMALL_MAX:
+                    snap = self.snap
+                    offset = self.slab_used
+                    if offset + nbytes > SLAB_BYTES:
+                        offset = self._new_slab()
+                    _memmove(self.slab_address + offset, storage.data_ptr(), nbytes)
+                    self.slab_used = (offset + nbytes + _ALIGN - 1) & -_ALIGN
+                    snap.parts.append((self.slab, offset, nbytes))
+                    snap.nbytes += nbytes
+                    index = self.index[storage._cdata] = len(snap.parts) - 1
+                else:
+                    index = self._stage(storage, "cpu" if cpu else "cuda")
+            # The tensor's layout is kept aside, not pickled (fewer objects through the
+            # pickler); the structure names its position.
+            tensors = self.tensors
+            tensors.append(
+                (
+                    index,
+                    obj.storage_offset(),
+                    obj.size(),
+                    obj.stride(),
+                    obj.requires_grad,
+                    obj.dtype,
+                )
+            )
+            return _staged_tensor, (len(tensors) - 1,)
         if isinstance(obj, torch.storage.TypedStorage):
             dtype, storage = obj.dtype, obj._untyped_storage
         elif isinstance(obj, torch.UntypedStorage):
             dtype, storage = torch.uint8, obj
         else:
-            return None
+            return NotImplemented
         index = self.index.get(storage._cdata)
         if index is None:
-            index = self.index[storage._cdata] = self._stage(storage)
-        return (index, dtype)
+            index = self._stage(storage, storage.device.type)
+        return _staged_storage, (index, dtype)
 
-    def _stage(self, storage: torch.UntypedStorage) -> int:
-        device = storage.device.type
-        if device == "cpu" or device == "cuda":
-            pinned = device == "cuda"
-            copy = self.pool.take(storage.nbytes(), pinned)
-            if pinned:
-                if self.stream is None:
-                    self.stream = torch.cuda.Stream()
-                    self.stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self.stream):
-                    copy.copy_(storage, non_blocking=True)
-            else:
-                copy.copy_(storage)
-        else:  # other devices (mps, xla, ...): a plain synchronous copy to host
-            copy, pinned = storage.cpu(), False
-        self.snap.storages.append(copy)
-        self.snap.pinned.append(pinned and device == "cuda")
-        self.snap.nbytes += storage.nbytes()
-        return len(self.snap.storages) - 1
+    def _stage(self, storage: torch.UntypedStorage, device: str) -> int:
+        nbytes = storage.nbytes()
+        snap = self.snap
+        if device == "cpu" and nbytes <= SMALL_MAX:
+            part = self._stage_small(storage, nbytes)
+        else:
+            if device == "cpu" or device == "cuda":
+                pinned = device == "cuda"
+                copy = self.pool.take(nbytes, pinned)
+                if pinned:
+                    if self.stream is None:
+                        self.stream = torch.cuda.Stream()
+                        self.stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(self.stream):
+                        copy.copy_(storage, non_blocking=True)
+                else:
+                    copy.copy_(storage)
+            else:  # other devices (mps, xla, ...): a plain synchronous copy to host
+                copy, pinned = storage.cpu(), False
+            snap.storages.append(copy)
+            snap.pinned.append(pinned)
+            part = (len(snap.storages) - 1, -1, nbytes)
+        snap.parts.append(part)
+        snap.nbytes += nbytes
+        index = self.index[storage._cdata] = len(snap.parts) - 1
+        return index
+
+    def _stage_small(self, storage: torch.UntypedStorage, nbytes: int) -> tuple[int, int, int]:
+        """Copy a small CPU storage into the current slab (a new one when it is full)."""
+        if nbytes == 0:
+            return (-1, 0, 0)
+        offset = self.slab_used
+        if offset + nbytes > SLAB_BYTES:
+            offset = self._new_slab()
+        _memmove(self.slab_address + offset, storage.data_ptr(), nbytes)
+        self.slab_used = (offset + nbytes + _ALIGN - 1) & -_ALIGN
+        return (self.slab, offset, nbytes)
+
+    def _new_slab(self) -> int:
+        """Take a slab from the pool and make it the current one; returns offset 0."""
+        slab = self.pool.take(SLAB_BYTES, False)
+        self.snap.storages.append(slab)
+        self.snap.pinned.append(False)
+        self.slab, self.slab_address = len(self.snap.storages) - 1, slab.data_ptr()
+        self.slab_used = 0
+        return 0
 
 
 def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
@@ -148,6 +334,11 @@ def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
     buf = io.BytesIO()
     snap = Snapshot(structure=b"")
     pickler = _StagingPickler(buf, pool, snap)
+    # The pickler allocates a few small tuples per tensor; with thousands of tensors those
+    # trigger cyclic collections that walk the whole heap (the state included), which cost
+    # more than the copies. Nothing here makes cycles: collect later, not while training waits.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         pickler.dump(obj)
         if pickler.stream is not None:
@@ -155,5 +346,8 @@ def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
     except BaseException:
         snap.release(pool)
         raise
+    finally:
+        if collecting:
+            gc.enable()
     snap.structure = buf.getvalue()
     return snap
