@@ -100,8 +100,10 @@ def test_a_rank_stuck_past_the_deadline_fails_every_rank(rclone_server: Any) -> 
     def rank_1_data(method: str, target: str) -> bool:
         return _parts(method, target) and "__1_0.distcp" in target
 
+    # The stall outlasts the deadline's bound (3 + 10 s), then ends: a rank's process
+    # exits only once its abandoned request has (it holds one of the I/O threads).
     with FaultProxy(
-        rclone_server.endpoint_url, rate=1.0, kinds=("slow",), slow_seconds=60.0,
+        rclone_server.endpoint_url, rate=1.0, kinds=("slow",), slow_seconds=DEADLINE + 12,
         match=rank_1_data,
     ) as proxy:  # fmt: skip
         so = {**rclone_server.storage_options(), "endpoint_url": proxy.url}
