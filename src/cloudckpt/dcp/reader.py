@@ -24,7 +24,6 @@ block boundaries into small scratch buffers), chunks read whole by their CRC-32 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import uuid
 from collections.abc import Sequence
@@ -37,7 +36,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..engine.memview import writable_view
-from ..engine.share import agree, broadcast_views, group_rank, settle, share_group, split_even
+from ..engine.share import (
+    broadcast_views,
+    group_rank,
+    settle,
+    share_group,
+    share_group_size,
+    split_even,
+)
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..format.dcp.archive import parse_archive
 from ..format.dcp.index import LayoutIndex, parse_index
@@ -52,7 +58,10 @@ from .slices import HEAD_PROBE, TAIL_PROBE, Archive, Slice, SliceReader, read_wh
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._extension import ExtensionRegistry
 
-__all__ = ["CloudStorageReader"]
+__all__ = ["SHARED_READ", "CloudStorageReader", "MetadataOnceReader"]
+
+#: ``LoadPlan.storage_data`` of plans the coordinator marked for a shared read.
+SHARED_READ = "cloudckpt:shared-read"
 
 
 class _Recorder:
@@ -187,14 +196,26 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """No storage-specific planning."""
+        """Coordinator: mark the plans for a shared read when every rank of the job asks
+        for the same items (a replicated state, a DDP resume). Decided here, from the
+        plans DCP already gathered, so it costs no collective of its own, and only when
+        the load spans the whole world (the gloo group it shares over)."""
+        if self._shareable(plans):
+            return [dataclasses.replace(p, storage_data=SHARED_READ) for p in plans]
         return plans
 
-    # -- data ----------------------------------------------------------------------------
+    def _shareable(self, plans: list[LoadPlan]) -> bool:
+        if not self.share_reads or len(plans) < 2 or share_group_size() != len(plans):
+            return False
+        first = plans[0]
+        return all(
+            p.storage_data is None and len(p.items) == len(first.items) for p in plans
+        ) and all(p.items == first.items for p in plans[1:])
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Fetch what ``plan`` needs, check it, and hand it to ``planner``; when every
-        rank asks for the same items, each reads a share and they exchange them."""
-        group = self._share_group(plan)
+        """Fetch what ``plan`` needs, check it, and hand it to ``planner``; a plan the
+        coordinator marked shared is read a share per rank and exchanged."""
+        group = share_group() if plan.storage_data == SHARED_READ else None
         if group is not None:
             self._read_shared(plan, planner, group)
         else:
@@ -202,23 +223,6 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
-
-    def _share_group(self, plan: LoadPlan) -> Any:
-        """The group to share this load over: only when collectives are in use and
-        every rank's plan names the same items the same way (a collective)."""
-        if not self.share_reads or not self.use_collectives:
-            return None
-        group = share_group()
-        if group is None:
-            return None
-        digest = hashlib.sha256(self.url.encode())
-        for item in plan.items:
-            i = item.storage_index
-            digest.update(
-                repr((item.type, i.fqn, i.offset, i.index, item.storage_offsets, item.lengths,
-                      item.dest_offsets)).encode()
-            )  # fmt: skip
-        return group if agree(group, digest.hexdigest()) else None
 
     def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, group: Any) -> None:
         """Each rank reads the tensor items of about 1/N of the data (whole archives,
@@ -410,3 +414,16 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         fetcher.run()
         self.last_read_requests += fetcher.requests
         self.last_read_bytes += fetcher.bytes
+
+
+class MetadataOnceReader(CloudStorageReader):
+    """A reader for several loads of one checkpoint (an export's batches, megatron's
+    steps): ``.metadata`` and its layout index are read by the first load only."""
+
+    _commit: tuple[Metadata, Any] | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._commit is None:
+            self._commit = (super().read_metadata(*args, **kwargs), self._read_with)
+        metadata, self._read_with = self._commit
+        return metadata

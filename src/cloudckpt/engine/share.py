@@ -33,6 +33,7 @@ __all__ = [
     "group_rank",
     "settle",
     "share_group",
+    "share_group_size",
     "split_even",
 ]
 
@@ -49,6 +50,14 @@ def share_group(process_group: Any = None) -> Any | None:
     if dist.get_world_size(process_group) < 2:
         return None
     return checkpoint_group(process_group)
+
+
+def share_group_size() -> int:
+    """The ranks :func:`share_group` would share over (1: nobody to share with); no
+    collective, so a coordinator may ask alone."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size())
 
 
 def group_rank(group: Any) -> tuple[int, int]:
