@@ -63,7 +63,7 @@ from ..format.safetensors import (
 from ..options import MiB, TransferOptions
 from ..store import Store, join_key, open_target, split_url
 from .commit_read import save_id_of
-from .reader import CloudStorageReader
+from .reader import CloudStorageReader, MetadataOnceReader
 
 __all__ = ["SOURCE_KEY", "ExportResult", "export_safetensors", "parse_dtype"]
 
@@ -123,18 +123,6 @@ class _Tensor:
         for d in self.shape:
             n *= d
         return n
-
-
-class _Reader(CloudStorageReader):
-    """A reader that reads ``.metadata`` (and the layout index) once for many loads."""
-
-    _commit: tuple[Metadata, Any] | None = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._commit is None:
-            self._commit = (super().read_metadata(*args, **kwargs), self._read_with)
-        metadata, self._read_with = self._commit
-        return metadata
 
 
 def parse_dtype(value: torch.dtype | str) -> torch.dtype:
@@ -319,7 +307,7 @@ def export_safetensors(
         if source_options is None
         else (source_options, overrides)
     )
-    reader = _Reader(source, options=src_options, **src_overrides)
+    reader = MetadataOnceReader(source, options=src_options, **src_overrides)
     checkpoint = reader.read_metadata()
     where = open_target(url, options, **_shared(url, None, overrides)[1])
     store, opts = where.store, where.options

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from ..dcp.location import CheckpointLocation
-from ..dcp.reader import CloudStorageReader
+from ..dcp.reader import MetadataOnceReader
 from ..engine.load import load as load_object
 from ..errors import BucketNotFoundError, NotFoundError
 from ..options import TransferOptions
@@ -29,17 +29,6 @@ __all__ = [
     "load_sharded_metadata",
     "load_tensors_metadata",
 ]
-
-
-class _MetadataOnce(CloudStorageReader):
-    """A reader that fetches ``.metadata`` once: megatron's strategy asks for it again."""
-
-    _metadata: Any = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
 
 
 def _committed(url: str | os.PathLike[str], options: Any, overrides: dict[str, Any]) -> Any:
@@ -115,8 +104,8 @@ def load_content_metadata(
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 
-def _reader(where: CheckpointLocation, weights_only: bool) -> _MetadataOnce:
-    return _MetadataOnce(where.url, weights_only=weights_only, options=where.options)
+def _reader(where: CheckpointLocation, weights_only: bool) -> MetadataOnceReader:
+    return MetadataOnceReader(where.url, weights_only=weights_only, options=where.options)
 
 
 def load_tensors_metadata(
