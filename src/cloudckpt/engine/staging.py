@@ -238,19 +238,7 @@ class _StagingPickler(pickle.Pickler):
             storage = obj.untyped_storage()
             index = self.index.get(storage._cdata)
             if index is None:
-                nbytes = storage.nbytes()
-                if cpu and 0 < nbytes <= SMALL_MAX:
-                    snap = self.snap
-                    offset = self.slab_used
-                    if offset + nbytes > SLAB_BYTES:
-                        offset = self._new_slab()
-                    _memmove(self.slab_address + offset, storage.data_ptr(), nbytes)
-                    self.slab_used = (offset + nbytes + _ALIGN - 1) & -_ALIGN
-                    snap.parts.append((self.slab, offset, nbytes))
-                    snap.nbytes += nbytes
-                    index = self.index[storage._cdata] = len(snap.parts) - 1
-                else:
-                    index = self._stage(storage, "cpu" if cpu else "cuda")
+                index = self._stage(storage, "cpu" if cpu else "cuda")
             # The tensor's layout is kept aside, not pickled (fewer objects through the
             # pickler); the structure names its position.
             tensors = self.tensors
