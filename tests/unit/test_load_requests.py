@@ -76,3 +76,33 @@ def test_verify_reads_small_records_together_and_streams_large_ones(tmp_path):
     (tmp_path / "v.pt").write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="data/"):
         verify_archive(store, "v.pt", opts)
+
+
+def test_small_records_between_large_ones_load_exactly_and_each_is_checked(tmp_path, counting):
+    """Small records are read in batches and copied out; each keeps its own CRC-32."""
+    from cloudckpt.errors import ChecksumError
+
+    sizes = [1, 300_000, 4, 65_536, 65_537, 0, 600_000, 7, 8, 9, 250_000, 3]
+    state = {f"t{i}": torch.randn(n) for i, n in enumerate(sizes)}
+    path = tmp_path / "mixed.pt"
+    cloudckpt.save(state, path)
+    out = cloudckpt.load("mixed.pt")
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    partial = cloudckpt.load("mixed.pt", keys=["t2", "t9", "t6"])
+    assert set(partial) == {"t2", "t9", "t6"} and torch.equal(partial["t9"], state["t9"])
+
+    # Flip a byte of the record holding t8, a small record in the middle of a batch.
+    import zipfile
+
+    raw = bytearray(path.read_bytes())
+    wanted = state["t8"].numpy().tobytes()
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename and zf.read(i) == wanted)
+    name_len, extra_len = (
+        int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little"),
+    )
+    raw[info.header_offset + 30 + name_len + extra_len + 5] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match=info.filename):
+        cloudckpt.load("mixed.pt")

@@ -159,6 +159,63 @@ def _read_record(reader: RangeReader, plan: _Plan, entry: Entry, dest: memoryvie
     reader.add(plan.key, entry.header_offset, [header, dest], check)
 
 
+#: Records of at most this many bytes are read with their neighbours into one buffer
+#: and copied out of it into their storages: one request, one receive loop and one
+#: check pass for hundreds of them. Larger records are read straight into their storage.
+SMALL_RECORD = 256 * 1024
+#: A buffer of small records spans at most this many bytes (the reader still joins
+#: neighbouring buffers into reads of up to ``read_chunk_size``).
+BATCH_BYTES = 4 * 1024 * 1024
+#: Small records this far apart or more are not batched together (torch aligns records
+#: with padding inside the header, so neighbours normally touch).
+BATCH_GAP = 64 * 1024
+
+
+class _RecordReads:
+    """Adds the reads of records to a reader, large ones straight into their storage and
+    runs of small neighbours into one buffer (call :meth:`flush` before ``run``)."""
+
+    def __init__(self, reader: RangeReader, plan: _Plan) -> None:
+        self._reader = reader
+        self._plan = plan
+        self._batch: list[tuple[Entry, memoryview]] = []
+        self._start = self._end = 0
+
+    def add(self, entry: Entry, dest: memoryview) -> None:
+        if entry.size > SMALL_RECORD or entry.local_header_size < 0:
+            _read_record(self._reader, self._plan, entry, dest)
+            return
+        start = entry.header_offset
+        gap = min(BATCH_GAP, self._reader.options.read_gap)
+        if self._batch and not (
+            0 <= start - self._end <= gap and entry.end - self._start <= BATCH_BYTES
+        ):
+            self.flush()
+        if not self._batch:
+            self._start = start
+        self._batch.append((entry, dest))
+        self._end = entry.end
+
+    def flush(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        buffer = memoryview(bytearray(self._end - self._start))
+        check = functools.partial(_copy_checked, self._plan, batch, buffer, self._start)
+        self._reader.add(self._plan.key, self._start, buffer, check)
+
+
+def _copy_checked(
+    plan: _Plan, batch: list[tuple[Entry, memoryview]], buffer: memoryview, start: int
+) -> None:
+    """Copy each record of a batch read into its storage, and check it there."""
+    for entry, dest in batch:
+        at = entry.header_offset - start
+        data = at + entry.local_header_size
+        dest[:] = buffer[data : data + entry.size]
+        _checked(plan, entry, buffer[at:data], dest)
+
+
 def _small_records(plan: _Plan, options: TransferOptions) -> dict[str, memoryview]:
     """``data.pkl`` and ``byteorder``, checked: from the tail already read if they are in
     it, else in one more request."""
@@ -243,14 +300,16 @@ def _fetch(
     """Unpickle the structure and fill every storage it needs, in parallel, checked;
     without ``keys`` each read starts as soon as unpickling meets its storage."""
     with RangeReader(plan.store, options, stream=True, advance=advance) as reader:
+        records = _RecordReads(reader, plan)
 
         def read_now(entry: Entry, storage: torch.UntypedStorage) -> None:
-            _read_record(reader, plan, entry, _storage_view(storage))
+            records.add(entry, _storage_view(storage))
 
         fetched = _structure(plan, options, weights_only, keys, read_now if keys is None else None)
         if keys is not None:
-            for k in sorted(fetched.storages):
-                _read_record(reader, plan, _record(plan, k), _storage_view(fetched.storages[k]))
+            for k in sorted(fetched.storages, key=lambda k: _record(plan, k).header_offset):
+                records.add(_record(plan, k), _storage_view(fetched.storages[k]))
+        records.flush()
         reader.run()
     return fetched
 
@@ -278,9 +337,11 @@ def _fetch_shared(
         owners = split_even([e.size for e, _ in found], ranks)
         items = [(o, _storage_view(st)) for o, (_, st) in zip(owners, found, strict=True)]
         with RangeReader(plan.store, options, stream=True, advance=advance) as reader:
-            for owner, (entry, storage) in zip(owners, found, strict=True):
+            records = _RecordReads(reader, plan)
+            for (owner, view), (entry, _storage) in zip(items, found, strict=True):
                 if owner == me:
-                    _read_record(reader, plan, entry, _storage_view(storage))
+                    records.add(entry, view)
+            records.flush()
             reader.run()
     except Exception as exc:
         error = exc

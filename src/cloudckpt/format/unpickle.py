@@ -1,9 +1,18 @@
 """Unpickling a ``torch.save`` archive's ``data.pkl`` with our own storage loader.
 
-``weights_only=True`` (the default, as in ``torch.load``) uses torch's restricted
-unpickler, which only builds tensors, containers and allow-listed globals; anything
-else raises :class:`~cloudckpt.errors.UnsafeCheckpointError`. ``weights_only=False``
-is an explicit opt-in to full pickle for trusted files.
+``weights_only=True`` (the default, as in ``torch.load``) allows exactly the globals
+torch's weights-only loader allows (its built-in list and what the user added with
+``torch.serialization.add_safe_globals`` / ``safe_globals``); any other global raises
+:class:`~cloudckpt.errors.UnsafeCheckpointError` with torch's message. It runs that
+allow-list as the ``find_class`` of the C unpickler rather than through torch's
+pure-Python one: every global a pickle can reach, and so every callable ``REDUCE``,
+``NEWOBJ`` or ``BUILD`` can run, comes through ``find_class`` (docs/security.md says
+what that does and does not cover). ``weights_only=False`` is an explicit opt-in to
+full pickle for trusted files.
+
+Plain CPU tensors are rebuilt by :func:`_rebuild_tensor_v2`, which does what
+``torch._utils._rebuild_tensor_v2`` does without its per-tensor fake-mode lookup (made
+once per load instead); everything else goes through torch's own rebuild functions.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import io
 import pickle
 import struct
 import warnings
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +97,130 @@ def _refused(url: str, exc: BaseException) -> UnsafeCheckpointError:
     )
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global the weights-only allow-list does not hold."""
+
+
+class _TorchUnpicklerNeeded(Exception):
+    """A global whose weights-only handling only torch's own unpickler has."""
+
+
+#: Globals torch's weights-only unpickler treats specially (legacy sparse tensor
+#: classes, which it records for validation): the load falls back to that unpickler.
+def _needs_torch(full_path: str, found: Any) -> bool:
+    return found in torch._tensor_classes and "sparse" in full_path
+
+
+def _unsupported(module: str, name: str) -> _Refused:
+    """The error torch's weights-only unpickler raises for a global it does not allow."""
+    full_path = f"{module}.{name}"
+    if full_path.startswith(("torch.nested._internal.", "torch._dynamo.decorators._DimRange")):
+        return _Refused(
+            "``torch.nested`` and ``torch._dynamo`` must be imported to load nested jagged "
+            "tensors (NJTs)"
+        )
+    if full_path.startswith("torch.distributed.") and (
+        "tensor" in full_path or "device_mesh" in full_path
+    ):
+        return _Refused("``torch.distributed.tensor`` must be imported to load DTensors")
+    shown = name if module == "builtins" else full_path
+    return _Refused(
+        f"Unsupported global: GLOBAL {shown} was not an allowed global by default. Please "
+        f"use `torch.serialization.add_safe_globals([{shown}])` or the "
+        f"`torch.serialization.safe_globals([{shown}])` context manager to allowlist this "
+        "global if you trust this class/function."
+    )
+
+
+def _rebuild_tensor_v2(
+    storage: Any,
+    storage_offset: int,
+    size: Any,
+    stride: Any,
+    requires_grad: bool,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2`` for CPU storages with no fake mode active."""
+    if type(storage) is not torch.storage.TypedStorage:
+        return _torch_rebuild_v2(
+            storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
+        )
+    untyped = storage._untyped_storage
+    if untyped.device.type != "cpu":
+        return _torch_rebuild_v2(
+            storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
+        )
+    tensor = torch.empty((0,), dtype=storage.dtype).set_(untyped, storage_offset, size, stride)
+    if requires_grad:
+        tensor.requires_grad = True
+    if metadata:
+        torch._utils.set_tensor_metadata(tensor, metadata)
+    tensor._backward_hooks = backward_hooks
+    return tensor
+
+
+_torch_rebuild_v2 = torch._utils._rebuild_tensor_v2
+
+
+def _allowed_globals() -> dict[str, Any] | None:
+    """What torch's weights-only loader allows right now (its list, then the user's),
+    or None where this torch does not expose them (then torch's unpickler is used)."""
+    try:
+        from torch import _weights_only_unpickler as wo
+
+        allowed = dict(wo._get_allowed_globals())
+        allowed.update(wo._get_user_allowed_globals())
+        blocked = tuple(getattr(wo, "_blocklisted_modules", ()))
+    except (ImportError, AttributeError):
+        return None
+    for module in blocked:
+        for path in [p for p in allowed if p.split(".", 1)[0] == module]:
+            del allowed[path]
+    if allowed.get("torch._utils._rebuild_tensor_v2") is _torch_rebuild_v2:
+        from torch._guards import detect_fake_mode
+
+        if detect_fake_mode(None) is None:
+            allowed["torch._utils._rebuild_tensor_v2"] = _rebuild_tensor_v2
+    return allowed
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """The C unpickler, with ``find_class`` limited to the weights-only allow-list."""
+
+    def __init__(self, file: Any, allowed: dict[str, Any], *, encoding: str) -> None:
+        super().__init__(file, encoding=encoding)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Python 2 names, as torch's unpickler maps them (torch.save writes protocol 2,
+        # so ``builtins.set`` is stored as ``__builtin__.set``).
+        if (module, name) in NAME_MAPPING:
+            module, name = NAME_MAPPING[(module, name)]
+        elif module in IMPORT_MAPPING:
+            module = IMPORT_MAPPING[module]
+        full_path = f"{module}.{name}"
+        found = self._allowed.get(full_path)
+        if found is None:
+            raise _unsupported(module, name)
+        if _needs_torch(full_path, found):
+            raise _TorchUnpicklerNeeded(full_path)
+        return found
+
+
+def _unpickler(
+    data: bytes | bytearray | memoryview, weights_only: bool, allowed: dict[str, Any] | None
+) -> Any:
+    stream = io.BytesIO(data)
+    if not weights_only:
+        return _FullUnpickler(stream, encoding="utf-8")
+    if allowed is not None:
+        return _AllowListUnpickler(stream, allowed, encoding="utf-8")
+    from torch import _weights_only_unpickler
+
+    return _weights_only_unpickler.Unpickler(stream, encoding="utf-8")
+
+
 def unpickle(
     data: bytes | bytearray | memoryview,
     persistent_load: Callable[[Any], Any],
@@ -94,19 +228,29 @@ def unpickle(
     weights_only: bool,
     url: str,
 ) -> Any:
-    """Run the unpickler over ``data`` with ``persistent_load`` supplying storages."""
-    stream = io.BytesIO(data)
-    if weights_only:
-        from torch import _weights_only_unpickler
+    """Run the unpickler over ``data`` with ``persistent_load`` supplying storages
+    (``persistent_load`` must return the same object when asked for a storage again:
+    a pickle torch's own unpickler must handle is read a second time by it)."""
+    allowed = _allowed_globals() if weights_only else None
+    try:
+        return _run(_unpickler(data, weights_only, allowed), persistent_load, weights_only, url)
+    except _TorchUnpicklerNeeded:
+        return _run(_unpickler(data, weights_only, None), persistent_load, weights_only, url)
 
-        unpickler: Any = _weights_only_unpickler.Unpickler(stream, encoding="utf-8")
-    else:
-        unpickler = _FullUnpickler(stream, encoding="utf-8")
+
+def _run(
+    unpickler: Any, persistent_load: Callable[[Any], Any], weights_only: bool, url: str
+) -> Any:
     unpickler.persistent_load = persistent_load
     try:
         result = unpickler.load()
+    except _TorchUnpicklerNeeded:
+        raise
     except pickle.UnpicklingError as exc:
-        if not weights_only or isinstance(exc, UnsafeCheckpointError):
+        # The C unpickler's own errors are damage; torch's unpickler raises the same
+        # class for a refused global and for damage alike, and is taken at its word.
+        damaged = isinstance(unpickler, _AllowListUnpickler) and not isinstance(exc, _Refused)
+        if not weights_only or damaged or isinstance(exc, UnsafeCheckpointError):
             raise CorruptCheckpointError(f"{url}: data.pkl cannot be unpickled: {exc}") from exc
         raise _refused(url, exc) from exc
     except RuntimeError as exc:
@@ -115,7 +259,9 @@ def unpickle(
         if not weights_only or isinstance(exc, CloudCkptError):
             raise
         raise _refused(url, exc) from exc
-    except (EOFError, ValueError, IndexError, struct.error) as exc:
+    except (EOFError, ValueError, IndexError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{url}: data.pkl is damaged: {exc}") from exc
+    except (OverflowError, struct.error) as exc:
         raise CorruptCheckpointError(f"{url}: data.pkl is damaged: {exc}") from exc
     torch._utils._validate_loaded_sparse_tensors()
     return result
