@@ -8,7 +8,10 @@ DCP calls it in this order (from ``dcp.load``)::
     2) all ranks    set_up_storage_reader(metadata, is_coordinator)
     3) all ranks    prepare_local_plan(plan)
     4) coordinator  prepare_global_plan(plans)
-    5) all ranks    read_data(plan, planner)
+    5) all ranks    read_data(plan, planner)      a plan marked SharedRead: first every
+                                                  rank makes the gloo groups of the
+                                                  partition (engine/groups.py), then each
+                                                  part reads once and shares
 
 ``read_data`` reads only the bytes this rank needs, in two rounds of coalesced,
 concurrent ranged reads: first small archives whole plus the head and tail of each
@@ -31,16 +34,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..engine.groups import group_ranks
 from ..engine.memview import writable_view
 from ..engine.share import (
     broadcast_views,
     group_rank,
+    part_group,
     settle,
-    share_group,
     share_group_size,
     split_even,
 )
@@ -58,10 +62,23 @@ from .slices import HEAD_PROBE, TAIL_PROBE, Archive, Slice, SliceReader, read_wh
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._extension import ExtensionRegistry
 
-__all__ = ["SHARED_READ", "CloudStorageReader", "MetadataOnceReader"]
+__all__ = ["CloudStorageReader", "MetadataOnceReader", "SharedRead"]
 
-#: ``LoadPlan.storage_data`` of plans the coordinator marked for a shared read.
-SHARED_READ = "cloudckpt:shared-read"
+
+@dataclasses.dataclass(frozen=True)
+class SharedRead:
+    """``LoadPlan.storage_data`` of the plans the coordinator marked for a shared read.
+
+    ``parts`` partitions the world's ranks (each part ascending, parts in order of their
+    first rank) by plan: the ranks of a part asked for the same items (the data-parallel
+    replicas of one model-parallel shard; the whole world in a DDP resume) and read them
+    once between them; a part of one rank reads alone. Every rank's plan carries the
+    whole partition, not only its own part, because every rank makes every part's group
+    (:func:`cloudckpt.engine.groups.partition_group`): ``new_group`` is a collective on
+    the world. A few bytes a rank in each plan sent (3 to 5 KiB a plan at 1,024 ranks).
+    """
+
+    parts: tuple[tuple[int, ...], ...]
 
 
 class _Recorder:
@@ -115,8 +132,10 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         super().__init__()
         self.location = CheckpointLocation.resolve(url, options, **overrides)
         self.weights_only = weights_only
-        #: When every rank's plan is the same (a replicated state, a DDP resume), each
-        #: rank reads a share of the tensor data and the ranks exchange it.
+        #: When ranks' plans are the same (a replicated state, a DDP resume: every
+        #: rank; the data-parallel replicas of each model-parallel shard: each group of
+        #: them), each rank of a group reads a share of the tensor data and the group
+        #: exchanges it.
         self.share_reads = share_reads
         self.extension_registry = extension_registry
         self.load_id = str(uuid.uuid4())
@@ -132,6 +151,9 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         #: Requests and bytes of the last ``read_data`` (both rounds).
         self.last_read_requests = 0
         self.last_read_bytes = 0
+        #: The global ranks the last ``read_data`` shared with (this one among them), or
+        #: () where it read alone.
+        self.last_shared_with: tuple[int, ...] = ()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, from ``checkpoint_id`` when given."""
@@ -196,26 +218,49 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Coordinator: mark the plans for a shared read when every rank of the job asks
-        for the same items (a replicated state, a DDP resume). Decided here, from the
-        plans DCP already gathered, so it costs no collective of its own, and only when
-        the load spans the whole world (the gloo group it shares over)."""
-        if self._shareable(plans):
-            return [dataclasses.replace(p, storage_data=SHARED_READ) for p in plans]
-        return plans
+        """Coordinator: when two or more ranks ask for the same items, mark every plan
+        :class:`SharedRead` with the ranks grouped by plan (a DDP resume: one group of
+        all; tensor or pipeline parallel x data parallel, HSDP: one group per shard, of
+        its replicas). Decided here, from the plans DCP already gathered, so it costs no
+        collective of its own, and only when the load spans the whole world (whose ranks
+        all make the groups, in read_data)."""
+        parts = self._partition(plans)
+        if parts is None:
+            return plans
+        mark = SharedRead(parts)
+        return [dataclasses.replace(p, storage_data=mark) for p in plans]
 
-    def _shareable(self, plans: list[LoadPlan]) -> bool:
+    def _partition(self, plans: list[LoadPlan]) -> tuple[tuple[int, ...], ...] | None:
+        """The ranks grouped by equal plans (the same read items, in the same order), or
+        None where no two ranks share: sharing is off, the load spans fewer ranks than
+        the world, a plan carries storage data already, or no two plans are equal with a
+        tensor to read. A plan's index is its rank: a group of the world's size is the
+        world, ranks in order."""
         if not self.share_reads or len(plans) < 2 or share_group_size() != len(plans):
-            return False
-        first = plans[0]
-        return all(
-            p.storage_data is None and len(p.items) == len(first.items) for p in plans
-        ) and all(p.items == first.items for p in plans[1:])
+            return None
+        if any(p.storage_data is not None for p in plans):
+            return None
+        by_items: dict[tuple[ReadItem, ...], list[int]] = {}
+        for rank, p in enumerate(plans):
+            by_items.setdefault(tuple(p.items), []).append(rank)
+        parts: list[tuple[int, ...]] = []
+        for items, ranks in by_items.items():
+            if len(ranks) > 1 and any(i.type != LoadItemType.BYTE_IO for i in items):
+                parts.append(tuple(ranks))
+            else:  # alone, or nothing to share (byte items are read by every rank)
+                parts.extend((r,) for r in ranks)
+        if all(len(part) == 1 for part in parts):
+            return None
+        return tuple(sorted(parts))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch what ``plan`` needs, check it, and hand it to ``planner``; a plan the
-        coordinator marked shared is read a share per rank and exchanged."""
-        group = share_group() if plan.storage_data == SHARED_READ else None
+        coordinator marked :class:`SharedRead` makes the partition's groups (every rank,
+        first, before anything that can fail, so no member waits for one that raised)
+        and is then read a share per rank of its group and exchanged within the group."""
+        mark = plan.storage_data
+        group = part_group(mark.parts) if isinstance(mark, SharedRead) else None
+        self.last_shared_with = group_ranks(group) if group is not None else ()
         if group is not None:
             self._read_shared(plan, planner, group)
         else:
@@ -225,9 +270,12 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         return future
 
     def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, group: Any) -> None:
-        """Each rank reads the tensor items of about 1/N of the data (whole archives,
-        contiguous in the checkpoint), byte items all; then every tensor goes from the
-        rank that read and checked it to the others (engine/share.py)."""
+        """Each of the N ranks of ``group`` reads the tensor items of about 1/N of the
+        data (whole archives, contiguous in the checkpoint), byte items all; every rank
+        of the group raises if any rank's reads failed (``settle``); then every tensor
+        goes from the rank that read and checked it to the others (engine/share.py).
+        Ranks outside the group take no part: they read their own items, and DCP's
+        gather of every rank's outcome after read_data fails the load everywhere."""
         me, ranks = group_rank(group)
         tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
         archives: dict[tuple[str, int], int] = {}

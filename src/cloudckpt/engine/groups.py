@@ -8,17 +8,23 @@ corrupts both), and CPU tensors and objects never need a device (gloo works what
 the training backend is). One group per set of ranks, created on first use by every
 member (a collective itself, so every rank's first use must be in step, as
 megatron-core's own save and a DDP resume already are).
+
+:func:`partition_group` makes the groups of a partition of the world (the data-parallel
+replicas of each model-parallel shard, for a shared DCP load) on every rank at once:
+each rank calls ``new_group`` for every part, in the same order, members and not (see
+its docstring for why not ``use_local_synchronization``).
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "checkpoint_group", "group_ranks"]
+__all__ = ["DEFAULT_TIMEOUT", "checkpoint_group", "group_ranks", "partition_group"]
 
 #: How long a checkpoint collective waits for a peer before failing that save.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -26,6 +32,9 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _lock = threading.Lock()
 #: ranks -> (the default group it was made under, the checkpoint group).
 _groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
+#: A part of a partition -> (the default group it was made under, the part's group, or
+#: None on a rank outside it). Filled the same on every rank (see partition_group).
+_parts: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 
 def group_ranks(process_group: Any = None) -> tuple[int, ...]:
@@ -52,3 +61,39 @@ def checkpoint_group(process_group: Any = None) -> Any:
             )
             _groups[ranks] = (world, group)
         return group
+
+
+def partition_group(parts: Sequence[tuple[int, ...]]) -> Any:
+    """This rank's gloo group among ``parts``, a partition of the world's global ranks
+    (each part ascending, every rank in exactly one), each part's group made once, then
+    reused. A partition of one part is the whole world's :func:`checkpoint_group`.
+
+    A collective on the whole world: every rank calls it with the same ``parts`` in the
+    same order (a DCP load's coordinator sends the same partition to every rank). Each
+    rank then calls ``new_group`` for every part not made yet, its own and the others'
+    (for a part it is not in, no connection: a name and a return), so torch's group
+    names, which count the world's calls, agree on every rank, and the torchcomms path
+    (which splits the world, every rank taking part) works too. Not
+    ``use_local_synchronization``: its hashed names count the groups each rank already
+    holds, so two members with different histories (one shared before, one read alone)
+    would meet under different names and wait for each other until the timeout. A
+    one-rank part gets a group too, which keeps every rank's count of groups in step, so
+    the hashed names of :func:`checkpoint_group`'s subset groups (made that way) still
+    agree after a shared load. Only a part's members wait
+    for each other (gloo connects them as its group is made), so the caller must reach
+    this before anything that can fail.
+    """
+    if len(parts) == 1:
+        return checkpoint_group()
+    me = dist.get_rank()
+    world = dist.group.WORLD
+    mine: Any = None
+    with _lock:
+        for ranks in parts:
+            made = _parts.get(ranks)
+            if made is None or made[0] is not world:
+                group = dist.new_group(ranks=list(ranks), backend="gloo", timeout=DEFAULT_TIMEOUT)
+                made = _parts[ranks] = (world, group if me in ranks else None)
+            if me in ranks:
+                mine = made[1]
+    return mine

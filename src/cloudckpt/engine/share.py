@@ -13,6 +13,11 @@ raises), the reads, :func:`settle` (every rank's reads
 succeeded, else every rank raises), then :func:`broadcast_views`. Small views are
 packed into buckets for the broadcast (one collective per bucket, not per tensor);
 large ones go from their own memory.
+
+The group may be the whole world (:func:`share_group`) or one part of a partition of it
+(:func:`part_group`: a shared DCP load whose data-parallel replicas of each
+model-parallel shard load the same bytes, while other parts load others); the
+collectives are then the part's own, and no rank waits on a part it is not in.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedLoadError
-from .groups import checkpoint_group
+from .groups import checkpoint_group, partition_group
 
 __all__ = [
     "agree",
     "broadcast_views",
     "from_first",
     "group_rank",
+    "part_group",
     "settle",
     "share_group",
     "share_group_size",
@@ -50,6 +56,17 @@ def share_group(process_group: Any = None) -> Any | None:
     if dist.get_world_size(process_group) < 2:
         return None
     return checkpoint_group(process_group)
+
+
+def part_group(parts: Sequence[tuple[int, ...]]) -> Any | None:
+    """The gloo group of this rank's part of ``parts`` (a partition of the world's ranks,
+    the same on every rank), or None where that part is this rank alone. A collective
+    on the whole world: every rank calls it, at the same point (see
+    :func:`.groups.partition_group`)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    group = partition_group(parts)
+    return group if group is not None and dist.get_world_size(group) >= 2 else None
 
 
 def share_group_size() -> int:
