@@ -5,6 +5,8 @@ without ``share=True`` (engine/share.py), against ``rclone serve s3`` on tmpfs.
 
 Prints, per mode and repetition, the slowest rank's wall time, the ranks' CPU summed,
 and the S3 requests the server logged; every rank checks every tensor it loaded. The
+medians go to ``--out`` (default ``benchmarks/studies/results/shared_load.json``), which
+docs/benchmarks.md's "Many ranks" section is rendered from. The
 bytes each mode reads are asserted in tests/integration/test_shared_load.py (a proxy
 counts them); here the store is reached directly, so the proxy costs nothing.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +26,8 @@ from benchmarks import server
 from benchmarks.systems.ranks import run_ranks
 from benchmarks.worker import build_state
 
+RESULTS = Path(__file__).with_name("results") / "shared_load.json"
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,6 +35,7 @@ def main() -> int:
     p.add_argument("--tensors", type=int, default=100)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = p.parse_args()
     srv = server.start()
     try:
@@ -61,11 +67,25 @@ def main() -> int:
                 rows[mode].append(figs)
                 print(json.dumps({"mode": mode, "rep": rep, **figs}), flush=True)
         print(f"# {size / 2**20:.0f} MiB object, {args.ranks} ranks, median of {args.reps}")
+        medians: dict[str, dict[str, float]] = {}
         for mode, runs in rows.items():
-            sec = statistics.median(r["seconds"] for r in runs)
-            cpu = statistics.median(r["cpu_s"] for r in runs)
-            req = statistics.median(r["requests"] for r in runs)
-            print(f"{mode:7s} {sec:6.2f} s  cpu {cpu:6.2f} s  requests {req:5.0f}")
+            medians[mode] = {
+                k: statistics.median(r[k] for r in runs) for k in ("seconds", "cpu_s", "requests")
+            }
+            m = medians[mode]
+            print(f"{mode:7s} {m['seconds']:6.2f} s  cpu {m['cpu_s']:6.2f} s  "
+                  f"requests {m['requests']:5.0f}")  # fmt: skip
+        result = {
+            "study": "shared_load",
+            "object_bytes": size,
+            "tensors": args.tensors,
+            "ranks": args.ranks,
+            "reps": args.reps,
+            "medians": medians,
+            "runs": rows,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     finally:
         server.stop(srv)
     return 0

@@ -112,7 +112,12 @@ class RateLimiter:
 DECREASE = 0.5
 #: After a cut, the allowed rate climbs back to where it was over this many seconds of
 #: requests succeeding at the allowed rate (the additive step is set at each cut).
-RECOVER_SECONDS = 5.0
+RECOVER_SECONDS = 3.0
+#: A throttle cuts again only if its request was let through at least this many
+#: requests after the last cut: the first one after a cut (a rank's own retry, when it
+#: sends one request at a time) goes out before the other ranks sharing the prefix have
+#: cut, and answers for their old rate, not for this rank's new one.
+HOLD_REQUESTS = 2
 #: The allowed rate never falls below this many requests per second.
 FLOOR = 0.5
 #: The additive step is at least this many requests per second, per second.
@@ -138,10 +143,12 @@ class AdaptiveRate:
     requests it lets through, without a lock or a wait. A throttle sets the allowed rate
     to ``DECREASE`` times the rate the scope was sending (never below ``FLOOR``, never
     above ``ceiling``), unless the throttled request was let through before the last
-    cut: answers to requests already in flight cut once, not once each. Each success
-    then adds ``step / rate`` (``step`` per second at the allowed rate), so the rate
-    returns to its pre-cut value in ``RECOVER_SECONDS`` unless throttled again; at
-    ``RELEASE`` times the first throttled rate (or at ``ceiling``) it disengages.
+    cut or among the ``HOLD_REQUESTS - 1`` right after it: answers to requests already
+    in flight cut once, not once each. Engaged, it spaces requests ``1 / rate`` apart at
+    the rate of the moment (a rise takes effect at the next request). Each success then
+    adds ``step / rate`` (``step`` per second at the allowed rate), so the rate returns
+    to its pre-cut value in ``RECOVER_SECONDS`` unless throttled again; at ``RELEASE``
+    times the first throttled rate (or at ``ceiling``) it disengages.
     """
 
     def __init__(
@@ -158,17 +165,20 @@ class AdaptiveRate:
         self._step = 0.0  # additive increase, requests per second per second
         self._target = 0.0  # the end of this climb; past it without a throttle, climb faster
         self._release = math.inf  # the rate at which the limiter disengages
-        self._next = -math.inf  # the earliest start of the next request (engaged)
-        self._cut_at = -math.inf  # when the rate was last cut
+        self._last = -math.inf  # the start of the last request's slot (engaged)
+        # Requests let through so far (a request's stamp), and the last stamp that a
+        # throttle does not cut for; counted without the lock, like the meter.
+        self._sent = 0
+        self._cut_mark = -1
         # The sending-rate meter; updated without the lock, so a count may be lost to a
         # race: it only sets the rate of the first cut.
         self._window_start = clock()
         self._window_count = 0
         self._last_rate = 0.0
 
-    def reserve(self) -> tuple[float, float]:
-        """``(stamp, wait)``: this request's stamp for :meth:`throttled`, and the seconds
-        to wait before sending it."""
+    def reserve(self) -> tuple[int, float]:
+        """``(stamp, wait)``: this request's stamp for :meth:`throttled` (its number), and
+        the seconds to wait before sending it."""
         now = self._clock()
         span = now - self._window_start
         if span >= METER_SECONDS:
@@ -176,16 +186,18 @@ class AdaptiveRate:
             self._window_start = now
             self._window_count = 0
         self._window_count += 1
+        self._sent += 1
+        stamp = self._sent
         if self.rate is None:
-            return now, 0.0
+            return stamp, 0.0
         with self._lock:
             if self.rate is None:
-                return now, 0.0
-            start = max(now, self._next)
-            self._next = start + 1.0 / self.rate
-        return now, start - now
+                return stamp, 0.0
+            start = max(now, self._last + 1.0 / self.rate)
+            self._last = start
+        return stamp, start - now
 
-    def acquire(self, cancel: threading.Event | None = None) -> float:
+    def acquire(self, cancel: threading.Event | None = None) -> int:
         """Wait for this scope's next slot; returns the stamp for :meth:`throttled`."""
         stamp, wait = self.reserve()
         if wait > 0:
@@ -197,11 +209,11 @@ class AdaptiveRate:
         span = self._clock() - self._window_start
         return max(self._last_rate, self._window_count / max(span, METER_MIN_SECONDS))
 
-    def throttled(self, stamp: float) -> None:
+    def throttled(self, stamp: int) -> None:
         """The request stamped ``stamp`` was throttled: cut the rate, once per window."""
         with self._lock:
-            if stamp < self._cut_at:
-                return  # let through before the last cut, which answered for it
+            if stamp <= self._cut_mark:
+                return  # let through before the last cut or just after: it answered for it
             base = self.sending_rate()
             if self.rate is not None:
                 base = min(base, self.rate)
@@ -215,11 +227,11 @@ class AdaptiveRate:
                 self._release = RELEASE * before
                 if self.ceiling is not None:
                     self._release = min(self._release, self.ceiling)
-                self._next = -math.inf
+                self._last = -math.inf
             self._step = max(MIN_STEP, (before - rate) / RECOVER_SECONDS)
             self._target = before
             self.rate = rate
-            self._cut_at = self._clock()
+            self._cut_mark = self._sent + HOLD_REQUESTS - 1
             self.cuts += 1
         log.debug("throttled: request rate cut to %.2f/s", rate)
 
@@ -335,7 +347,7 @@ class RetryPolicy:
                 raise Cancelled()
             if limiter is not None:
                 limiter.acquire(cancel)
-            stamp = adaptive.acquire(cancel) if adaptive is not None else 0.0
+            stamp = adaptive.acquire(cancel) if adaptive is not None else 0
             try:
                 result = fn()
             except TransientError as exc:
