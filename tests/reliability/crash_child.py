@@ -2,6 +2,9 @@
 
     python crash_child.py URL STORAGE_OPTIONS_JSON save|async|dcp|retain METHOD:N:before|after
 
+(tests/reliability/test_crash.py runs :func:`run` in a forked child instead: the same
+code, without a second interpreter importing torch.)
+
 METHOD is a Store method (create_multipart, upload_part, complete_multipart, put, delete);
 the process dies just before or just after its N-th call: the same as an external
 SIGKILL at that moment, but at a point the test chose. ``upload_part`` counts parts
@@ -50,7 +53,11 @@ def new_state() -> dict:
 
 
 def main() -> None:
-    url, options, mode, point = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+    run(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4])
+
+
+def run(url: str, options: dict, mode: str, point: str) -> None:
+    """Save (``mode``) to ``url``, dying by SIGKILL at ``point``."""
     method, n, when = point.split(":")
     arm(method, int(n), when)
     opts = {"storage_options": options, "part_size": 5 << 20, "write_concurrency": 1}
