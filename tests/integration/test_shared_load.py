@@ -6,6 +6,7 @@ rank loads through it and checks every tensor it got against the state it saved.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -52,8 +53,29 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 def _resume(rank: int, world: int, url: str, so: dict[str, Any], share: bool) -> None:
-    got = cloudckpt.load(url, share=share, storage_options=so)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("cloudckpt")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        got = cloudckpt.load(url, share=share, storage_options=so)
+    finally:
+        logger.removeHandler(handler)
     _same(got, _state())
+    reports = [r for r in records if r.getMessage().startswith("shared load of")]
+    if not share:
+        assert reports == []
+        return
+    # Each rank reports its share; together they read the records' bytes once.
+    (report,) = reports
+    _url, me, ranks, nbytes, total, requests = report.args  # type: ignore[misc]
+    assert (me, ranks) == (rank, world)
+    shares: list[Any] = [None] * world
+    torch.distributed.all_gather_object(shares, (nbytes, requests, total))
+    assert total <= sum(n for n, _, _ in shares) <= 1.1 * total, shares
+    assert sum(r for _, r, _ in shares) <= 3 * world, shares
 
 
 def _per_rank(rank: int, world: int, base: str, so: dict[str, Any]) -> None:

@@ -44,6 +44,7 @@ from ..engine.share import (
     broadcast_views,
     group_rank,
     part_group,
+    report,
     settle,
     share_group_size,
     split_even,
@@ -289,6 +290,8 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         recorder = _Recorder(planner)
         try:
             self._read(dataclasses.replace(plan, items=mine), cast(LoadPlanner, recorder))
+            total = sum(archives.values())
+            report(self.url, group, self.last_read_requests, self.last_read_bytes, total)
         except Exception as exc:
             error = exc
         settle(group, error, f"the shared load of {self.url}")

@@ -50,6 +50,7 @@ from .share import (
     broadcast_views,
     from_first,
     group_rank,
+    report,
     settle,
     share_group,
     split_even,
@@ -343,6 +344,8 @@ def _fetch_shared(
                     records.add(entry, view)
             records.flush()
             reader.run()
+        total = sum(e.local_header_size + e.size for e, _ in found)
+        report(plan.url, group, reader.requests, reader.bytes, total)
     except Exception as exc:
         error = exc
     settle(group, error, f"the shared load of {plan.url}")

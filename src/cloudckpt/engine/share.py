@@ -22,6 +22,7 @@ collectives are then the part's own, and no rank waits on a part it is not in.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,12 +32,15 @@ import torch.distributed as dist
 from ..errors import DistributedLoadError
 from .groups import checkpoint_group, partition_group
 
+log = logging.getLogger("cloudckpt")
+
 __all__ = [
     "agree",
     "broadcast_views",
     "from_first",
     "group_rank",
     "part_group",
+    "report",
     "settle",
     "share_group",
     "share_group_size",
@@ -67,6 +71,21 @@ def part_group(parts: Sequence[tuple[int, ...]]) -> Any | None:
         return None
     group = partition_group(parts)
     return group if group is not None and dist.get_world_size(group) >= 2 else None
+
+
+def report(url: str, group: Any, requests: int, nbytes: int, total: int) -> None:
+    """Log what this rank read of a shared load (INFO, logger ``cloudckpt``): its share
+    of the requests and bytes, so a job can see that each byte was read once."""
+    me, ranks = group_rank(group)
+    log.info(
+        "shared load of %s: rank %d of %d read %d of %d bytes in %d requests",
+        url,
+        me,
+        ranks,
+        nbytes,
+        total,
+        requests,
+    )
 
 
 def share_group_size() -> int:
