@@ -6,12 +6,15 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import statistics
+from collections import Counter
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks.systems import systems_for
+from benchmarks.many_ranks import many_ranks_section
+from benchmarks.systems import family, systems_for
 from cloudckpt.format import checksum
 
 GiB = 1024**3
@@ -39,6 +42,13 @@ BYTE_CEILINGS = ("ceiling", "ceiling-curl")
 #: PUT of the same bytes, its peak extra RSS under this many output shards.
 ST_LOAD_RATIO, EXPORT_TIME_RATIO, EXPORT_RSS_SHARDS = 0.85, 1.3, 2.0
 ST_PEERS = ("st-runai", "st-boto3")
+#: Issue 15: on the gpt-adamw state (model + AdamW state, ~1,000 tensors), cloudckpt's
+#: save and load, single object and DCP, at this share of the best ceiling.
+MIXED_RATIO = 0.85
+#: Issue 15's scaling sweep: the per-tensor cost at the largest tensor count within this
+#: many times the one at the next count down (100,000 vs 10,000 in a full run).
+PER_TENSOR_GROWTH = 1.5
+SCALING_SYSTEMS = ("ceiling", "cloudckpt", "cloudckpt-dcp")
 FINDINGS = Path(__file__).with_name("findings.md")
 
 
@@ -275,6 +285,94 @@ def targets(table: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]
         check("export peak extra RSS (MiB) vs 2x the largest output shard",
               sx.get("load_peak_extra_rss_MiB"), EXPORT_RSS_SHARDS * sx["bytes"] / MiB, False,
               "MiB")  # fmt: skip
+    ga = table.get("gpt-adamw", {})
+    for system, label in (("cloudckpt", "single object"), ("cloudckpt-dcp", "DCP")):
+        for op, verb in (("save", "PUT"), ("load", "GET")):
+            check(f"gpt-adamw {label} {op} vs best ceiling {verb}",
+                  ga.get(system, {}).get(f"{op}_vs_ceiling"), MIXED_RATIO, True, "x")  # fmt: skip
+    fits = scaling_fits(table)
+    for system in ("cloudckpt", "cloudckpt-dcp"):
+        for op in ("save", "load"):
+            fit = fits.get((system, op), {})
+            last, prev = fit.get("growth_counts", (100_000, 10_000))
+            check(f"scaling: {system} {op} per-tensor cost at {last:,} vs {prev:,} tensors",
+                  fit.get("growth"), PER_TENSOR_GROWTH, False, "x")  # fmt: skip
+    return out
+
+
+_POINT = re.compile(r"scaling-n(\d+)-(\d+)mib$")
+
+
+def scaling_points(table: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[int, int, str]]:
+    """The scaling sweep's points in ``table``: ``(tensors, MiB, variant)``, sorted."""
+    found = ((_POINT.match(name), name) for name in table if family(name) == "scaling")
+    return sorted((int(m[1]), int(m[2]), name) for m, name in found if m)
+
+
+def _sweeps(
+    points: list[tuple[int, int, str]],
+) -> tuple[list[tuple[int, str]], list[tuple[int, str]], int, int]:
+    """The count sweep (at its fixed MiB) and the bytes sweep (at its fixed count) of the
+    points: ``(tensors, variant)`` and ``(MiB, variant)``, and the fixed MiB and count."""
+    mib = Counter(m for _, m, _ in points).most_common(1)[0][0] if points else 0
+    count = Counter(n for n, _, _ in points).most_common(1)[0][0] if points else 0
+    by_count = [(n, name) for n, m, name in points if m == mib]
+    by_bytes = [(m, name) for n, m, name in points if n == count]
+    return by_count, by_bytes, mib, count
+
+
+def _slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ``ys`` over ``xs``; None under two distinct ``xs``."""
+    if len(set(xs)) < 2:
+        return None
+    return statistics.linear_regression(xs, ys).slope
+
+
+def scaling_fits(
+    table: dict[str, dict[str, dict[str, Any]]],
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per system and operation of the scaling sweep: the per-tensor cost (us/tensor, the
+    least-squares slope of seconds over tensor count at fixed bytes, wall and CPU), the
+    per-GiB cost (s/GiB, the slope over GiB at the fixed count), each larger count's
+    marginal cost per tensor over the smallest count's point, and ``growth``: the largest
+    count's marginal cost over the next count's (issue 15: within 1.5x)."""
+    by_count, by_bytes, _mib, _count = _sweeps(scaling_points(table))
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for system in SCALING_SYSTEMS:
+        for op in ("save", "load"):
+            fit: dict[str, Any] = {}
+
+            def series(sweep: list[tuple[int, str]], op: str = op, system: str = system) -> (
+                    list[tuple[int, float, float, float]]):  # fmt: skip
+                rows = []
+                for x, name in sweep:
+                    figs = table[name].get(system, {})
+                    if figs.get(f"{op}_seconds") and figs.get("bytes"):
+                        gib = figs["bytes"] / GiB
+                        rows.append((x, gib, figs[f"{op}_seconds"],
+                                     figs[f"{op}_cpu_s_per_GiB"] * gib))  # fmt: skip
+                return rows
+
+            counts, sizes = series(by_count), series(by_bytes)
+            wall = _slope([g for _, g, _, _ in sizes], [t for _, _, t, _ in sizes])
+            cpu = _slope([g for _, g, _, _ in sizes], [c for _, _, _, c in sizes])
+            if wall is not None and cpu is not None:
+                fit.update(s_per_GiB=wall, cpu_s_per_GiB=cpu)
+            wall = _slope([n for n, _, _, _ in counts], [t for _, _, t, _ in counts])
+            cpu = _slope([n for n, _, _, _ in counts], [c for _, _, _, c in counts])
+            if wall is not None and cpu is not None:
+                fit.update(us_per_tensor=wall * 1e6, cpu_us_per_tensor=cpu * 1e6)
+            if len(counts) >= 2:
+                n0, _, t0, _ = counts[0]
+                marginal = {n: (t - t0) / (n - n0) * 1e6 for n, _, t, _ in counts[1:]}
+                fit["marginal_us"] = marginal
+                if len(marginal) >= 2:
+                    last, prev = sorted(marginal)[-1], sorted(marginal)[-2]
+                    fit["growth_counts"] = (last, prev)
+                    if marginal[prev] > 0:
+                        fit["growth"] = marginal[last] / marginal[prev]
+            if fit:
+                out[(system, op)] = fit
     return out
 
 
@@ -301,9 +399,10 @@ def _cell_rate(figs: dict[str, Any], op: str, mibps: bool = False) -> str:
 
 
 def _state_table(v: dict[str, Any], by_system: dict[str, dict[str, Any]]) -> list[str]:
+    what = f"{v['model']}; {v['MiB']} MiB in {v['tensors']:,} tensors" if v.get("model") else (
+        f"{v['MiB']} MiB in {v['tensors']:,} fp32 tensors")  # fmt: skip
     lines = [
-        f"### {v['name']}: {v['MiB']} MiB in {v['tensors']:,} fp32 tensors, "
-        f"median of {v['reps']} rep(s)",
+        f"### {v['name']}: {what}, median of {v['reps']} rep(s)",
         "",
         "| system | save GB/s (x ceiling) | load GB/s (x ceiling) | save CPU s/GiB "
         "| load CPU s/GiB | save peak extra RSS MiB | load peak extra RSS MiB "
@@ -391,11 +490,10 @@ def _safetensors_table(v: dict[str, Any], by_system: dict[str, dict[str, Any]]) 
 def markdown_tables(doc: dict[str, Any]) -> str:
     """One table per state variant, plus the failures and the targets."""
     lines: list[str] = []
-    by: dict[str, dict[str, dict[str, Any]]] = {}
-    for rec in doc["records"]:
-        figs = by.setdefault(rec["variant"], {}).setdefault(rec["system"], {})
-        figs[rec["figure"]] = rec["value"]
+    by = _by_variant(doc)
     for v in doc["variants"]:
+        if family(v["name"]) == "scaling":  # the Scaling section's (scaling_section)
+            continue
         by_system = by.get(v["name"], {})
         table = _megatron_table if v["name"] in CEILINGS else _state_table
         if v["name"] == "safetensors":
@@ -410,7 +508,7 @@ def markdown_tables(doc: dict[str, Any]) -> str:
         lines.append("")
         if failures:
             lines += ["Failures:", "", *failures, ""]
-    lines += ["### Targets (cloudckpt: default state, Megatron scenario)", "",
+    lines += ["### Targets (cloudckpt: default state, scenarios, gpt-adamw, scaling)", "",
               "| target | measured | goal | measured / goal | met |",
               "|---|---:|---:|---:|---|"]  # fmt: skip
     for t in doc["targets"]:
@@ -460,10 +558,165 @@ def chart(doc: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _by_variant(doc: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``doc``'s records as variant -> system -> figure -> value."""
+    by: dict[str, dict[str, dict[str, Any]]] = {}
+    for rec in doc["records"]:
+        figs = by.setdefault(rec["variant"], {}).setdefault(rec["system"], {})
+        figs[rec["figure"]] = rec["value"]
+    return by
+
+
+def _point_cell(figs: dict[str, Any], op: str) -> str:
+    if f"{op}_error" in figs:
+        return "**fails**"
+    if f"{op}_seconds" not in figs:
+        return "-"
+    return f"{figs[f'{op}_seconds']:.2f} ({figs[f'{op}_cpu_s_per_GiB']:.2f})"
+
+
+def scaling_section(doc: dict[str, Any], chart_name: str | None = None) -> list[str]:
+    """The page's "Scaling" section: how it is measured, the chart, the fitted per-tensor
+    and per-GiB costs with the super-linear check, and the points' figures."""
+    table = _by_variant(doc)
+    points = scaling_points(table)
+    lines = ["## Scaling", ""]
+    if not points:
+        return [*lines, "This run has no scaling points (`make bench` runs them; alone: "
+                "`python -m benchmarks.run --variants scaling`).", ""]  # fmt: skip
+    by_count, by_bytes, mib, count = _sweeps(points)
+    reps = {v["name"]: v["reps"] for v in doc["variants"]}
+    shown = sorted({reps.get(name, 1) for *_, name in points})
+    per_point = ("one repetition per point" if shown == [1] else
+                 f"{' or '.join(map(str, shown))} repetitions per point (median)")  # fmt: skip
+    lines += [
+        f"The same states at growing size: equal fp32 matrices (`worker.build_even_state`), "
+        f"{mib} MiB in {by_count[0][0]:,} to {by_count[-1][0]:,} tensors, then {count:,} "
+        f"tensors of {by_bytes[0][0]:,} to {by_bytes[-1][0]:,} MiB, saved and loaded by "
+        "the ceiling, cloudckpt (`cloudckpt.save` / `load`) and cloudckpt-dcp (`dcp.save` / "
+        "`load` through cloudckpt's writer and reader), each point and system in a fresh "
+        f"worker as above, {per_point}. The ceiling moves pre-built bytes, so its time "
+        "does not depend on the tensor count: its per-tensor figures below are the noise "
+        "of this shared machine.",
+        "",
+    ]
+    if chart_name:
+        lines += [f"![seconds and CPU s/GiB against tensor count and bytes]({chart_name})", ""]
+    fits = scaling_fits(table)
+    marg = sorted({n for f in fits.values() for n in f.get("marginal_us", {})})
+    lines += [
+        "### Per-tensor and per-GiB cost",
+        "",
+        f"**us/tensor**: least-squares slope of seconds (wall or CPU) over tensor count at "
+        f"{mib} MiB; **s/GiB**: slope over GiB at {count:,} tensors. **marginal**: a "
+        f"count's extra seconds over the {by_count[0][0]:,}-tensor point, per extra "
+        f"tensor (us); **growth**: the largest count's marginal cost over the next one's "
+        f"(target: within {PER_TENSOR_GROWTH}x, no super-linear step).",
+        "",
+        "| system | op | us/tensor | CPU us/tensor | s/GiB | CPU s/GiB | marginal us/tensor at "
+        + " / ".join(f"{n:,}" for n in marg)
+        + " | growth |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    flags = []
+    for (system, op), fit in fits.items():
+        m = fit.get("marginal_us", {})
+        growth = fit.get("growth")
+        cell = "-" if growth is None else f"{growth:.2f}x"
+        if growth is not None and growth > PER_TENSOR_GROWTH and system != "ceiling":
+            cell = f"**{cell}**"
+            last, prev = fit["growth_counts"]
+            flags.append(f"- **super-linear**: {system} {op} costs {m[last]:.0f} us per tensor "
+                         f"at {last:,} tensors, {growth:.2f}x its {m[prev]:.0f} us at "
+                         f"{prev:,}.")  # fmt: skip
+        lines.append(
+            f"| {system} | {op} | {_fmt(fit.get('us_per_tensor'), 1)} "
+            f"| {_fmt(fit.get('cpu_us_per_tensor'), 1)} | {_fmt(fit.get('s_per_GiB'))} "
+            f"| {_fmt(fit.get('cpu_s_per_GiB'))} | "
+            + " / ".join(_fmt(m.get(n), 1) for n in marg)
+            + f" | {cell} |"
+        )
+    lines += ["", *(flags or ["No super-linear step: every cloudckpt and cloudckpt-dcp "
+                              "growth is within the target."]), ""]  # fmt: skip
+    header = " | ".join(f"{s} {op}" for s in SCALING_SYSTEMS for op in ("save", "load"))
+    rule = "|---:" + "|---:" * 2 * len(SCALING_SYSTEMS) + "|"
+    failures = []
+    for title, first, sweep in ((f"Count sweep: {mib} MiB", "tensors", by_count),
+                                (f"Bytes sweep: {count:,} tensors", "MiB", by_bytes)):  # fmt: skip
+        lines += [f"### {title}", "", "seconds (CPU s/GiB)", "", f"| {first} | {header} |", rule]
+        for x, name in sweep:
+            cells = " | ".join(_point_cell(table[name].get(s, {}), op)
+                               for s in SCALING_SYSTEMS for op in ("save", "load"))  # fmt: skip
+            lines.append(f"| {x:,} | {cells} |")
+            failures += [f"- {name} {s} {op}: `{table[name][s][f'{op}_error']}`"
+                         for s in SCALING_SYSTEMS for op in ("save", "load")
+                         if f"{op}_error" in table[name].get(s, {})]  # fmt: skip
+        lines.append("")
+    if failures:
+        lines += ["Failures:", "", *dict.fromkeys(failures), ""]
+    return lines
+
+
+def scaling_chart(doc: dict[str, Any], path: Path) -> bool:
+    """Seconds and CPU s/GiB against tensor count and against MiB, log-log, per system
+    and operation; False without matplotlib or scaling points."""
+    table = _by_variant(doc)
+    points = scaling_points(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullLocator
+    except ImportError:
+        return False
+    if not points:
+        return False
+    by_count, by_bytes, mib, count = _sweeps(points)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    colors = dict(zip(SCALING_SYSTEMS, ("tab:gray", "tab:blue", "tab:orange"), strict=True))
+    for col, (sweep, xlabel) in enumerate(((by_count, f"tensors (at {mib} MiB)"),
+                                           (by_bytes, f"MiB (at {count:,} tensors)"))):  # fmt: skip
+        for row, (figure, ylabel) in enumerate((("seconds", "seconds"),
+                                                ("cpu_s_per_GiB", "CPU s/GiB"))):  # fmt: skip
+            ax = axes[row][col]
+            for system in SCALING_SYSTEMS:
+                for op, style in (("save", "-"), ("load", "--")):
+                    xy = [(x, table[name].get(system, {}).get(f"{op}_{figure}"))
+                          for x, name in sweep]  # fmt: skip
+                    xy = [(x, y) for x, y in xy if y]
+                    if xy:
+                        ax.plot(*zip(*xy, strict=True), style, marker="o",
+                                color=colors[system], label=f"{system} {op}")  # fmt: skip
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xticks([x for x, _ in sweep], [f"{x:,}" for x, _ in sweep])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Scaling, rclone serve s3 on tmpfs ({doc['date'][:10]}, {doc['mode']} run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_page(doc: dict[str, Any], path: Path) -> None:
     """docs/benchmarks.md: how it was measured, the tables, the chart, targets, findings."""
     png = path.with_suffix(".png")
     has_chart = chart(doc, png)
+    scaling_png = path.with_name(f"{path.stem}-scaling.png")
+    has_scaling_chart = scaling_chart(doc, scaling_png)
     m = doc["machine"]
     pkgs = ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v)
     crc = f"; cloudckpt's CRC-32: {m['crc32']}" if m.get("crc32") else ""  # not in older runs
@@ -548,6 +801,18 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "(2 PUT, then 2 GET half each) for exactly the checkpoint's tensor bytes; `x "
         "ceiling` in that table is against it. Targets: cloudckpt at 1.5x megatron-core + "
         "MSC and at 0.8x of ceiling-2to2, save and load.",
+        '- **gpt-adamw**: what a training loop saves, `{"model": model.state_dict(), '
+        '"optimizer": optimizer.state_dict()}` of a GPT-2-style decoder (the heading '
+        "gives its sizes) with its AdamW state: per parameter a 0-dim `step`, `exp_avg` and "
+        "`exp_avg_sq`, two parameter groups; tensors from 4 bytes and a few KiB (steps, "
+        "biases, norms) to the token embedding (`benchmarks/systems/gpt_adamw.py`). The "
+        "single-object systems save the nested dict as it is, cloudckpt-dcp hands it to "
+        "`dcp.save` and loads into a copy of its tensors' shapes; the ceilings move its "
+        "tensors' bytes. Targets: cloudckpt and cloudckpt-dcp save and load at 0.85x the "
+        "best ceiling.",
+        "- **scaling**: the ceiling, cloudckpt and cloudckpt-dcp on equal fp32 matrices, "
+        "the same bytes in 100 to 100,000 tensors, then 100 tensors of growing size; see "
+        "[Scaling](#scaling).",
         "- **peers**: NeMo-style `torch.save` to memory + boto3 `upload_fileobj` "
         "(TransferConfig 64 MiB, 10 threads) / `download_fileobj`; Lightning "
         "`TorchCheckpointIO` over s3fs; s3torchconnector `S3Checkpoint`; "
@@ -563,9 +828,11 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
     ]
     if has_chart:
         lines += [f"![save and load throughput]({png.name})", ""]
-    else:
+    elif not _have_matplotlib():
         lines += ["(No chart: matplotlib is not installed.)", ""]
     lines.append(markdown_tables(doc))
+    lines += scaling_section(doc, scaling_png.name if has_scaling_chart else None)
+    lines += many_ranks_section()
     if FINDINGS.exists():
         lines += ["", FINDINGS.read_text().rstrip(), ""]
     lines += [
@@ -573,10 +840,12 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         "## Reproduce",
         "",
         "```",
-        "make bench-quick    # 128 MiB / 100 tensors x3, 20 MiB / 10k x1, Megatron x1, < 5 min",
-        "make bench          # 1 GiB / 100 tensors x5, 160 MiB / 10k tensors x3, Megatron x3",
+        "make bench-quick    # every variant smaller, 1-3 reps",
+        "make bench          # 1 GiB / 100 tensors x5, 160 MiB / 10k x3, scenarios x3, sweep",
         ".venv/bin/python -m benchmarks.run --systems ceiling,cloudckpt --reps 3",
         ".venv/bin/python -m benchmarks.run --variants megatron --docs ''   # Megatron alone",
+        ".venv/bin/python -m benchmarks.run --variants gpt-adamw --docs '' --out /tmp/ga.json",
+        ".venv/bin/python -m benchmarks.run --variants scaling --docs '' --out /tmp/sc.json",
         "```",
         "",
     ]

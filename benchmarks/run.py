@@ -1,10 +1,11 @@
 """Benchmark cloudckpt against a raw-transfer ceiling and its peers, in one run.
 
     .venv/bin/python -m benchmarks.run            # full: 1 GiB in 100 tensors + 10k tensors
-                                                  # + a Megatron GPTModel checkpoint
-    .venv/bin/python -m benchmarks.run --quick    # the same shape, smaller, under 5 minutes
+                                                  # + a Megatron GPTModel checkpoint + ...
+    .venv/bin/python -m benchmarks.run --quick    # the same shape, smaller
     .venv/bin/python -m benchmarks.run --variants megatron   # the Megatron scenario alone
     .venv/bin/python -m benchmarks.run --variants safetensors   # the safetensors scenario
+    .venv/bin/python -m benchmarks.run --variants gpt-adamw,scaling   # mixed state, sweep
 
 Run from the repository root (``make bench`` does). Starts ``rclone serve s3`` with its
 data on tmpfs (``server.py``), then for every repetition runs every system of the
@@ -12,8 +13,8 @@ variant once (in a rotated order, so the systems interleave; the Megatron scenar
 systems of its own, ``systems.SCENARIOS``), each in a fresh worker process
 (``python -m benchmarks.worker``) that saves the state and loads it back. Writes
 ``benchmarks/results/latest.json`` (one record per variant, system and figure, with the
-machine description), ``docs/benchmarks.md`` and ``docs/benchmarks.png``, and prints
-the table.
+machine description), ``docs/benchmarks.md``, ``docs/benchmarks.png`` and
+``docs/benchmarks-scaling.png``, and prints the tables.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report, server
-from benchmarks.systems import SYSTEMS, systems_for
+from benchmarks.systems import SYSTEMS, family, systems_for
+from benchmarks.systems.gpt_adamw import FULL as GA_FULL
+from benchmarks.systems.gpt_adamw import QUICK as GA_QUICK
 from benchmarks.systems.megatron_gpt import FULL as GPT_FULL
 from benchmarks.systems.megatron_gpt import QUICK as GPT_QUICK
 from benchmarks.systems.st_model import FULL as ST_FULL
@@ -45,10 +48,20 @@ BUCKET = "bench"
 
 MEGATRON = "megatron"
 SAFETENSORS = "safetensors"
+GPT_ADAMW = "gpt-adamw"
+SCALING = "scaling"
 #: The scenarios' models (full, quick): their shapes set the variant's bytes and tensors.
+#: gpt-adamw's is built by the worker (``worker.LAYOUTS``) for the usual systems.
 MODELS: dict[str, tuple[Any, Any]] = {
     MEGATRON: (GPT_FULL, GPT_QUICK),
     SAFETENSORS: (ST_FULL, ST_QUICK),
+    GPT_ADAMW: (GA_FULL, GA_QUICK),
+}
+#: The scaling sweep (issue 15), full and quick: tensor counts at fixed MiB, then MiB at
+#: a fixed count, as (MiB, counts, count, MiBs); one point shared by both is run once.
+SWEEPS = {
+    False: (256, (100, 1_000, 10_000, 100_000), 100, (128, 512, 1024, 4096)),
+    True: (64, (100, 1_000, 10_000), 100, (32, 128)),
 }
 
 
@@ -58,21 +71,37 @@ def _scenario(name: str, quick: bool, reps: int) -> tuple[str, int, int, int]:
     return (name, round(shape.nbytes / MiB), shape.tensors, reps)
 
 
+def _scaling(quick: bool, reps: int) -> list[tuple[str, int, int, int]]:
+    """The scaling sweep's points as variants, ``scaling-n{tensors}-{MiB}mib``."""
+    mib, counts, count, sizes = SWEEPS[quick]
+    points = [(n, mib) for n in counts]
+    points += [(count, m) for m in sizes if (count, m) not in points]
+    return [(f"{SCALING}-n{n}-{m}mib", m, n, reps) for n, m in points]
+
+
 #: (name, MiB, tensors, repetitions) for each state variant; "megatron" is the Megatron
 #: scenario (a GPTModel checkpoint, its own systems: benchmarks/systems/megatron_gpt.py),
-#: "safetensors" the safetensors one (a bf16 model: benchmarks/systems/st_model.py).
+#: "safetensors" the safetensors one (a bf16 model: benchmarks/systems/st_model.py),
+#: "gpt-adamw" a GPT-like model with its AdamW state (benchmarks/systems/gpt_adamw.py),
+#: "scaling-..." the points of the scaling sweep (one repetition each).
 FULL = [
     ("default", 1024, 100, 5),
     ("many-small", 160, 10_000, 3),
     _scenario(MEGATRON, False, 3),
     _scenario(SAFETENSORS, False, 3),
+    _scenario(GPT_ADAMW, False, 3),
+    *_scaling(False, 1),
 ]
 QUICK = [
     ("default", 128, 100, 3),
     ("many-small", 20, 10_000, 1),
     _scenario(MEGATRON, True, 1),
     _scenario(SAFETENSORS, True, 1),
+    _scenario(GPT_ADAMW, True, 1),
+    *_scaling(True, 1),
 ]
+#: How the worker builds each family's state (``worker.LAYOUTS``); others: "matrices".
+LAYOUT = {GPT_ADAMW: "gpt-adamw", SCALING: "even"}
 
 
 def _worker_env(srv: server.S3Server) -> dict[str, str]:
@@ -116,6 +145,7 @@ def run_worker(
         "log": str(srv.log_path),
         "server": srv.name,
         "model": None if model is None else dataclasses.asdict(model),
+        "layout": LAYOUT.get(family(name), "matrices"),
         "ctx": {
             "endpoint": srv.endpoint_url,
             "access_key": srv.access_key_id,
@@ -158,16 +188,23 @@ def _line(r: dict[str, Any]) -> str:
             parts.append(f"{op} FAILED ({fig['error'][:80]})")
         else:
             gbps = r.get("bytes", 0) / fig["seconds"] / 1e9
-            parts.append(f"{op} {gbps:5.2f} GB/s cpu {fig['cpu_s']:5.2f}s")
+            parts.append(f"{op} {fig['seconds']:6.2f}s {gbps:5.2f} GB/s cpu {fig['cpu_s']:5.2f}s")
     return f"  {r['variant']:10s} rep{r['rep']} {r['system']:18s} " + "  ".join(parts)
+
+
+def _selected(name: str, wanted: list[str]) -> bool:
+    """Whether ``--variants`` names the variant or its family (``scaling``)."""
+    return name in wanted or family(name) in wanted
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smaller state, fewer reps (< 5 min)")
+    p.add_argument("--quick", action="store_true", help="smaller states, fewer reps (~9 min)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
-    p.add_argument("--variants", default="default,many-small,megatron,safetensors",
-                   help="comma-separated subset (megatron, safetensors: scenarios)")  # fmt: skip
+    p.add_argument("--variants",
+                   default="default,many-small,megatron,safetensors,gpt-adamw,scaling",
+                   help="comma-separated subset (megatron, safetensors: scenarios; scaling: "
+                        "every point of the sweep, or one by its name)")  # fmt: skip
     p.add_argument("--reps", type=int, default=None, help="override repetitions")
     p.add_argument("--state-mib", type=int, default=None, help="override the default state size")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker")
@@ -183,6 +220,7 @@ def main() -> int:
         doc = report.retarget(json.loads(Path(args.render).read_text()))
         Path(args.render).write_text(json.dumps(doc, indent=1) + "\n")
         print(report.markdown_tables(doc))
+        print("\n".join(report.scaling_section(doc)))
         if args.docs:
             report.write_page(doc, Path(args.docs))
         return 0
@@ -193,7 +231,7 @@ def main() -> int:
         p.error(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
     variants = []
     for name, mib, tensors, reps in QUICK if args.quick else FULL:
-        if name not in args.variants.split(",") or not systems_for(name, systems):
+        if not _selected(name, args.variants.split(",")) or not systems_for(name, systems):
             continue
         if name == "default" and args.state_mib:
             mib = args.state_mib
@@ -231,6 +269,7 @@ def main() -> int:
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print()
     print(report.markdown_tables(doc))
+    print("\n".join(report.scaling_section(doc)))
     if args.docs:
         report.write_page(doc, Path(args.docs))
         print(f"# wrote {out} and {args.docs}")

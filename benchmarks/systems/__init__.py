@@ -44,10 +44,24 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Variants (or families of them: ``scaling`` for every ``scaling-...`` point) that run
+#: only these of the other variants' systems.
+SUBSETS: dict[str, tuple[str, ...]] = {
+    "gpt-adamw": ("ceiling", "ceiling-curl", "cloudckpt", "cloudckpt-dcp", "boto3-nemo"),
+    "scaling": ("ceiling", "cloudckpt", "cloudckpt-dcp"),
+}
+
+
+def family(variant: str) -> str:
+    """The family a variant belongs to: ``scaling`` for the scaling sweep's points."""
+    return "scaling" if variant.startswith("scaling-") else variant
+
+
 def systems_for(variant: str, selected: list[str]) -> list[str]:
     """The ``selected`` systems that run on ``variant``, in ``selected``'s order."""
     own = SCENARIOS.get(variant)
     if own is not None:
         return [s for s in selected if s in own]
     taken = {s for names in SCENARIOS.values() for s in names}
-    return [s for s in selected if s not in taken]
+    subset = SUBSETS.get(family(variant))
+    return [s for s in selected if s not in taken and (subset is None or s in subset)]

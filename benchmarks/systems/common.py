@@ -36,9 +36,16 @@ class Ctx:
         }
 
 
-def empty_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Destination tensors of the same shapes (what a model already holds before a load)."""
-    return {k: torch.empty_like(v) for k, v in state.items()}
+def empty_like(state: Any) -> Any:
+    """Destination tensors of the same shapes (what a model already holds before a load),
+    through nested dicts, lists and tuples (an optimizer's state); other values as they are."""
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: empty_like(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(empty_like(v) for v in state)
+    return state
 
 
 def status_kib(field: str) -> int:
