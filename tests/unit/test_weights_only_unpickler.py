@@ -21,26 +21,7 @@ import torch
 import cloudckpt
 from cloudckpt import errors
 from cloudckpt.format import unpickle as unpickle_mod
-
-DTYPES = [
-    torch.float64,
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.complex64,
-    torch.complex128,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-]
+from dtypes import DTYPES
 
 
 def _tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -256,3 +237,12 @@ def test_a_global_only_torchs_unpickler_handles_falls_back_to_it(tmp_path, monke
     assert "collections.OrderedDict" in seen
     _same(ours, theirs)
     assert ours["b"].untyped_storage().data_ptr() == ours["a"].untyped_storage().data_ptr()
+
+
+def test_a_memo_index_in_the_billions_loads_as_torch_loads_it(tmp_path):
+    """LONG_BINPUT 2**31 on a valid pickle: the C unpickler's memo allocation is refused
+    or granted; either way the load ends as torch's does (here: the value)."""
+    pkl = b"\x80\x02K\x07r\x00\x00\x00\x80."  # PROTO 2, BININT1 7, LONG_BINPUT 2**31, STOP
+    path = _archive(pkl, tmp_path / "memo.pt")
+    assert torch.load(path, weights_only=True) == 7
+    assert cloudckpt.load(str(path)) == 7

@@ -52,6 +52,7 @@ from ..engine.safetensors import (
 )
 from ..errors import ConfigError, MissingKeyError, NotFoundError
 from ..format.dcp.layout import metadata_name
+from ..format.gcpause import paused_gc
 from ..format.safetensors import (
     INDEX_SUFFIX,
     encode_header,
@@ -252,12 +253,13 @@ def _load(reader: CloudStorageReader, state: dict[str, torch.Tensor]) -> None:
     process group exists (an export from a training rank takes no collective)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(
-            state,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
+        with paused_gc():  # DCP's planners: a few objects per item (format/gcpause.py)
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                no_dist=True,
+            )
 
 
 def _complete(store: Store, key: str, header: bytes, size: int) -> bool:

@@ -54,6 +54,7 @@ from ..format.dcp.archive import parse_archive
 from ..format.dcp.index import LayoutIndex, parse_index
 from ..format.dcp.layout import layout_name
 from ..format.dcp.metadata import ChunkIndex
+from ..format.gcpause import paused_gc
 from ..options import TransferOptions
 from .commit_read import adopt, layout_document, read_commit, save_id_of
 from .fetch import RangeFetcher
@@ -262,10 +263,11 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         mark = plan.storage_data
         group = part_group(mark.parts) if isinstance(mark, SharedRead) else None
         self.last_shared_with = group_ranks(group) if group is not None else ()
-        if group is not None:
-            self._read_shared(plan, planner, group)
-        else:
-            self._read(plan, planner)
+        with paused_gc():  # a few objects per item, nothing cyclic (format/gcpause.py)
+            if group is not None:
+                self._read_shared(plan, planner, group)
+            else:
+                self._read(plan, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future

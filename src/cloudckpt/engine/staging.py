@@ -29,7 +29,6 @@ storage's location (``map_location`` is not needed to load it on a CPU-only host
 from __future__ import annotations
 
 import ctypes
-import gc
 import io
 import pickle
 import threading
@@ -38,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ..format.gcpause import paused_gc
 
 __all__ = ["SLAB_BYTES", "SMALL_MAX", "Snapshot", "StagingPool", "get_pool", "snapshot"]
 
@@ -325,17 +326,13 @@ def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
     # The pickler allocates a few small tuples per tensor; with thousands of tensors those
     # trigger cyclic collections that walk the whole heap (the state included), which cost
     # more than the copies. Nothing here makes cycles: collect later, not while training waits.
-    collecting = gc.isenabled()
-    gc.disable()
     try:
-        pickler.dump(obj)
+        with paused_gc():
+            pickler.dump(obj)
         if pickler.stream is not None:
             pickler.stream.synchronize()  # the snapshot is complete only when copies land
     except BaseException:
         snap.release(pool)
         raise
-    finally:
-        if collecting:
-            gc.enable()
     snap.structure = buf.getvalue()
     return snap

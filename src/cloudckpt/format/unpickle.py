@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
+from .gcpause import paused_gc
 
 __all__ = ["StorageRef", "parse_persistent_id", "unpickle"]
 
@@ -234,7 +235,11 @@ def unpickle(
     allowed = _allowed_globals() if weights_only else None
     try:
         return _run(_unpickler(data, weights_only, allowed), persistent_load, weights_only, url)
-    except _TorchUnpicklerNeeded:
+    except (_TorchUnpicklerNeeded, MemoryError):
+        if allowed is None:
+            raise
+        # MemoryError: the C unpickler sizes its memo by the largest index a pickle names,
+        # so a forged LONG_BINPUT asks for gigabytes; torch's unpickler keeps a dict.
         return _run(_unpickler(data, weights_only, None), persistent_load, weights_only, url)
 
 
@@ -243,7 +248,8 @@ def _run(
 ) -> Any:
     unpickler.persistent_load = persistent_load
     try:
-        result = unpickler.load()
+        with paused_gc():
+            result = unpickler.load()
     except _TorchUnpicklerNeeded:
         raise
     except pickle.UnpicklingError as exc:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from ..engine.load import load
 from ..engine.save import save
 from ..errors import ConfigError
+from ..format.gcpause import paused_gc
 from ..options import TransferOptions
 from .distributed import on_rank0
 
@@ -94,7 +95,8 @@ class DcpPayload:
         import torch.distributed.checkpoint as dcp
 
         writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
-        dcp.save(state, storage_writer=writer)
+        with paused_gc():  # DCP's planners: a few objects per item (format/gcpause.py)
+            dcp.save(state, storage_writer=writer)
 
     def async_save(
         self, state: Any, prefix_url: str, options: TransferOptions, process_group: Any
@@ -108,7 +110,8 @@ class DcpPayload:
 
         writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
         kwargs = {} if process_group is None else {"process_group": process_group}
-        pending: Any = dcp.async_save(state, storage_writer=writer, **kwargs)
+        with paused_gc():  # the planning and staging part, in the caller
+            pending: Any = dcp.async_save(state, storage_writer=writer, **kwargs)
         # torch >= 2.7 answers an AsyncSaveResponse when staging is asynchronous too.
         future: Future[Any] = getattr(pending, "upload_completion", pending)
         return future
@@ -129,7 +132,8 @@ class DcpPayload:
         reader = self._dcp().CloudStorageReader(
             prefix_url, weights_only=weights_only, options=options
         )
-        dcp.load(state, storage_reader=reader)
+        with paused_gc():
+            dcp.load(state, storage_reader=reader)
         return state
 
 

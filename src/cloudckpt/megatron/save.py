@@ -35,6 +35,7 @@ from ..dcp.writer import CloudStorageWriter
 from ..engine.groups import checkpoint_group, group_ranks
 from ..engine.staging import StagingPool, get_pool
 from ..errors import CloudCkptError, DistributedSaveError
+from ..format.gcpause import paused_gc
 from ..format.picklability import raise_if_unpicklable
 from ..options import TransferOptions
 from . import mcore
@@ -315,7 +316,10 @@ class _SaveJob:
         mc = mcore.require()
         writer = CloudStorageWriter(self.url, options=self.location.options)
         planner = mc.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
-        dcp.save(self.pyt_state, storage_writer=writer, planner=planner, process_group=self.group)
+        with paused_gc():  # DCP's planners: a few objects per item (format/gcpause.py)
+            dcp.save(
+                self.pyt_state, storage_writer=writer, planner=planner, process_group=self.group
+            )
 
     def _commit(self) -> None:
         """Coordinator: ``common.pt`` then ``metadata.json``; every rank learns the outcome."""

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.serialization import _get_layout
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..gcpause import paused_gc
 from .layout import StorageInfo
 
 __all__ = ["ChunkIndex", "MCoreMetadata", "MCoreSavePlan", "check_metadata", "decode_metadata"]
@@ -168,7 +169,8 @@ def decode_metadata(payload: bytes, url: str, *, scan: bool = True) -> Metadata:
     if scan:
         _scan(payload, url)
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(payload)).load()
+        with paused_gc():
+            metadata = _MetadataUnpickler(io.BytesIO(payload)).load()
     except _Refused as exc:
         raise UnsafeCheckpointError(f"{url}: {exc}") from exc
     except Exception as exc:
