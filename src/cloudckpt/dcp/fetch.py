@@ -24,6 +24,7 @@ class RangeFetcher(RangeReader):
     def __init__(self, location: CheckpointLocation, *, stream: bool = False) -> None:
         super().__init__(location.store, location.options, stream=stream)
         self.location = location
+        self._keys: dict[str, str] = {}  # each name checked once, not once per range
 
     def add(
         self,
@@ -34,4 +35,7 @@ class RangeFetcher(RangeReader):
     ) -> None:
         """Fill ``dest`` from byte ``start`` of the data object ``relative`` (a name that
         escapes the checkpoint's prefix is refused)."""
-        super().add(self.location.key(relative), start, dest, on_done)
+        key = self._keys.get(relative)
+        if key is None:
+            key = self._keys[relative] = self.location.key(relative)
+        super().add(key, start, dest, on_done)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..engine.memview import writable_view
 from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
+from ..format.checksum import crc32
 from ..format.dcp.archive import SavedTensor, parse_archive
 from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records
 from ..format.dcp.layout import WHOLE_LIMIT
@@ -85,6 +86,34 @@ class Slice:
     saved: SavedTensor | None = None
 
 
+def _flat(a: Archive, saved: SavedTensor) -> torch.Tensor:
+    """The storage record of an archive read whole, as a flat tensor of its dtype (a
+    view of the bytes read)."""
+    assert a.whole is not None
+    count = saved.record_size // saved.dtype.itemsize
+    return torch.frombuffer(a.whole, dtype=saved.dtype, count=count, offset=saved.data_offset)
+
+
+def _whole_into(
+    a: Archive, saved: SavedTensor, target: torch.Tensor, lengths: tuple[int, ...]
+) -> bool:
+    """Copy the whole saved tensor's bytes into ``target`` when that is one copy of the
+    record (the slice is the whole tensor, dense over its record, and the destination a
+    contiguous CPU tensor of its dtype); False to copy through a view instead."""
+    if (
+        lengths != saved.size
+        or not saved.dense
+        or target.dtype != saved.dtype
+        or not target.is_cpu
+        or not target.is_contiguous()
+    ):
+        return False
+    assert a.whole is not None
+    start = saved.data_offset
+    tensor_bytes(target)[:] = memoryview(a.whole)[start : start + saved.record_size]
+    return True
+
+
 def read_whole(a: Archive) -> bool:
     """Small chunks, byte items and encoded chunks are read whole; large tensor archives
     by slice."""
@@ -110,6 +139,15 @@ class SliceReader:
         self.location = location
         self._chunks = chunks
         self.weights_only = weights_only
+        self._urls: dict[str, str] = {}  # each object's name checked once, not per item
+
+    def _url(self, relative: str) -> str:
+        """The URL of the data object ``relative`` (a name that escapes the prefix is
+        refused, the first time it is asked for)."""
+        url = self._urls.get(relative)
+        if url is None:
+            url = self._urls[relative] = self.location.url_of(relative)
+        return url
 
     def check_sizes(self, whole: list[Archive]) -> None:
         """Before allocating a large chunk read whole, make sure its object holds it."""
@@ -121,7 +159,7 @@ class SliceReader:
                 sizes[a.relative] = self.location.store.head(self.location.key(a.relative)).size
             if a.offset + a.length > sizes[a.relative]:
                 raise CorruptCheckpointError(
-                    f"{self.location.url_of(a.relative)} holds {sizes[a.relative]} bytes; "
+                    f"{self._url(a.relative)} holds {sizes[a.relative]} bytes; "
                     f".metadata places {item_names(a)} at bytes {a.offset}-{a.offset + a.length}"
                 )
 
@@ -129,20 +167,21 @@ class SliceReader:
         """The check of a chunk read whole: its CRC-32 from the layout index, or else the
         zip CRC-32 of each record (byte items that are not archives have none; an encoded
         chunk's records are checked once decoded)."""
-        where = self._where(a)
+        self._url(a.relative)  # refuse a bad name now, in the planning thread
 
         def check() -> None:
             assert a.whole is not None
             if crc is not None:
-                check_chunk(a.whole, crc, where)
+                if crc32(a.whole) != crc:  # the message (item names) only on failure
+                    check_chunk(a.whole, crc, self._where(a))
             elif not a.transforms:
-                self._check_records(a, where)
+                self._check_records(a, self._where(a))
 
         return check
 
     def _where(self, a: Archive) -> str:
         """The chunk's object, bytes and items, for messages."""
-        url = self.location.url_of(a.relative)
+        url = self._url(a.relative)
         return f"{url} bytes {a.offset}-{a.offset + a.length} ({item_names(a)})"
 
     @staticmethod
@@ -203,14 +242,18 @@ class SliceReader:
         assert a.whole is not None
         if a.transforms:
             self._decode(a)
-        url = self.location.url_of(a.relative)
+        url = self._url(a.relative)
         if all(i.type != LoadItemType.BYTE_IO for i in a.items):
             record = self._record_in(a, url)
             if record is not None:
                 saved, flat = record
                 for item in a.items:
                     target, lengths, first = self.slice_of(a, saved, item, planner, url)
-                    if math.prod(lengths):
+                    # A whole tensor: its record's bytes copied straight into the
+                    # destination; else a copy through a strided view of the record.
+                    if math.prod(lengths) and not _whole_into(a, saved, target, lengths):
+                        if flat is None:
+                            flat = _flat(a, saved)
                         target.copy_(flat.as_strided(lengths, saved.stride, first))
                     planner.commit_tensor(item, target)
                 return
@@ -267,9 +310,10 @@ class SliceReader:
             target.copy_(source)
             planner.commit_tensor(item, target)
 
-    def _record_in(self, a: Archive, url: str) -> tuple[SavedTensor, torch.Tensor] | None:
-        """The tensor of an archive read whole and its storage record as a flat tensor of
-        its dtype (a view of the bytes read), or None when ``torch.load`` must read it."""
+    def _record_in(self, a: Archive, url: str) -> tuple[SavedTensor, torch.Tensor | None] | None:
+        """The tensor of an archive read whole and, where it is empty, its storage record
+        as a flat tensor (else None: :func:`_flat` makes one when a slice needs it), or
+        None when ``torch.load`` must read it."""
         assert a.whole is not None
         data = bytes(a.whole[:HEAD_PROBE])
         where = f"{url} bytes {a.offset}-{a.offset + a.length}"
@@ -280,11 +324,9 @@ class SliceReader:
         itemsize = saved.dtype.itemsize
         if saved.record_size % itemsize or saved.data_offset % itemsize:
             return None
-        count = saved.record_size // itemsize
-        if count == 0:
+        if saved.record_size == 0:
             return saved, torch.empty(0, dtype=saved.dtype)
-        flat = torch.frombuffer(a.whole, dtype=saved.dtype, count=count, offset=saved.data_offset)
-        return saved, flat
+        return saved, None
 
     def slice_of(
         self, a: Archive, saved: SavedTensor, item: ReadItem, planner: LoadPlanner, url: str
@@ -343,7 +385,7 @@ class SliceReader:
         Without them, a slice that is the whole record is checked by its zip CRC-32; a
         partial slice of an archive written without a layout index is not checked.
         """
-        url = self.location.url_of(a.relative)
+        url = self._url(a.relative)
         fqn = item.storage_index.fqn
         target, lengths, first = self.slice_of(a, saved, item, planner, url)
         numel = math.prod(lengths)
@@ -400,7 +442,7 @@ class SliceReader:
             (hi, memoryview(bytearray(end - hi))),
         ]
         record = a.offset + saved.data_offset
-        where = (self.location.url_of(a.relative), name)
+        where = (self._url(a.relative), name)
         group = max(size, self.location.options.read_chunk_size // size * size)
         for g_start in range(start, end, group):
             g_end = min(g_start + group, end)

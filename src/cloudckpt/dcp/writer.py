@@ -14,7 +14,9 @@ Each data object is streamed with :class:`~cloudckpt.engine.sink.BorrowingSink` 
 tensor records sent from the tensors' memory, not copied into part buffers): its
 parts go through the I/O scheduler (bounded write concurrency and bytes in flight),
 and it becomes visible only when complete. A rank that fails aborts its uploads and
-DCP never calls ``finish``, so no ``.metadata`` appears.
+DCP never calls ``finish``, so no ``.metadata`` appears. A tensor item's archive is
+built as header, storage view and trailer, the bytes ``torch.save`` would write
+(:mod:`cloudckpt.format.dcp.tensor_archive`); unusual tensors go through ``torch.save``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ..format.dcp.layout import (
     metadata_name,
     split_items,
 )
+from ..format.dcp.tensor_archive import TensorArchive, archive_builder_on, tensor_archive
 from ..options import TransferOptions
 from ..store import byte_view
 from .location import CheckpointLocation, LocatedCheckpoint
@@ -89,6 +92,15 @@ def _cpu_tensor(data: Any) -> torch.Tensor:
         except (RuntimeError, TypeError, ValueError):
             pass
     return tensor.clone()
+
+
+def _built_archive(tensor: torch.Tensor) -> TensorArchive | None:
+    """``torch.save(tensor)``'s archive built as header, storage view and trailer
+    (:mod:`cloudckpt.format.dcp.tensor_archive`), or None where torch.save must write it."""
+    if tensor.device.type != "cpu":
+        return None
+    storage = tensor.untyped_storage()
+    return tensor_archive(tensor, writable_view(storage.data_ptr(), storage.nbytes()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +143,51 @@ class _Tap:
 
     def flush(self) -> None:
         """Nothing to flush: the sink uploads parts on its own schedule."""
+
+
+def _write_tensor(
+    sink: BorrowingSink, data: Any, build: bool
+) -> tuple[SavedTensor | None, int | None]:
+    """Write a tensor item's ``torch.save`` archive: built as header, storage and trailer
+    where ``build`` allows and the tensor is plain (three writes), else by ``torch.save``
+    through a tap. Returns what the layout index records: for an archive read by slice,
+    where its storage bytes sit and their block CRC-32s; for one read whole, its CRC-32."""
+    offset = sink.tell()
+    tensor = _cpu_tensor(data)
+    nbytes = tensor.numel() * tensor.element_size()
+    # A large record is sent from the tensor's memory; what owns it (the item's data,
+    # and a CPU copy or alias of it) is kept until it is sent.
+    owner = (data, tensor)
+    built = _built_archive(tensor) if build else None
+    if built is not None:
+        sink.write(built.header)
+        if built.storage.nbytes >= BORROW_MIN:
+            sink.write_borrowed(built.storage, owner)
+        else:
+            sink.write(built.storage)
+        sink.write(built.trailer)
+        crc, block_size, blocks = built.crc, built.block_size, built.block_crcs
+        found: int | None = offset + built.data_offset
+    else:
+        own = {tensor.data_ptr(): (nbytes, owner)} if nbytes >= BORROW_MIN else {}
+        tap = _Tap(BorrowingWriter(sink, own), nbytes)
+        torch.save(tensor, tap)  # type: ignore[arg-type]
+        crc, block_size, blocks, found = tap.crc, tap.block_size, tap.blocks, tap.found
+    if sink.tell() - offset <= WHOLE_LIMIT:  # read whole: one CRC-32
+        return None, crc
+    if found is None:  # pragma: no cover - torch.save always writes the storage in one go
+        return None, None
+    saved = SavedTensor(
+        dtype=tensor.dtype,
+        storage_offset=0,
+        size=tuple(tensor.shape),
+        stride=tuple(tensor.stride()),
+        data_offset=found - offset,
+        record_size=nbytes,
+        block_size=block_size,
+        block_crcs=blocks,
+    )
+    return saved, None
 
 
 def _world_size() -> int:
@@ -277,6 +334,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         sink = BorrowingSink(store, key, opts, size_hint=size_hint)
+        build = archive_builder_on()  # torch's serialization options, once per object
         results: list[WriteResult] = []
         try:
             for item in ordered:
@@ -294,28 +352,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                     sink.write(buffer)
                     del buffer
                 else:
-                    tensor = _cpu_tensor(data)
-                    nbytes = tensor.numel() * tensor.element_size()
-                    # A large record is sent from the tensor's memory; what owns it (the
-                    # item's data, and a CPU copy or alias of it) is kept until it is sent.
-                    own = {}
-                    if nbytes >= BORROW_MIN:
-                        own = {tensor.data_ptr(): (nbytes, (data, tensor))}
-                    tap = _Tap(BorrowingWriter(sink, own), nbytes)
-                    torch.save(tensor, tap)  # type: ignore[arg-type]
-                    if sink.tell() - offset <= WHOLE_LIMIT:  # read whole: one CRC-32
-                        crc = tap.crc
-                    elif tap.found is not None:  # read by slice: where, and block CRCs
-                        saved = SavedTensor(
-                            dtype=tensor.dtype,
-                            storage_offset=0,
-                            size=tuple(tensor.shape),
-                            stride=tuple(tensor.stride()),
-                            data_offset=tap.found - offset,
-                            record_size=nbytes,
-                            block_size=tap.block_size,
-                            block_crcs=tap.blocks,
-                        )
+                    saved, crc = _write_tensor(sink, data, build)
                 length = sink.tell() - offset
                 info = StorageInfo(relative, offset, length)
                 results.append(

@@ -4,9 +4,14 @@ DCP stores each tensor chunk as a small ``torch.save`` archive inside a data obj
 To read part of a large chunk straight into its destination we need the record that
 holds the tensor's storage and the tensor's dtype, storage offset, size and stride.
 :func:`parse_archive` finds them from two small reads: the archive's head (where
-``data.pkl`` sits) and its tail (the zip directory). Anything unusual (compressed
-records, another rebuild function, big-endian data) returns ``None`` and the caller
-reads the archive whole and hands it to ``torch.load``.
+``data.pkl`` sits) and its tail (the zip directory). ``data.pkl`` is checked by its
+CRC-32, then read by the C unpickler with an allow-list that builds nothing (recorders
+of ``_rebuild_tensor_v2``/``_v3``'s arguments, stand-ins for storage classes); a parse
+is kept by the pickle's bytes, and an archive laid out like one parsed before (a tensor
+of the same dtype and shape: the same bytes but for its directory's CRC-32s) is
+recognised without parsing its directory again. Anything unusual (compressed records,
+another rebuild function, conjugate or negative views, big-endian data) returns
+``None`` and the caller reads the archive whole and hands it to ``torch.load``.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import dataclasses
 import io
 import math
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +32,7 @@ import torch
 from ...errors import ChecksumError, CorruptCheckpointError
 from ..checksum import crc32
 from ..unpickle import StorageRef, parse_persistent_id
-from ..zipdir import NeedMoreBytes, check_local_header, parse_directory
+from ..zipdir import Entry, NeedMoreBytes, check_local_header, parse_directory
 from .checks import block_count, valid_block_size
 
 __all__ = ["SavedTensor", "parse_archive", "saved_from_json"]
@@ -135,20 +142,73 @@ class _Unsupported(Exception):
 
 
 class _TensorArgs:
-    """Stand-in for ``torch._utils._rebuild_tensor_v2``: keeps its arguments."""
+    """Stand-in for ``torch._utils._rebuild_tensor_v2``: keeps its arguments. ``plain``:
+    no more than ``requires_grad`` and the hooks follow the view (torch appends the
+    conjugate and negative bits after them, which this parse does not apply)."""
+
+    dtype: torch.dtype | None = None
 
     def __init__(self, storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any):
         self.storage = storage
         self.storage_offset = storage_offset
         self.size = size
         self.stride = stride
+        self.plain = len(rest) <= 2
 
 
-class _LayoutUnpickler(pickle._Unpickler):
+class _TensorArgsV3(_TensorArgs):
+    """Stand-in for ``torch._utils._rebuild_tensor_v3`` (the dtypes torch pickles over an
+    untyped storage: float8, uint16..64...): its seventh argument is the dtype."""
+
+    def __init__(self, storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any):
+        super().__init__(storage, storage_offset, size, stride)
+        found = rest[2] if len(rest) == 3 else None
+        self.dtype = found if isinstance(found, torch.dtype) else None
+        self.plain = self.dtype is not None
+
+
+class _StorageType:
+    """Stand-in for a storage class named in a persistent id (``torch FloatStorage``):
+    its element type, and nothing to call."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _storage_types() -> dict[str, _StorageType]:
+    found = {
+        name: _StorageType(dtype)
+        for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+    }
+    found["UntypedStorage"] = _StorageType(torch.uint8)
+    return found
+
+
+_STORAGE_TYPES = _storage_types()
+#: The globals a tensor's ``data.pkl`` names, and what each decodes to: recorders of
+#: the rebuild's arguments, stand-ins for storage classes, dtypes (``_v3``).
+_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _TensorArgs,
+    ("torch._utils", "_rebuild_tensor_v3"): _TensorArgsV3,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    **{("torch", name): stand_in for name, stand_in in _STORAGE_TYPES.items()},
+    ("torch.storage", "UntypedStorage"): _STORAGE_TYPES["UntypedStorage"],
+    **{
+        ("torch", str(dtype).removeprefix("torch.")): dtype
+        for dtype in vars(torch).values()
+        if isinstance(dtype, torch.dtype)
+    },
+}
+
+
+class _LayoutUnpickler(pickle.Unpickler):
     """Builds nothing: records the arguments of the single tensor rebuild.
 
-    The pure-Python unpickler (``data.pkl`` is small): its memo is a dict, so a damaged
-    memo index cannot make it allocate an array of that size.
+    The C unpickler, over a ``data.pkl`` whose CRC-32 matched: ``find_class`` gives
+    only the recorders and stand-ins of ``_GLOBALS`` (nothing that runs code), anything
+    else ends the parse and the caller reads the archive with ``torch.load``.
     """
 
     def __init__(self, data: bytes, url: str) -> None:
@@ -156,16 +216,65 @@ class _LayoutUnpickler(pickle._Unpickler):
         self.url = url
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _TensorArgs
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage") and hasattr(torch, name):
-            return getattr(torch, name)
-        raise _Unsupported(f"{module}.{name}")
+        found = _GLOBALS.get((module, name))
+        if found is None:
+            raise _Unsupported(f"{module}.{name}")
+        return found
 
     def persistent_load(self, pid: Any) -> StorageRef:
         return parse_persistent_id(pid, self.url)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a ``data.pkl`` says: the storage record's key and size, the view over it."""
+
+    key: str
+    nbytes: int
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+#: Parses by ``data.pkl`` bytes (a model's tensors share a few dtypes and shapes, and
+#: the pickle holds no data): the same bytes always give the same layout.
+_LAYOUTS: dict[bytes, _Layout | None] = {}
+_MAX_LAYOUTS = 4096
+_QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2)
+
+
+def _layout(pickled: bytes, url: str) -> _Layout | None:
+    """The tensor ``pickled`` rebuilds, or None for anything but one plain tensor."""
+    try:
+        return _LAYOUTS[pickled]
+    except KeyError:
+        pass
+    try:
+        args = _LayoutUnpickler(pickled, url).load()
+    except Exception:  # anything but one plain tensor: torch.load reads it whole
+        return None  # not kept: the error may name this archive
+    found: _Layout | None = None
+    if isinstance(args, _TensorArgs) and isinstance(args.storage, StorageRef):
+        size, stride = _ints(args.size), _ints(args.stride)
+        dtype = args.storage.dtype if type(args) is _TensorArgs else args.dtype
+        if (
+            args.plain
+            and size is not None
+            and stride is not None
+            and len(size) == len(stride)
+            and isinstance(args.storage_offset, int)
+            and not isinstance(args.storage_offset, bool)
+            and dtype is not None
+            and dtype not in _QUANTIZED
+            and (type(args) is _TensorArgs or args.storage.dtype == torch.uint8)
+        ):
+            storage = args.storage
+            found = _Layout(storage.key, storage.nbytes, dtype, args.storage_offset, size, stride)
+    if len(_LAYOUTS) >= _MAX_LAYOUTS:
+        _LAYOUTS.clear()
+    _LAYOUTS[pickled] = found
+    return found
 
 
 def _ints(value: Any) -> tuple[int, ...] | None:
@@ -175,7 +284,28 @@ def _ints(value: Any) -> tuple[int, ...] | None:
 
 
 def parse_archive(head: bytes, tail: bytes, length: int, url: str) -> SavedTensor | None:
-    """The tensor in an archive of ``length`` bytes, from its first and last bytes."""
+    """The tensor in an archive of ``length`` bytes, from its first and last bytes.
+
+    An archive laid out like one parsed before (the same bytes but for the CRC-32s in
+    its directory: another tensor of the same dtype and shape) is recognised from
+    those bytes (:class:`_Known`), its ``data.pkl`` still checked by its CRC-32.
+    """
+    known = _recognised(head, tail, length, url)
+    if known is not None:
+        return known
+    parsed = _parse(head, tail, length, url)
+    if parsed is None:
+        return None
+    saved, pkl, record, looked = parsed
+    _remember(head, tail, length, saved, pkl, record, looked)
+    return saved
+
+
+def _parse(
+    head: bytes, tail: bytes, length: int, url: str
+) -> tuple[SavedTensor, Entry, Entry, int] | None:
+    """:func:`parse_archive`'s work: the tensor, the entries of ``data.pkl`` and of the
+    storage record, and how many bytes of ``head`` it read."""
     try:
         directory = parse_directory(tail, length - len(tail), length, url)
     except NeedMoreBytes:
@@ -198,38 +328,153 @@ def parse_archive(head: bytes, tail: bytes, length: int, url: str) -> SavedTenso
             f"{url}: record {pkl.name!r} fails its CRC-32 check (stored {pkl.crc32:08x}, "
             f"read {crc32(pickled):08x}): the object is corrupted"
         )
-    try:
-        args = _LayoutUnpickler(pickled, url).load()
-    except Exception:  # anything but one plain tensor: torch.load reads it whole
+    layout = _layout(pickled, url)
+    if layout is None:
         return None
-    if not isinstance(args, _TensorArgs) or not isinstance(args.storage, StorageRef):
-        return None
-    size, stride = _ints(args.size), _ints(args.stride)
-    dtype = args.storage.dtype
-    if (
-        size is None
-        or stride is None
-        or len(size) != len(stride)
-        or not isinstance(args.storage_offset, int)
-        or dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2)
-    ):
-        return None
-    record = entries.get(pkl.name[: -len("data.pkl")] + "data/" + args.storage.key)
+    record = entries.get(pkl.name[: -len("data.pkl")] + "data/" + layout.key)
     if record is None or record.method != 0 or record.local_header_size < 0:
         return None
-    if record.size != args.storage.nbytes:
+    if record.size != layout.nbytes:
         raise CorruptCheckpointError(
             f"{url}: storage record {record.name!r} holds {record.size} bytes, "
-            f"its tensor needs {args.storage.nbytes}"
+            f"its tensor needs {layout.nbytes}"
         )
+    looked = max(pkl.end, order.end if order is not None else 0)
     if record.data_offset <= len(head):
         check_local_header(head[record.header_offset : record.data_offset], record, url)
-    return SavedTensor(
-        dtype=dtype,
-        storage_offset=args.storage_offset,
-        size=size,
-        stride=stride,
+        looked = max(looked, record.data_offset)
+    saved = SavedTensor(
+        dtype=layout.dtype,
+        storage_offset=layout.storage_offset,
+        size=layout.size,
+        stride=layout.stride,
         data_offset=record.data_offset,
         record_size=record.size,
         record_crc=record.crc32,
     )
+    return saved, pkl, record, looked
+
+
+@dataclass(frozen=True)
+class _Known:
+    """An archive parsed before, to recognise others laid out alike.
+
+    Two archives whose first ``looked`` bytes are the same and whose directories (from
+    the central directory to the end) are the same but for the CRC-32 fields give the
+    same parse: those bytes are all the parse reads, the CRC-32s only go into the
+    result (the storage record's) or are checked (``data.pkl``'s, against its bytes).
+    """
+
+    head: bytes  # the first ``looked`` bytes
+    directory: bytes  # the central directory to the end, CRC-32 fields zeroed
+    crc_fields: tuple[int, ...]  # offsets of the CRC-32 fields in ``directory``
+    pkl_crc_at: int
+    record_crc_at: int
+    pkl: tuple[int, int]  # where data.pkl's bytes are
+    pkl_name: str
+    saved: SavedTensor
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+_U32 = struct.Struct("<I")
+#: Archives recognised by their layout: by (length, head and tail sizes, directory
+#: offset and size), a few each (tensors of other dtypes may share all of those).
+_KNOWN: dict[tuple[int, ...], list[_Known]] = {}
+_MAX_KNOWN = 1024
+_PER_KEY = 4
+
+
+def _directory_at(tail: bytes, length: int) -> tuple[int, int, int] | None:
+    """(key, directory start in ``tail``, its size) from the plain end record last in
+    ``tail`` (no comment, no zip64 values), or None."""
+    if len(tail) < _EOCD.size:
+        return None
+    sig, disk, cd_disk, on_disk, count, cd_size, cd_offset, comment = _EOCD.unpack_from(
+        tail, len(tail) - _EOCD.size
+    )
+    if sig != b"PK\x05\x06" or comment or disk or cd_disk or on_disk != count:
+        return None
+    if count == 0xFFFF or 0xFFFFFFFF in (cd_size, cd_offset):
+        return None
+    start = cd_offset - (length - len(tail))
+    if start < 0 or cd_offset + cd_size > length:
+        return None
+    return count, start, cd_size
+
+
+def _masked(region: bytes, fields: tuple[int, ...]) -> bytes:
+    out = bytearray(region)
+    for at in fields:
+        out[at : at + 4] = b"\0\0\0\0"
+    return bytes(out)
+
+
+def _remember(
+    head: bytes,
+    tail: bytes,
+    length: int,
+    saved: SavedTensor,
+    pkl: Entry,
+    record: Entry,
+    looked: int,
+) -> None:
+    """Keep a parsed archive's layout (:class:`_Known`) when its directory is plain."""
+    found = _directory_at(tail, length)
+    if found is None:
+        return
+    count, start, cd_size = found
+    region = tail[start:]
+    fields: list[int] = []
+    by_name: dict[str, int] = {}
+    at = 0
+    for _ in range(count):  # parse_directory read these entries: they are whole
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", region, at + 28)
+        by_name[region[at + 46 : at + 46 + name_len].decode("utf-8", "replace")] = at + 16
+        fields.append(at + 16)
+        at += 46 + name_len + extra_len + comment_len
+    if len(by_name) != count or pkl.name not in by_name or record.name not in by_name:
+        return
+    crc_fields = tuple(fields)
+    known = _Known(
+        head=head[:looked],
+        directory=_masked(region, crc_fields),
+        crc_fields=crc_fields,
+        pkl_crc_at=by_name[pkl.name],
+        record_crc_at=by_name[record.name],
+        pkl=(pkl.data_offset, pkl.end),
+        pkl_name=pkl.name,
+        saved=saved,
+    )
+    key = (length, len(head), len(tail), start, cd_size)
+    if len(_KNOWN) >= _MAX_KNOWN:
+        _KNOWN.clear()
+    kept = _KNOWN.setdefault(key, [])
+    if len(kept) >= _PER_KEY:
+        kept.pop(0)
+    kept.append(known)
+
+
+def _recognised(head: bytes, tail: bytes, length: int, url: str) -> SavedTensor | None:
+    """The parse of an archive laid out like one parsed before, or None."""
+    found = _directory_at(tail, length)
+    if found is None:
+        return None
+    _, start, cd_size = found
+    candidates = _KNOWN.get((length, len(head), len(tail), start, cd_size))
+    if not candidates:
+        return None
+    region = tail[start:]
+    for known in candidates:
+        if head.startswith(known.head) and _masked(region, known.crc_fields) == known.directory:
+            break
+    else:
+        return None
+    (stored,) = _U32.unpack_from(region, known.pkl_crc_at)
+    pickled = head[known.pkl[0] : known.pkl[1]]
+    if crc32(pickled) != stored:
+        raise ChecksumError(
+            f"{url}: record {known.pkl_name!r} fails its CRC-32 check (stored {stored:08x}, "
+            f"read {crc32(pickled):08x}): the object is corrupted"
+        )
+    (record_crc,) = _U32.unpack_from(region, known.record_crc_at)
+    return dataclasses.replace(known.saved, record_crc=record_crc)
