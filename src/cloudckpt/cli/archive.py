@@ -19,13 +19,14 @@ import torch
 from ..engine.directory import read_directory
 from ..engine.ranges import RangeReader, split
 from ..engine.scheduler import TransferGroup
-from ..errors import ChecksumError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ..format.checksum import crc32
 from ..format.unpickle import parse_persistent_id, unpickle
 from ..format.zipdir import (
     Directory,
     Entry,
     check_local_header,
+    check_record_crc,
     check_records,
 )
 from ..options import TransferOptions
@@ -201,11 +202,7 @@ def _crc_of(
 
 
 def _check_crc(e: Entry, crc: int, url: str) -> None:
-    if crc != e.crc32:
-        raise ChecksumError(
-            f"{url}: record {e.name!r} fails its CRC-32 check "
-            f"(stored {e.crc32:08x}, read {crc:08x}): the object is corrupted"
-        )
+    check_record_crc(url, e.name, e.crc32, crc)
 
 
 def verify_archive_bytes(data: bytes, url: str) -> int:

@@ -27,7 +27,6 @@ import torch
 
 from ..errors import (
     BucketNotFoundError,
-    ChecksumError,
     ConfigError,
     CorruptCheckpointError,
     MissingKeyError,
@@ -38,7 +37,7 @@ from ..format.checksum import crc32
 from ..format.safetensors import is_safetensors_url
 from ..format.tensors import referenced_storages
 from ..format.unpickle import StorageRef, parse_persistent_id, unpickle
-from ..format.zipdir import Entry, check_local_header
+from ..format.zipdir import Entry, check_local_header, check_record_crc
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, open_target
 from .directory import read_directory
@@ -145,12 +144,7 @@ def _plan(store: Store, key: str) -> _Plan:
 def _checked(plan: _Plan, entry: Entry, header: memoryview, dest: memoryview) -> None:
     """Refuse a record whose local header or CRC-32 is not the directory's."""
     check_local_header(header, entry, plan.url)
-    crc = crc32(dest)
-    if crc != entry.crc32:
-        raise ChecksumError(
-            f"{plan.url}: record {entry.name!r} fails its CRC-32 check "
-            f"(stored {entry.crc32:08x}, read {crc:08x}): the object is corrupted"
-        )
+    check_record_crc(plan.url, entry.name, entry.crc32, crc32(dest))
 
 
 def _read_record(reader: RangeReader, plan: _Plan, entry: Entry, dest: memoryview) -> None:

@@ -6,8 +6,8 @@ torch's weights-only loader allows (its built-in list and what the user added wi
 :class:`~cloudckpt.errors.UnsafeCheckpointError` with torch's message. It runs that
 allow-list as the ``find_class`` of the C unpickler rather than through torch's
 pure-Python one: every global a pickle can reach, and so every callable ``REDUCE``,
-``NEWOBJ`` or ``BUILD`` can run, comes through ``find_class`` (docs/security.md says
-what that does and does not cover). ``weights_only=False`` is an explicit opt-in to
+``NEWOBJ`` or ``BUILD`` can run, comes through ``find_class`` (docs/format.md, "Safety",
+says what that does and does not cover). ``weights_only=False`` is an explicit opt-in to
 full pickle for trusted files.
 
 Plain CPU tensors are rebuilt by :func:`_rebuild_tensor_v2`, which does what
@@ -106,9 +106,9 @@ class _TorchUnpicklerNeeded(Exception):
     """A global whose weights-only handling only torch's own unpickler has."""
 
 
-#: Globals torch's weights-only unpickler treats specially (legacy sparse tensor
-#: classes, which it records for validation): the load falls back to that unpickler.
 def _needs_torch(full_path: str, found: Any) -> bool:
+    """A global torch's weights-only unpickler treats specially (legacy sparse tensor
+    classes, which it records for validation): the load falls back to that unpickler."""
     return found in torch._tensor_classes and "sparse" in full_path
 
 
@@ -143,15 +143,14 @@ def _rebuild_tensor_v2(
     metadata: Any = None,
 ) -> torch.Tensor:
     """``torch._utils._rebuild_tensor_v2`` for CPU storages with no fake mode active."""
-    if type(storage) is not torch.storage.TypedStorage:
+    if (
+        type(storage) is not torch.storage.TypedStorage
+        or storage._untyped_storage.device.type != "cpu"
+    ):
         return _torch_rebuild_v2(
             storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
         )
     untyped = storage._untyped_storage
-    if untyped.device.type != "cpu":
-        return _torch_rebuild_v2(
-            storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
-        )
     tensor = torch.empty((0,), dtype=storage.dtype).set_(untyped, storage_offset, size, stride)
     if requires_grad:
         tensor.requires_grad = True

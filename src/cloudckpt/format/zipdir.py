@@ -22,6 +22,7 @@ __all__ = [
     "Directory",
     "Entry",
     "check_local_header",
+    "check_record_crc",
     "check_records",
     "parse_directory",
 ]
@@ -212,6 +213,15 @@ def check_local_header(header: bytes | memoryview, entry: Entry, url: str) -> No
         )
 
 
+def check_record_crc(where: str, name: str, stored: int, read: int) -> None:
+    """Refuse a record whose bytes' CRC-32 (``read``) is not the one its archive stores."""
+    if read != stored:
+        raise ChecksumError(
+            f"{where}: record {name!r} fails its CRC-32 check (stored {stored:08x}, "
+            f"read {read:08x}): the object is corrupted"
+        )
+
+
 def local_header_size(header: bytes) -> int:
     """Size of a local header from its first 30 bytes."""
     if header[:4] != _LOCAL:
@@ -258,8 +268,4 @@ def check_records(data: bytes | bytearray | memoryview, where: str) -> None:
                 raise CorruptCheckpointError(f"{where}: record {e.name!r}: {exc}") from None
         else:
             raise CorruptCheckpointError(f"{where}: record {e.name!r} uses compression {e.method}")
-        if crc != e.crc32:
-            raise ChecksumError(
-                f"{where}: record {e.name!r} fails its CRC-32 check (stored {e.crc32:08x}, "
-                f"read {crc:08x}): the object is corrupted"
-            )
+        check_record_crc(where, e.name, e.crc32, crc)

@@ -29,10 +29,16 @@ from typing import Any
 
 import torch
 
-from ...errors import ChecksumError, CorruptCheckpointError
+from ...errors import CorruptCheckpointError
 from ..checksum import crc32
 from ..unpickle import StorageRef, parse_persistent_id
-from ..zipdir import Entry, NeedMoreBytes, check_local_header, parse_directory
+from ..zipdir import (
+    Entry,
+    NeedMoreBytes,
+    check_local_header,
+    check_record_crc,
+    parse_directory,
+)
 from .checks import block_count, valid_block_size
 
 __all__ = ["SavedTensor", "parse_archive", "saved_from_json"]
@@ -323,11 +329,8 @@ def _parse(
         return None
     check_local_header(head[pkl.header_offset : pkl.data_offset], pkl, url)
     pickled = head[pkl.data_offset : pkl.end]
-    if crc32(pickled) != pkl.crc32:  # it says which bytes make the tensor: check it first
-        raise ChecksumError(
-            f"{url}: record {pkl.name!r} fails its CRC-32 check (stored {pkl.crc32:08x}, "
-            f"read {crc32(pickled):08x}): the object is corrupted"
-        )
+    # It says which bytes make the tensor: check it first.
+    check_record_crc(url, pkl.name, pkl.crc32, crc32(pickled))
     layout = _layout(pickled, url)
     if layout is None:
         return None
@@ -471,10 +474,6 @@ def _recognised(head: bytes, tail: bytes, length: int, url: str) -> SavedTensor 
         return None
     (stored,) = _U32.unpack_from(region, known.pkl_crc_at)
     pickled = head[known.pkl[0] : known.pkl[1]]
-    if crc32(pickled) != stored:
-        raise ChecksumError(
-            f"{url}: record {known.pkl_name!r} fails its CRC-32 check (stored {stored:08x}, "
-            f"read {crc32(pickled):08x}): the object is corrupted"
-        )
+    check_record_crc(url, known.pkl_name, stored, crc32(pickled))
     (record_crc,) = _U32.unpack_from(region, known.record_crc_at)
     return dataclasses.replace(known.saved, record_crc=record_crc)
