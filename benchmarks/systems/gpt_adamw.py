@@ -13,6 +13,7 @@ state its save wrote. Built in the worker (``benchmarks.worker``), before the cl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ class GptAdamwShape:
         """Tensor bytes: every parameter three times (weights, ``exp_avg``, ``exp_avg_sq``)
         and one fp32 ``step`` per parameter."""
         shapes = self.params().values()
-        return 3 * 4 * sum(_numel(s) for s in shapes) + 4 * len(shapes)
+        return 3 * 4 * sum(math.prod(s) for s in shapes) + 4 * len(shapes)
 
     @property
     def tensors(self) -> int:
@@ -65,13 +66,6 @@ class GptAdamwShape:
             f"GPT-like decoder hidden {self.hidden}, {self.layers} layers, vocab {self.vocab}, "
             f"context {self.seq}, fp32, tied head, with AdamW state"
         )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 FULL = GptAdamwShape(hidden=512, layers=20, vocab=50257, seq=1024)  # 1022 MiB, 976 tensors

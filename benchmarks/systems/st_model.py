@@ -9,6 +9,7 @@ the state its save wrote.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ class LlamaShape:
 
     @property
     def nbytes(self) -> int:
-        return sum(2 * _numel(s) for s in self.shapes().values())
+        return sum(2 * math.prod(s) for s in self.shapes().values())
 
     @property
     def tensors(self) -> int:
@@ -53,13 +54,6 @@ class LlamaShape:
             f"Llama-like decoder hidden {self.hidden}, {self.layers} layers, FFN {self.ffn}, "
             f"vocab {self.vocab}, bf16, untied head"
         )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 FULL = LlamaShape(hidden=2048, layers=8, ffn=5632, vocab=32000)  # 1.0 GiB in 60 tensors
