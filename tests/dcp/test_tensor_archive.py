@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.dcp import writer as writer_module
-from cloudckpt.engine.memview import writable_view
 from cloudckpt.errors import ChecksumError, CorruptCheckpointError
 from cloudckpt.format.checksum import crc32
 from cloudckpt.format.dcp.archive import parse_archive
@@ -35,6 +34,7 @@ from cloudckpt.format.dcp.tensor_archive import (
     archive_builder_on,
     tensor_archive,
 )
+from cloudckpt.format.memview import writable_view
 from dtypes import DTYPES
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -8,6 +8,8 @@ import cloudckpt
 from cloudckpt.engine.buffers import PartBufferCache, SaveBuffers, get_cache
 from cloudckpt.engine.sink import BORROW_MIN, MIN_SHRUNK_PART, choose_part_size
 from cloudckpt.engine.staging import get_pool
+from cloudckpt.format import archive_writer
+from cloudckpt.format.archive_writer import ChunkPool, get_chunk_pool
 from cloudckpt.options import MiB
 
 
@@ -15,11 +17,17 @@ def _never() -> None:
     pass
 
 
-def test_a_second_save_reuses_the_first_saves_part_buffers(tmp_path):
+def _small_storages() -> dict[str, torch.Tensor]:
+    """6 MiB in storages too small to send from their own memory: two 5 MiB parts."""
+    return {f"w{i}": torch.randn(BORROW_MIN // 8) for i in range(6 * MiB // (BORROW_MIN // 2))}
+
+
+def test_a_second_save_reuses_the_first_saves_part_buffers(tmp_path, monkeypatch):
+    # The part buffers of the torch.save path (the archive builder turned off).
+    monkeypatch.setattr(archive_writer, "_checked", [False])
     cloudckpt.release_buffers()
     cache = get_cache()
-    # 6 MiB in storages too small to send from their own memory: two 5 MiB parts.
-    state = {f"w{i}": torch.randn(BORROW_MIN // 8) for i in range(6 * MiB // (BORROW_MIN // 2))}
+    state = _small_storages()
     opts = {"part_size": 5 * MiB, "write_concurrency": 2}
     cloudckpt.save(state, tmp_path / "a.pt", **opts)
     created = cache.created
@@ -29,6 +37,36 @@ def test_a_second_save_reuses_the_first_saves_part_buffers(tmp_path):
     assert cache.created == created
     loaded = cloudckpt.load(tmp_path / "d.pt")
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_a_second_save_reuses_the_first_saves_chunks(tmp_path):
+    # The archive builder copies small records into chunks, kept for the next save.
+    cloudckpt.release_buffers()
+    pool = get_chunk_pool()
+    state = _small_storages()
+    opts = {"part_size": 5 * MiB, "write_concurrency": 2}
+    cloudckpt.save(state, tmp_path / "a.pt", **opts)
+    held = pool.held_bytes
+    assert held >= 6 * MiB
+    for name in "bcd":
+        cloudckpt.save(state, tmp_path / f"{name}.pt", **opts)
+    assert pool.held_bytes == held  # every chunk came from the pool
+    loaded = cloudckpt.load(tmp_path / "d.pt")
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    assert cloudckpt.release_buffers() >= held
+    assert pool.held_bytes == 0
+
+
+def test_a_chunk_is_not_handed_out_while_a_view_of_it_lives():
+    pool = ChunkPool()
+    first = pool.take()
+    view = memoryview(first)[:10]
+    del first
+    second = pool.take()
+    assert second is not view.obj  # the view still refers to the first chunk
+    del view, second
+    third = pool.take()
+    assert pool.held_bytes == 2 * len(third)  # one of the two came back
 
 
 def test_large_storages_are_sent_from_their_own_memory(tmp_path):
@@ -68,10 +106,12 @@ def test_release_buffers_frees_part_and_staging_buffers(tmp_path):
     state = {"w": torch.randn(6 * MiB // 4)}
     cloudckpt.save(state, tmp_path / "a.pt", part_size=5 * MiB, write_concurrency=2)
     cloudckpt.async_save(state, tmp_path / "b.pt").result(60)
-    held = get_cache().idle_bytes + get_pool().idle_bytes
+    chunks = get_chunk_pool()
+    held = get_cache().idle_bytes + get_pool().idle_bytes + chunks.held_bytes
     assert held >= 6 * MiB
     assert cloudckpt.release_buffers() == held
     assert get_cache().idle_bytes == 0 and get_pool().idle_bytes == 0
+    assert chunks.held_bytes == 0
 
 
 def test_small_objects_spread_over_every_upload_stream():

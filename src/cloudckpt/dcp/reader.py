@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..engine.groups import group_ranks
-from ..engine.memview import writable_view
 from ..engine.share import (
     broadcast_views,
     group_rank,
@@ -55,6 +54,7 @@ from ..format.dcp.index import LayoutIndex, parse_index
 from ..format.dcp.layout import layout_name
 from ..format.dcp.metadata import ChunkIndex
 from ..format.gcpause import paused_gc
+from ..format.memview import writable_view
 from ..options import TransferOptions
 from .commit_read import adopt, layout_document, read_commit, save_id_of
 from .fetch import RangeFetcher

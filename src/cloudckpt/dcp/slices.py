@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ..engine.memview import writable_view
 from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ..format.checksum import crc32
 from ..format.dcp.archive import SavedTensor, parse_archive
 from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records
 from ..format.dcp.layout import WHOLE_LIMIT
 from ..format.dcp.metadata import ChunkIndex
+from ..format.memview import writable_view
 from .fetch import RangeFetcher
 from .location import CheckpointLocation
 

@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..engine.memview import writable_view
 from ..engine.scheduler import Cancelled
 from ..engine.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
 from ..errors import AlreadyExistsError, ConfigError
@@ -57,6 +56,7 @@ from ..format.dcp.layout import (
     split_items,
 )
 from ..format.dcp.tensor_archive import TensorArchive, archive_builder_on, tensor_archive
+from ..format.memview import writable_view
 from ..options import TransferOptions
 from ..store import byte_view
 from .location import CheckpointLocation, LocatedCheckpoint

@@ -71,13 +71,16 @@ def get_cache() -> PartBufferCache:
 def release_buffers() -> int:
     """Free the memory cloudckpt keeps between saves; returns the bytes released.
 
-    That is the idle part buffers of sync saves and the staging buffers of async saves.
+    That is the idle part buffers and archive chunks of sync saves and the staging
+    buffers of async saves.
     The next save allocates (and page-faults) its buffers again.
     """
+    from ..format.archive_writer import get_chunk_pool
     from .staging import get_pool
 
     released = _cache.idle_bytes
     _cache.clear()
+    released += get_chunk_pool().clear()
     pool = get_pool()
     released += pool.idle_bytes
     pool.clear()

@@ -34,6 +34,7 @@ from ..errors import (
     NotFoundError,
 )
 from ..format.checksum import crc32
+from ..format.memview import writable_view
 from ..format.safetensors import is_safetensors_url
 from ..format.tensors import referenced_storages
 from ..format.unpickle import StorageRef, parse_persistent_id, unpickle
@@ -41,7 +42,6 @@ from ..format.zipdir import Entry, check_local_header, check_record_crc
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, open_target
 from .directory import read_directory
-from .memview import writable_view
 from .progress import progress_bar
 from .ranges import RangeReader
 from .share import (

@@ -47,6 +47,7 @@ from ..errors import (
     SerializationError,
     UnsupportedFormatError,
 )
+from ..format.memview import writable_view
 from ..format.safetensors import (
     HEADER_PROBE,
     INDEX_SUFFIX,
@@ -69,7 +70,6 @@ from ..format.safetensors import (
 from ..options import TransferOptions
 from ..store import Store, join_key, open_target
 from .load import head_object
-from .memview import writable_view
 from .progress import progress_bar
 from .ranges import RangeReader
 from .save import SaveResult

@@ -1,4 +1,4 @@
-"""Synchronous save: ``torch.save`` streamed into a multipart upload, committed last."""
+"""Synchronous save: a ``torch.save`` archive streamed into a multipart upload, committed last."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..format.archive_writer import ArchivePlan, plan_archive
 from ..format.picklability import raise_if_unpicklable
 from ..format.tensors import scan_storages
 from ..options import TransferOptions
@@ -39,6 +40,15 @@ def write_object(
     """Stream ``torch.save(obj)`` to ``key``; commit on success, abort on any failure."""
     target = store.url(key)
     started = time.perf_counter()
+    try:
+        plan = plan_archive(obj)
+    except BaseException as exc:  # nothing written yet: name what could not be pickled
+        raise_if_unpicklable(obj, exc, target)
+        raise
+    if plan is not None:
+        size = _write_plan(plan, store, key, opts, size_hint or plan.size_hint)
+        return SaveResult(url=target, size=size, seconds=time.perf_counter() - started)
+    # torch.save writes what the archive builder does not (format/archive_writer.py).
     # Large CPU storages are sent from their own memory (no copy, no part buffers); the
     # caller keeps them unchanged until this returns, as a sync save always required.
     payload, storages = scan_storages(obj, BORROW_MIN)
@@ -61,6 +71,25 @@ def write_object(
             raise_if_unpicklable(obj, exc, target)
             raise
     return SaveResult(url=target, size=size, seconds=time.perf_counter() - started)
+
+
+def _write_plan(
+    plan: ArchivePlan, store: Store, key: str, opts: TransferOptions, size_hint: int
+) -> int:
+    """Send a built archive's pieces; commit on success, abort on any failure."""
+    with progress_bar(f"save {key.rsplit('/', 1)[-1]}", size_hint, opts.progress) as advance:
+        sink = BorrowingSink(store, key, opts, size_hint=size_hint, on_progress=advance)
+        try:
+            # Every piece is sent from where it lies: a storage's own memory (unchanged
+            # until this returns, as a sync save always required) or a copied chunk.
+            for view, owner in plan.pieces(BORROW_MIN):
+                sink.write_borrowed(view, owner)
+            return sink.commit()
+        except BaseException as exc:
+            error = sink.abort_after(exc)
+            if error is not exc:
+                raise error from None
+            raise
 
 
 def save(

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import StorageError
+from ..format.memview import buffer_address
 from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
 from ..store import MultipartUpload, Store, UploadedPart, byte_view
 from .buffers import SaveBuffers
-from .memview import buffer_address
 from .scheduler import TransferGroup, get_scheduler
 
 __all__ = [

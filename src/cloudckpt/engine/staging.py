@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..format.gcpause import paused_gc
+from ..format.tensors import plain_strided
 
 __all__ = ["SLAB_BYTES", "SMALL_MAX", "Snapshot", "StagingPool", "get_pool", "snapshot"]
 
@@ -51,8 +52,6 @@ _ALIGN = 64  # each part of a slab starts on a 64-byte boundary, as torch's allo
 
 _memmove = ctypes.memmove
 _Tensor = torch.Tensor
-_strided = torch.strided
-_tensor_metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
 
 
 class StagingPool:
@@ -226,15 +225,7 @@ class _StagingPickler(pickle.Pickler):
         # a small CPU storage inlined (this runs once per tensor while training waits).
         if type(obj) is _Tensor:
             cpu = obj.is_cpu
-            if not (
-                (cpu or obj.is_cuda)
-                and obj.layout is _strided
-                and not obj.is_quantized
-                and not obj.is_nested
-                and not obj._backward_hooks  # torch warns about those: let it
-                and not obj.__dict__
-                and not _tensor_metadata(obj)  # conj / neg bits
-            ):
+            if not ((cpu or obj.is_cuda) and plain_strided(obj)):
                 return NotImplemented  # torch's reduction; its storages come back below
             storage = obj.untyped_storage()
             index = self.index.get(storage._cdata)
@@ -328,7 +319,10 @@ def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
     # more than the copies. Nothing here makes cycles: collect later, not while training waits.
     try:
         with paused_gc():
-            pickler.dump(obj)
+            try:
+                pickler.dump(obj)
+            finally:
+                pickler.clear_memo()  # its tuples freed now, not walked by the next collection
         if pickler.stream is not None:
             pickler.stream.synchronize()  # the snapshot is complete only when copies land
     except BaseException:

@@ -9,9 +9,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_tensors", "referenced_storages", "scan_storages"]
+__all__ = ["iter_tensors", "plain_strided", "referenced_storages", "scan_storages"]
 
 _MAX_DEPTH = 200
+_strided = torch.strided
+_tensor_metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
+
+
+def plain_strided(t: torch.Tensor) -> bool:
+    """Whether torch reduces ``t`` (a ``torch.Tensor``, not a subclass) to a plain rebuild
+    over its storage: dense, not quantized or nested, no hooks (torch warns about those),
+    no Python attributes, no conj/neg bits. Checked per tensor where thousands wait."""
+    return (
+        t.layout is _strided
+        and not t.is_quantized
+        and not t.is_nested
+        and not t._backward_hooks
+        and not t.__dict__
+        and not _tensor_metadata(t)
+    )
 
 
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:

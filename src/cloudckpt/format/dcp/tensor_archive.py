@@ -28,18 +28,36 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import functools
 import io
 import logging
 import pickle
-import struct
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..checksum import crc32
+from ..torchzip import (
+    AFTER,
+    BEFORE,
+    DESCRIPTOR,
+    PREFIX,
+    U32,
+    ZIP64_FROM,
+    Constants,
+    central,
+    defaults,
+    descriptor,
+    end_records,
+    hash_combine,
+    local_header,
+    storage_types,
+    torch_save,
+    v3_dtypes,
+)
+from ..torchzip import (
+    constants as shared_constants,
+)
 from .checks import block_crcs, block_size_for
 from .layout import WHOLE_LIMIT
 
@@ -48,27 +66,8 @@ __all__ = ["TensorArchive", "archive_builder_on", "tensor_archive"]
 log = logging.getLogger("cloudckpt")
 
 #: The records ``torch.save`` writes for one tensor, in order; ``data/0`` is the storage.
-_BEFORE = ("data.pkl", ".format_version", ".storage_alignment", "byteorder")
 _STORAGE = "data/0"
-_AFTER = ("version", ".data/serialization_id")
-_RECORDS = (*_BEFORE, _STORAGE, *_AFTER)
-_PREFIX = "archive/"
-#: torch's default ``storage_alignment``: where every record's bytes start.
-_ALIGN = 64
-#: Storages at least this large would need zip64 fields: left to ``torch.save``.
-_ZIP64_FROM = 0xFFFFFFFF - (1 << 20)
-
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
-_DESCRIPTOR = struct.Struct("<4sIII")
-_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
-_ZIP64_END = struct.Struct("<4sQHHIIQQQQ")
-_ZIP64_LOCATOR = struct.Struct("<4sIQI")
-_END = struct.Struct("<4sHHHHIIH")
-_U32 = struct.Struct("<I")
-#: General purpose flags torch's writer sets: UTF-8 names, and for a record with bytes,
-#: its sizes in a data descriptor after them (an empty record has no descriptor).
-_UTF8, _DESCRIBED = 0x0800, 0x0008
-_MASK64 = (1 << 64) - 1
+_RECORDS = (*BEFORE, _STORAGE, *AFTER)
 
 
 @dataclass(frozen=True)
@@ -94,55 +93,6 @@ class TensorArchive:
     def tobytes(self) -> bytes:
         """The archive in one piece (a copy; tests and small archives)."""
         return b"".join((self.header, self.storage, self.trailer))
-
-
-def _hash_combine(seed: int, value: int) -> int:
-    """``c10::hash_combine`` on 64-bit ``size_t``: how torch folds record CRC-32s into
-    the serialization id."""
-    return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _MASK64) + (seed >> 2)) & _MASK64)) & (
-        _MASK64
-    )
-
-
-def _flags(size: int) -> int:
-    return _UTF8 | _DESCRIBED if size else _UTF8
-
-
-def _local_header(offset: int, name: bytes, size: int) -> bytes:
-    """A record's local header as torch's writer makes it: sizes and CRC in the data
-    descriptor, and an ``FB`` extra field of ``Z``s that puts the data on ``_ALIGN``."""
-    start = offset + _LOCAL.size + len(name) + 4
-    pad = -start % _ALIGN
-    extra = b"FB" + pad.to_bytes(2, "little") + b"Z" * pad
-    flags = _flags(size)
-    return _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + (
-        name + extra
-    )
-
-
-def _descriptor(crc: int, size: int) -> bytes:
-    """What follows a record's bytes: its CRC-32 and sizes (nothing after an empty one)."""
-    return _DESCRIPTOR.pack(b"PK\x07\x08", crc, size, size) if size else b""
-
-
-def _central(name: bytes, offset: int, crc: int, size: int) -> bytes:
-    flags = _flags(size)
-    return (
-        _CENTRAL.pack(
-            b"PK\x01\x02", 0, 0, flags, 0, 0, 0, crc, size, size, len(name), 0, 0, 0, 0, 0, offset
-        )
-        + name
-    )
-
-
-@dataclass(frozen=True)
-class _Constants:
-    """What every archive of the running torch holds alike, read off one probe archive:
-    the small records' bytes and the name-hash half of the serialization id."""
-
-    contents: dict[str, bytes]
-    name_hash: int
-    version_crc: int
 
 
 @dataclass(frozen=True)
@@ -201,12 +151,12 @@ def _data_pkl(tensor: torch.Tensor, storage_nbytes: int) -> bytes | None:
     size, stride = tuple(tensor.size()), tensor.stride()
     args: tuple[Any, ...] = (_STORAGE_REF, tensor.storage_offset(), size, stride, False)
     func: Any
-    if dtype in _v3_dtypes():
+    if dtype in v3_dtypes():
         pid = ("storage", torch.UntypedStorage, "0", "cpu", storage_nbytes)
         func = torch._utils._rebuild_tensor_v3
         args = (*args, backward_hooks, dtype)
     else:
-        name = _storage_types().get(dtype)
+        name = storage_types().get(dtype)
         storage_type = getattr(torch, name, None) if name else None
         if storage_type is None or storage_nbytes % dtype.itemsize:
             return None
@@ -218,24 +168,13 @@ def _data_pkl(tensor: torch.Tensor, storage_nbytes: int) -> bytes | None:
     return buffer.getvalue()
 
 
-@functools.cache
-def _v3_dtypes() -> frozenset[torch.dtype]:
-    new = getattr(torch.storage, "_new_dtypes", None)
-    return frozenset(new()) if new is not None else frozenset()
-
-
-@functools.cache
-def _storage_types() -> dict[torch.dtype, str]:
-    return dict(torch.storage._dtype_to_storage_type_map())
-
-
 #: Heads built so far, by (dtype, shape, strides, storage offset, storage bytes): a
 #: model's tensors share a few shapes. Bounded: cleared when it grows past this.
 _HEADS: dict[tuple[Any, ...], _Head] = {}
 _MAX_HEADS = 1024
 
 
-def _head(tensor: torch.Tensor, nbytes: int, constants: _Constants) -> _Head | None:
+def _head(tensor: torch.Tensor, nbytes: int, constants: Constants) -> _Head | None:
     key = (tensor.dtype, tuple(tensor.size()), tensor.stride(), tensor.storage_offset(), nbytes)
     found = _HEADS.get(key)
     if found is None:
@@ -249,7 +188,7 @@ def _head(tensor: torch.Tensor, nbytes: int, constants: _Constants) -> _Head | N
     return found
 
 
-def _new_head(pickled: bytes, nbytes: int, constants: _Constants) -> _Head:
+def _new_head(pickled: bytes, nbytes: int, constants: Constants) -> _Head:
     """Lay out the archive's records: the local headers, small records and descriptors
     before the storage bytes; after them the storage's descriptor, the ``version`` and
     serialization id records, the central directory, and torch's end records (zip64
@@ -262,18 +201,18 @@ def _new_head(pickled: bytes, nbytes: int, constants: _Constants) -> _Head:
     def record(name: str, data: bytes, crc: int) -> int:
         """Add a record; where its bytes start in ``parts``."""
         nonlocal pos, combined
-        header = _local_header(pos, (_PREFIX + name).encode(), len(data))
+        header = local_header(pos, (PREFIX + name).encode(), len(data))
         offsets.append(pos)
         crcs.append(crc)
         sizes.append(len(data))
         if data:  # torch folds in the CRC-32 of every non-empty record
-            combined = _hash_combine(combined, crc)
-        parts.extend((header, data, _descriptor(crc, len(data))))
+            combined = hash_combine(combined, crc)
+        parts.extend((header, data, descriptor(crc, len(data))))
         at = pos + len(header)
-        pos = at + len(data) + _DESCRIPTOR.size
+        pos = at + len(data) + DESCRIPTOR.size
         return at
 
-    for name in _BEFORE:
+    for name in BEFORE:
         data = pickled if name == "data.pkl" else constants.contents[name]
         record(name, data, crc32(data))
     before = combined
@@ -281,26 +220,21 @@ def _new_head(pickled: bytes, nbytes: int, constants: _Constants) -> _Head:
     offsets.append(pos)
     crcs.append(0)
     sizes.append(nbytes)
-    storage_header = _local_header(pos, (_PREFIX + _STORAGE).encode(), nbytes)
+    storage_header = local_header(pos, (PREFIX + _STORAGE).encode(), nbytes)
     header = b"".join((*parts, storage_header))
-    parts = [_descriptor(0, nbytes)]
+    parts = [descriptor(0, nbytes)]
     pos = len(header) + nbytes + len(parts[0])
     version = constants.contents["version"]
     record("version", version, crc32(version))
     id_at = record(".data/serialization_id", b"0" * 40, 0)
     cd_offset = pos
     entries = [
-        _central((_PREFIX + name).encode(), offset, crc, size)
+        central((PREFIX + name).encode(), offset, crc, size)
         for name, offset, crc, size in zip(_RECORDS, offsets, crcs, sizes, strict=True)
     ]
     directory = b"".join(entries)
     count = len(_RECORDS)
-    parts += (
-        directory,
-        _ZIP64_END.pack(b"PK\x06\x06", 44, 0x031E, 45, 0, 0, count, count, len(directory), pos),
-        _ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, pos + len(directory), 1),
-        _END.pack(b"PK\x05\x06", 0, 0, count, count, len(directory), pos, 0),
-    )
+    parts += (directory, end_records(count, len(directory), pos))
     trailer = b"".join(parts)
     start = len(header) + nbytes  # where the trailer starts in the archive
 
@@ -320,21 +254,21 @@ def _new_head(pickled: bytes, nbytes: int, constants: _Constants) -> _Head:
     )
 
 
-def _trailer(head: _Head, record_crc: int, nbytes: int, constants: _Constants) -> bytes:
+def _trailer(head: _Head, record_crc: int, nbytes: int, constants: Constants) -> bytes:
     """The head's trailer with the fields the storage's CRC-32 sets: its own, and the
     serialization id (and its CRC-32) that torch derives from every record's."""
     out = bytearray(head.trailer)
     combined = head.combined
     if nbytes:
-        combined = _hash_combine(combined, record_crc)
+        combined = hash_combine(combined, record_crc)
     for at in head.record_crc_at:
-        _U32.pack_into(out, at, record_crc)
-    combined = _hash_combine(combined, constants.version_crc)
+        U32.pack_into(out, at, record_crc)
+    combined = hash_combine(combined, constants.version_crc)
     serialization_id = b"%020d%020d" % (constants.name_hash, combined)
     out[head.id_at : head.id_at + 40] = serialization_id
     id_crc = crc32(serialization_id)
     for at in head.id_crc_at:
-        _U32.pack_into(out, at, id_crc)
+        U32.pack_into(out, at, id_crc)
     return bytes(out)
 
 
@@ -354,26 +288,11 @@ def _plain(tensor: torch.Tensor) -> bool:
     )
 
 
-def _defaults() -> bool:
-    """Whether ``torch.save`` would write with the defaults this builder copies."""
-    tls = torch.serialization._serialization_tls
-    if getattr(tls, "skip_data", False) or sys.byteorder != "little":
-        return False
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # torch before 2.5: no such options
-        return True
-    save = config.save
-    return bool(getattr(save, "compute_crc32", True)) and (
-        getattr(save, "storage_alignment", _ALIGN) == _ALIGN
-    )
-
-
 def _build(
-    tensor: torch.Tensor, storage: memoryview, constants: _Constants, whole_limit: int
+    tensor: torch.Tensor, storage: memoryview, constants: Constants, whole_limit: int
 ) -> TensorArchive | None:
     nbytes = storage.nbytes
-    if nbytes >= _ZIP64_FROM:
+    if nbytes >= ZIP64_FROM:
         return None
     head = _head(tensor, nbytes, constants)
     if head is None:
@@ -431,55 +350,31 @@ def _probe_tensors() -> list[torch.Tensor]:
     ]
 
 
-def _torch_save(tensor: torch.Tensor) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(tensor, buffer)
-    return buffer.getvalue()
-
-
-def _probe_constants(data: bytes) -> _Constants | None:
-    """The small records and the serialization id's name hash of a torch archive, when
-    it holds exactly the records this builder writes."""
-    import zipfile
-
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        names = [info.filename for info in archive.infolist()]
-        if names != [_PREFIX + n for n in _RECORDS]:
-            return None
-        contents = {n: archive.read(_PREFIX + n) for n in (*_BEFORE[1:], "version")}
-        serialization_id = archive.read(_PREFIX + ".data/serialization_id")
-    if contents["byteorder"] != b"little" or contents[".storage_alignment"] != b"%d" % _ALIGN:
-        return None
-    if len(serialization_id) != 40 or not serialization_id.isdigit():
-        return None
-    return _Constants(contents, int(serialization_id[:20]), crc32(contents["version"]))
-
-
 #: The probe's outcome, once made: the constants, or None (the builder is off).
-_probed: list[_Constants | None] = []
+_probed: list[Constants | None] = []
 
 
-def _constants() -> _Constants | None:
+def _constants() -> Constants | None:
     """The running torch's constants, once the builder has been shown to write exactly
     what ``torch.save`` writes for the probe tensors; None (builder off) otherwise.
     Probed the first time torch's serialization options are the defaults."""
     if not _probed:
-        if not _defaults():
+        if not defaults():
             return None
         _probed.append(_probe())
     return _probed[0]
 
 
-def _probe() -> _Constants | None:
+def _probe() -> Constants | None:
     try:
-        constants = _probe_constants(_torch_save(torch.zeros(1)))
+        constants = shared_constants()
         if constants is None:
             raise ValueError("torch.save writes other records")
         for t in _probe_tensors():
             storage = t.untyped_storage()
             view = memoryview(ctypes.string_at(storage.data_ptr(), storage.nbytes()))
             built = _build(t, view, constants, WHOLE_LIMIT)
-            if built is None or built.tobytes() != _torch_save(t):
+            if built is None or built.tobytes() != torch_save(t):
                 raise ValueError(f"the archive of a {t.dtype} tensor differs from torch.save's")
     except Exception as exc:  # any surprise: use torch.save, as before
         log.debug("cloudckpt: tensor archives go through torch.save (%s)", exc)
@@ -491,4 +386,4 @@ def archive_builder_on() -> bool:
     """Whether :func:`tensor_archive` writes what ``torch.save`` would write now: the
     builder matched this torch's ``torch.save`` on the probe tensors (checked once per
     process), and torch's serialization options are the defaults it copies."""
-    return _defaults() and _constants() is not None
+    return defaults() and _constants() is not None

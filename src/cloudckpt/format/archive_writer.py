@@ -1,0 +1,456 @@
+"""A whole object's ``torch.save`` archive, built without ``torch.save``: the same bytes.
+
+``torch.save`` of a state with thousands of small tensors spends most of its time per
+object, not per byte: its ``persistent_id`` (Python) runs for every object the pickler
+meets, about twenty per tensor, its tensor reduction builds a ``TypedStorage`` per
+tensor, and its zip writer makes several small writes per record. :func:`plan_archive`
+pickles the object once with the C pickler, reducing plain CPU tensors itself (to the
+very tuple torch's ``__reduce_ex__`` returns) and naming storages as torch's
+``persistent_id`` names them; :meth:`ArchivePlan.pieces` then lays the records out as
+torch's writer does (:mod:`.torchzip`), small records copied into shared chunks and
+large storages passed as views of their own memory.
+
+The bytes are ``torch.save``'s, record for record (``data.pkl``, the small records, one
+``data/N`` per storage in the order the pickle first names them, ``version``, the
+serialization id, the directory), so ``torch.load`` and every reader of torch archives
+reads them as before. That is checked against the running torch at first use
+(:func:`writer_on`), and the builder stays off for the process if they differ.
+
+``None`` from :func:`plan_archive` means ``torch.save`` must write the object: a storage
+that is not in CPU memory (``torch.save`` copies it off the device first), a fake or
+meta storage, non-default serialization options, or an archive of 4 GiB or more (torch
+writes zip64 fields into its records there).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import io
+import logging
+import pickle
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .checksum import crc32
+from .gcpause import paused_gc
+from .memview import buffer_address, writable_view
+from .tensors import plain_strided
+from .torchzip import (
+    AFTER,
+    BEFORE,
+    DESCRIPTOR,
+    PREFIX,
+    ZIP64_FROM,
+    Constants,
+    central,
+    constants,
+    defaults,
+    descriptor,
+    end_records,
+    hash_combine,
+    local_header,
+    name_hash,
+    storage_types,
+    torch_save,
+    v3_dtypes,
+)
+
+__all__ = ["CHUNK_BYTES", "ArchivePlan", "ChunkPool", "get_chunk_pool", "plan_archive", "writer_on"]
+
+log = logging.getLogger("cloudckpt")
+
+#: Small records (headers, descriptors, storages under ``borrow_min``) are copied into
+#: chunks of this size, each handed on whole.
+CHUNK_BYTES = 4 << 20
+#: Per-record bytes besides the data: local header with padding, descriptor, entry.
+_DESCRIPTOR_SIZE = DESCRIPTOR.size
+_RECORD_OVERHEAD = 30 + 4 + 63 + 16 + 46 + 2 * len(PREFIX + "data/") + 2 * 20
+_Tensor = torch.Tensor
+_rebuild_v2 = torch._utils._rebuild_tensor_v2
+_rebuild_v3 = torch._utils._rebuild_tensor_v3
+_memmove = ctypes.memmove
+#: Types ``persistent_id`` answers None for at once (none is, or derives from, a storage).
+_NOT_STORAGES = frozenset(
+    {int, float, bool, str, bytes, tuple, list, dict, type(None), torch.Tensor, torch.dtype}
+    | {collections.OrderedDict, torch.Size, torch.nn.Parameter}
+)
+
+
+class _Unsupported(Exception):
+    """The object holds something only ``torch.save`` writes (see the module)."""
+
+
+class _Ref:
+    """A plain tensor's storage as the pickle names it: ``persistent_id`` turns it into
+    torch's ``("storage", type, key, "cpu", numel)``."""
+
+    __slots__ = ("key", "numel", "type")
+
+    def __init__(self, storage_type: Any, key: str, numel: int) -> None:
+        self.type = storage_type
+        self.key = key
+        self.numel = numel
+
+
+class _Hooks:
+    """A tensor's (empty) backward hooks: pickled as torch pickles a new ``OrderedDict()``
+    (a fresh object each time, as torch's are), without its Python-level reduction."""
+
+    __slots__ = ()
+
+
+#: What an empty ``OrderedDict`` reduces to, less the empty item iterators (which add
+#: nothing to the pickle).
+_EMPTY_ORDERED_DICT = (collections.OrderedDict, ())
+
+
+class _ArchivePickler(pickle.Pickler):
+    """The C pickler at ``torch.save``'s protocol, with torch's storage naming."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=2)
+        self.keys: dict[int, str] = {}  # storage._cdata -> its record's key
+        self.storages: list[torch.UntypedStorage] = []
+        self.dtypes: dict[int, torch.dtype] = {}  # data_ptr -> the dtype it is saved as
+        self.v3 = v3_dtypes()
+        self.types = {dtype: getattr(torch, name) for dtype, name in storage_types().items()}
+        self.storage_classes = torch._storage_classes
+
+    def reducer_override(self, obj: Any) -> Any:
+        # The common case, a plain dense CPU tensor, reduced here to what torch's
+        # Tensor.__reduce_ex__ returns; anything else goes through torch's reduction.
+        cls = type(obj)
+        if cls is _Hooks:
+            return _EMPTY_ORDERED_DICT
+        if not (cls is _Tensor and obj.is_cpu and plain_strided(obj)):
+            return NotImplemented
+        dtype = obj.dtype
+        storage = obj.untyped_storage()
+        nbytes = storage.nbytes()
+        hooks = _Hooks()
+        # Fresh tuples, as torch makes them: pickle's memo must see the same objects.
+        if dtype in self.v3:
+            ref = self._ref(storage, torch.UntypedStorage, torch.uint8, nbytes)
+            args: tuple[Any, ...] = (
+                ref,
+                obj.storage_offset(),
+                tuple(obj.size()),
+                obj.stride(),
+                obj.requires_grad,
+                hooks,
+                dtype,
+            )
+            return _rebuild_v3, args
+        storage_type = self.types.get(dtype)
+        if storage_type is None or nbytes % dtype.itemsize:
+            return NotImplemented
+        ref = self._ref(storage, storage_type, dtype, nbytes // dtype.itemsize)
+        args = (ref, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad)
+        return _rebuild_v2, (*args, hooks)
+
+    def persistent_id(self, obj: Any) -> Any:
+        # Called for every object the pickle meets: the common ones leave first.
+        cls = type(obj)
+        if cls is _Ref:
+            return ("storage", obj.type, obj.key, "cpu", obj.numel)
+        if cls in _NOT_STORAGES:
+            return None
+        if isinstance(obj, torch.storage.TypedStorage) or cls in self.storage_classes:
+            return self._storage_id(obj)
+        return None
+
+    def _storage_id(self, obj: Any) -> tuple[Any, ...]:
+        """torch's ``persistent_id`` for a storage its own reduction produced."""
+        if getattr(obj, "_fake_device", None) is not None:
+            raise _Unsupported("a fake tensor's storage")
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage = obj._untyped_storage
+            dtype = obj.dtype
+            storage_type = getattr(torch, obj._pickle_storage_type())
+            numel = obj._size()
+        else:
+            storage = obj
+            dtype = torch.uint8
+            storage_type = torch.serialization.normalize_storage_type(type(obj))
+            numel = storage.nbytes()
+        if storage.device.type != "cpu":
+            raise _Unsupported(f"a storage on {storage.device}")
+        ref = self._ref(storage, storage_type, dtype, numel)
+        return ("storage", ref.type, ref.key, torch.serialization.location_tag(storage), numel)
+
+    def _ref(self, storage: Any, storage_type: Any, dtype: torch.dtype, numel: int) -> _Ref:
+        ptr = storage.data_ptr()
+        if ptr:
+            seen = self.dtypes.setdefault(ptr, dtype)
+            if seen != dtype:
+                raise RuntimeError(
+                    "Cannot save multiple tensors or storages that view the same data as "
+                    "different types"
+                )
+        key = self.keys.get(storage._cdata)
+        if key is None:
+            key = self.keys[storage._cdata] = str(len(self.keys))
+            self.storages.append(storage)
+        return _Ref(storage_type, key, numel)
+
+
+@dataclass
+class ArchivePlan:
+    """An object's archive, pickled and ready to lay out: ``data.pkl`` and the storages
+    it names (CPU memory, in key order)."""
+
+    pickled: bytes
+    storages: list[torch.UntypedStorage]
+    constants: Constants
+
+    @property
+    def size_hint(self) -> int:
+        """An upper bound on the archive's size (exact up to the headers' padding)."""
+        data = sum(s.nbytes() for s in self.storages) + len(self.pickled)
+        return data + _RECORD_OVERHEAD * (len(self.storages) + len(BEFORE) + len(AFTER)) + 128
+
+    def pieces(self, borrow_min: int) -> Iterator[tuple[memoryview, object]]:
+        """The archive's bytes in order, as ``(view, owner)``: storages of at least
+        ``borrow_min`` bytes as views of their own memory (owner: the storage), the rest
+        copied into chunks of about ``CHUNK_BYTES`` (owner: the chunk), ``data.pkl`` as
+        its own bytes. A view's memory must stay unchanged until it has been sent."""
+        out = _Chunks()
+        entries: list[bytes] = []
+        combined = 0
+
+        def small_record(name: str, data: bytes) -> Iterator[tuple[memoryview, object]]:
+            nonlocal combined
+            crc = crc32(data)
+            if data:
+                combined = hash_combine(combined, crc)
+            raw = (PREFIX + name).encode()
+            entries.append(central(raw, out.pos, crc, len(data)))
+            header = local_header(out.pos, raw, len(data))
+            if len(data) >= borrow_min:
+                yield from out.add(header)
+                yield from out.flush()
+                yield memoryview(data), data
+                out.pos += len(data)
+                yield from out.add(descriptor(crc, len(data)))
+            else:
+                yield from out.add(header + data + descriptor(crc, len(data)))
+
+        contents = self.constants.contents
+        for name in BEFORE:
+            yield from small_record(name, self.pickled if name == "data.pkl" else contents[name])
+        for key, storage in enumerate(self.storages):
+            nbytes = storage.nbytes()
+            raw = b"%sdata/%d" % (PREFIX.encode(), key)
+            offset = out.pos
+            header = local_header(offset, raw, nbytes)
+            if nbytes >= borrow_min:
+                view = writable_view(storage.data_ptr(), nbytes)
+                crc = crc32(view)
+                yield from out.add(header)
+                yield from out.flush()
+                yield view, storage
+                out.pos += nbytes
+                tail = descriptor(crc, nbytes)
+                yield from out.add(tail)
+            else:  # header, bytes and descriptor copied into the chunk (the hot path)
+                need = len(header) + nbytes + _DESCRIPTOR_SIZE
+                if out.fill + need > len(out.chunk):
+                    yield from out.flush()
+                    out.new_chunk(need)
+                at = out.fill
+                chunk = out.chunk
+                chunk[at : at + len(header)] = header
+                at += len(header)
+                crc = 0
+                if nbytes:
+                    _memmove(out.address + at, storage.data_ptr(), nbytes)
+                    crc = crc32(out.view[at : at + nbytes])  # while the bytes are in cache
+                    tail = descriptor(crc, nbytes)
+                    chunk[at + nbytes : at + nbytes + len(tail)] = tail
+                    at += nbytes + len(tail)
+                out.pos += at - out.fill
+                out.fill = at
+            if nbytes:
+                combined = hash_combine(combined, crc)
+            entries.append(central(raw, offset, crc, nbytes))
+        version = contents["version"]
+        yield from small_record("version", version)  # folds its CRC-32 in too
+        serialization_id = b"%020d%020d" % (name_hash(len(self.storages)), combined)
+        yield from small_record(".data/serialization_id", serialization_id)
+        directory = b"".join(entries)
+        offset = out.pos
+        yield from out.add(directory + end_records(len(entries), len(directory), offset))
+        yield from out.flush()
+
+
+class _Chunks:
+    """Copies small pieces into chunks; yields each chunk as it fills. ``pos`` is the
+    archive offset of the next byte, whatever carries it."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.chunk = bytearray(0)
+        self.view = memoryview(self.chunk)
+        self.address = 0
+        self.fill = 0
+
+    def new_chunk(self, nbytes: int) -> None:
+        """Start a chunk with room for at least ``nbytes`` (after :meth:`flush`)."""
+        self.chunk = _pool.take() if nbytes <= CHUNK_BYTES else bytearray(nbytes)
+        self.view = memoryview(self.chunk)
+        self.address = buffer_address(self.chunk)
+        self.fill = 0
+
+    def add(self, data: bytes) -> Iterator[tuple[memoryview, object]]:
+        if self.fill + len(data) > len(self.chunk):
+            yield from self.flush()
+            self.new_chunk(len(data))
+        self.chunk[self.fill : self.fill + len(data)] = data
+        self.fill += len(data)
+        self.pos += len(data)
+
+    def flush(self) -> Iterator[tuple[memoryview, object]]:
+        if self.fill:
+            yield self.view[: self.fill], self.chunk
+            self.chunk, self.view, self.address, self.fill = bytearray(0), memoryview(b""), 0, 0
+
+
+class ChunkPool:
+    """The chunks small records are copied into, reused within a save and across saves.
+
+    A fresh chunk costs a page fault per 4 KiB on first touch (zero-filled by the
+    kernel): for a state of small tensors that is as much CPU as the copy. A chunk is
+    handed out again once nothing refers to it but the pool: the sink drops its views
+    and owners when the part they went into is stored or abandoned, so a chunk whose
+    bytes may still be read is never written. The pool holds as many chunks as were
+    ever waiting to be sent at once; :func:`cloudckpt.release_buffers` empties it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunks: list[bytearray] = []
+
+    def take(self) -> bytearray:
+        """A chunk of ``CHUNK_BYTES`` that no one else refers to."""
+        with self._lock:
+            for chunk in self._chunks:
+                # The pool's list, this loop and the call's argument: nothing else.
+                if len(chunk) == CHUNK_BYTES and sys.getrefcount(chunk) <= _FREE_REFS:
+                    return chunk
+            chunk = bytearray(CHUNK_BYTES)
+            self._chunks.append(chunk)
+            return chunk
+
+    def clear(self) -> int:
+        """Drop every chunk (those still in use live on with their users); the bytes."""
+        with self._lock:
+            dropped, self._chunks = self._chunks, []
+        return sum(len(c) for c in dropped)
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(len(c) for c in self._chunks)
+
+
+_FREE_REFS = 3
+_pool = ChunkPool()
+
+
+def get_chunk_pool() -> ChunkPool:
+    """The process's chunk pool."""
+    return _pool
+
+
+def plan_archive(obj: Any) -> ArchivePlan | None:
+    """Pickle ``obj`` as ``torch.save`` would; None where ``torch.save`` must write it.
+
+    Raises what pickling raises (an unpicklable object, storages viewed as two dtypes),
+    before anything is written.
+    """
+    found = constants() if writer_on() else None
+    if found is None:
+        return None
+    plan = _plan(obj, found)
+    if plan is not None and plan.size_hint >= ZIP64_FROM:
+        return None
+    return plan
+
+
+def _plan(obj: Any, found: Constants) -> ArchivePlan | None:
+    buffer = io.BytesIO()
+    pickler = _ArchivePickler(buffer)
+    try:
+        # Thousands of small tuples: the collector would walk the whole heap for them.
+        with paused_gc():
+            try:
+                pickler.dump(obj)
+            finally:
+                # The memo holds every tuple the pickle made: freed now, they are not
+                # walked by the collection that resuming the collector sets off.
+                pickler.clear_memo()
+    except _Unsupported as exc:
+        log.debug("cloudckpt: torch.save writes this object (%s)", exc)
+        return None
+    return ArchivePlan(buffer.getvalue(), pickler.storages, found)
+
+
+def _probe_object() -> Any:
+    """An object whose archive takes every path of the builder."""
+    base = torch.arange(12, dtype=torch.float32)
+    grad = torch.ones(3, requires_grad=True)
+    return {
+        "w": base.view(3, 4),
+        "view": base[4:8],  # shares base's storage
+        "t": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t(),
+        "f8": torch.ones((), dtype=torch.float8_e4m3fn),  # a _rebuild_tensor_v3 dtype
+        "empty": torch.empty(0, dtype=torch.int64),
+        "param": torch.nn.Parameter(torch.zeros(2)),  # torch's own reduction
+        "grad": grad,
+        "conj": torch.ones(2, dtype=torch.complex64).conj(),  # torch's, with metadata
+        "storage": torch.ones(4, dtype=torch.uint8).untyped_storage(),
+        "big": torch.arange(20000, dtype=torch.int16),  # borrowed in the probe's layout
+        "meta": [1, 2.5, "x", None, (3, 4)],
+    }
+
+
+def _build(obj: Any, found: Constants) -> bytes | None:
+    plan = _plan(obj, found)
+    if plan is None:
+        return None
+    return b"".join(bytes(view) for view, _ in plan.pieces(borrow_min=16 << 10))
+
+
+#: The probe's outcome, once made.
+_checked: list[bool] = []
+
+
+def writer_on() -> bool:
+    """Whether :func:`plan_archive` writes what ``torch.save`` would write now: the
+    builder matched this torch's ``torch.save`` on a probe object (checked once per
+    process), and torch's serialization options are the defaults it copies."""
+    if not defaults():
+        return False
+    if not _checked:
+        _checked.append(_probe())
+    return _checked[0]
+
+
+def _probe() -> bool:
+    try:
+        found = constants()
+        if found is None:
+            raise ValueError("torch.save writes other records")
+        obj = _probe_object()
+        if _build(obj, found) != torch_save(obj):
+            raise ValueError("the archive differs from torch.save's")
+    except Exception as exc:  # any surprise: torch.save writes, as before
+        log.debug("cloudckpt: archives are written by torch.save (%s)", exc)
+        return False
+    return True
