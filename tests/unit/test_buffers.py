@@ -82,6 +82,16 @@ def test_large_storages_are_sent_from_their_own_memory(tmp_path):
     assert torch.equal(torch.load(tmp_path / "a.pt")["view"], state["view"])  # a real archive
 
 
+def test_large_storages_take_no_chunk_each(tmp_path):
+    # Headers between borrowed storages share one chunk: chunks follow the bytes copied.
+    cloudckpt.release_buffers()
+    state = {f"w{i}": torch.randn(BORROW_MIN) for i in range(40)}
+    cloudckpt.save(state, tmp_path / "a.pt", part_size=5 * MiB, write_concurrency=2)
+    assert get_chunk_pool().held_bytes == archive_writer.CHUNK_BYTES
+    loaded = cloudckpt.load(tmp_path / "a.pt")
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
 def test_idle_buffers_are_bounded_by_one_saves_use():
     cache = PartBufferCache()
     first = SaveBuffers(3, 1024, cache)

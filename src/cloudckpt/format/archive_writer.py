@@ -290,7 +290,10 @@ class ArchivePlan:
 
 
 class _Chunks:
-    """Copies small pieces into chunks; yields each chunk as it fills. ``pos`` is the
+    """Copies small pieces into chunks and yields what was copied whenever a piece goes
+    out on its own (a large storage) or the chunk fills. A chunk is filled on after
+    such a flush (the yielded view covers only the bytes before), so the chunks a save
+    uses follow the bytes copied, not the number of large storages. ``pos`` is the
     archive offset of the next byte, whatever carries it."""
 
     def __init__(self) -> None:
@@ -298,6 +301,7 @@ class _Chunks:
         self.chunk = bytearray(0)
         self.view = memoryview(self.chunk)
         self.address = 0
+        self.start = 0  # where the bytes not yet yielded begin
         self.fill = 0
 
     def new_chunk(self, nbytes: int) -> None:
@@ -305,7 +309,7 @@ class _Chunks:
         self.chunk = _pool.take() if nbytes <= CHUNK_BYTES else bytearray(nbytes)
         self.view = memoryview(self.chunk)
         self.address = buffer_address(self.chunk)
-        self.fill = 0
+        self.start = self.fill = 0
 
     def add(self, data: bytes) -> Iterator[tuple[memoryview, object]]:
         if self.fill + len(data) > len(self.chunk):
@@ -316,9 +320,9 @@ class _Chunks:
         self.pos += len(data)
 
     def flush(self) -> Iterator[tuple[memoryview, object]]:
-        if self.fill:
-            yield self.view[: self.fill], self.chunk
-            self.chunk, self.view, self.address, self.fill = bytearray(0), memoryview(b""), 0, 0
+        if self.fill > self.start:
+            yield self.view[self.start : self.fill], self.chunk
+            self.start = self.fill
 
 
 class ChunkPool:
