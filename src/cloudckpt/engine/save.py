@@ -86,9 +86,7 @@ def _write_plan(
                 sink.write_borrowed(view, owner)
             return sink.commit()
         except BaseException as exc:
-            error = sink.abort_after(exc)
-            if error is not exc:
-                raise error from None
+            sink.abort_after(exc)  # nothing wraps the sink's failures here: exc is the one
             raise
 
 

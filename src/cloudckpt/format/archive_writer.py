@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import io
 import logging
 import pickle
@@ -209,7 +210,7 @@ class ArchivePlan:
     storages: list[torch.UntypedStorage]
     constants: Constants
 
-    @property
+    @functools.cached_property
     def size_hint(self) -> int:
         """An upper bound on the archive's size (exact up to the headers' padding)."""
         data = sum(s.nbytes() for s in self.storages) + len(self.pickled)
@@ -234,9 +235,7 @@ class ArchivePlan:
             header = local_header(out.pos, raw, len(data))
             if len(data) >= borrow_min:
                 yield from out.add(header)
-                yield from out.flush()
-                yield memoryview(data), data
-                out.pos += len(data)
+                yield from out.send(memoryview(data), data)
                 yield from out.add(descriptor(crc, len(data)))
             else:
                 yield from out.add(header + data + descriptor(crc, len(data)))
@@ -253,11 +252,8 @@ class ArchivePlan:
                 view = writable_view(storage.data_ptr(), nbytes)
                 crc = crc32(view)
                 yield from out.add(header)
-                yield from out.flush()
-                yield view, storage
-                out.pos += nbytes
-                tail = descriptor(crc, nbytes)
-                yield from out.add(tail)
+                yield from out.send(view, storage)
+                yield from out.add(descriptor(crc, nbytes))
             else:  # header, bytes and descriptor copied into the chunk (the hot path)
                 need = len(header) + nbytes + _DESCRIPTOR_SIZE
                 if out.fill + need > len(out.chunk):
@@ -319,6 +315,12 @@ class _Chunks:
         self.fill += len(data)
         self.pos += len(data)
 
+    def send(self, view: memoryview, owner: object) -> Iterator[tuple[memoryview, object]]:
+        """Yield what was copied so far, then ``view`` as it lies (not copied)."""
+        yield from self.flush()
+        yield view, owner
+        self.pos += view.nbytes
+
     def flush(self) -> Iterator[tuple[memoryview, object]]:
         if self.fill > self.start:
             yield self.view[self.start : self.fill], self.chunk
@@ -378,7 +380,7 @@ def plan_archive(obj: Any) -> ArchivePlan | None:
     Raises what pickling raises (an unpicklable object, storages viewed as two dtypes),
     before anything is written.
     """
-    found = constants() if writer_on() else None
+    found = constants() if writer_on() else None  # the probe runs under default options only
     if found is None:
         return None
     plan = _plan(obj, found)
