@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cloudckpt
-import cloudckpt.engine.load as load_module
+import cloudckpt.engine.records as records_module
 from cloudckpt.errors import DistributedLoadError, StorageError
 from cloudckpt.lightning import CloudCheckpointIO
 from cloudckpt.testing.fault_proxy import FaultProxy
@@ -85,16 +85,16 @@ def _per_rank(rank: int, world: int, base: str, so: dict[str, Any]) -> None:
 
 def _one_rank_fails(rank: int, world: int, url: str, so: dict[str, Any]) -> None:
     if rank == 2:
-        real = load_module._read_record
+        real = records_module.read_record
 
-        def broken(reader: Any, plan: Any, entry: Any, dest: Any) -> None:
+        def broken(reader: Any, key: Any, url: Any, entry: Any, dest: Any) -> None:
             raise StorageError(f"injected on rank 2 reading {entry.name}")
 
-        load_module._read_record = broken  # type: ignore[assignment]
+        records_module.read_record = broken  # type: ignore[assignment]
     with pytest.raises((DistributedLoadError, StorageError)) as info:
         cloudckpt.load(url, share=True, storage_options=so)
     if rank == 2:
-        load_module._read_record = real
+        records_module.read_record = real
         assert isinstance(info.value, StorageError) and "injected on rank 2" in str(info.value)
     else:
         assert isinstance(info.value, DistributedLoadError)

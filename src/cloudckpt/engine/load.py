@@ -3,19 +3,20 @@
 - **plan** (:func:`_plan`): HEAD the object, read its tail and parse the zip directory
   (one ranged read, usually), and find ``data.pkl``. An archive that cannot be read
   record by record (legacy format, compressed records) is read whole by ``torch.load``.
-- **fetch** (:func:`_fetch`): read ``data.pkl`` (from the tail when it is there), then
-  unpickle it with a storage loader that allocates each tensor's memory and adds the
-  read that fills it to the shared range reader (engine/ranges.py: neighbours joined,
-  large records split, I/O overlapping unpickling), each record's local header and
-  CRC-32 checked in the thread that read it. With ``keys=[...]`` only the storages
-  those top-level entries reference are fetched.
+- **fetch** (:func:`_fetch`): place every storage record from the directory and send
+  all their reads (engine/records.py: large records into storages of their own, runs of
+  small ones into shared blocks; engine/ranges.py joins neighbours and splits large
+  reads), then read ``data.pkl`` (from the tail when it is there) and unpickle it while
+  the records arrive, each storage built over the memory its record lands in. Each
+  record's local header and CRC-32 are checked in the thread that read it. With
+  ``keys=[...]`` the structure comes first and only the storages those top-level
+  entries reference are fetched.
 - **restore** (:func:`_restore`): byte order, and ``map_location`` applied to the
   storages already in memory.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import sys
@@ -33,17 +34,16 @@ from ..errors import (
     NotAnObjectError,
     NotFoundError,
 )
-from ..format.checksum import crc32
-from ..format.memview import writable_view
 from ..format.safetensors import is_safetensors_url
 from ..format.tensors import referenced_storages
-from ..format.unpickle import StorageRef, parse_persistent_id, unpickle
-from ..format.zipdir import Entry, check_local_header, check_record_crc
+from ..format.unpickle import StorageRef, parse_persistent_id, typed_storage, unpickle
+from ..format.zipdir import Entry
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, open_target
 from .directory import read_directory
 from .progress import progress_bar
 from .ranges import RangeReader
+from .records import PlacedRecords, RecordReads, check_record, read_record, storage_view
 from .share import (
     agree,
     broadcast_views,
@@ -56,11 +56,6 @@ from .share import (
 )
 
 __all__ = ["head_object", "load"]
-
-
-def _storage_view(storage: torch.UntypedStorage) -> memoryview:
-    """A writable view of a CPU storage's memory (no copy)."""
-    return writable_view(storage.data_ptr(), storage.nbytes())
 
 
 @dataclass
@@ -141,76 +136,6 @@ def _plan(store: Store, key: str) -> _Plan:
     return _Plan(store, key, url, size, entries, prefix, found.tail, found.tail_start)
 
 
-def _checked(plan: _Plan, entry: Entry, header: memoryview, dest: memoryview) -> None:
-    """Refuse a record whose local header or CRC-32 is not the directory's."""
-    check_local_header(header, entry, plan.url)
-    check_record_crc(plan.url, entry.name, entry.crc32, crc32(dest))
-
-
-def _read_record(reader: RangeReader, plan: _Plan, entry: Entry, dest: memoryview) -> None:
-    """Add the read of one record (its local header, then its data into ``dest``)."""
-    header = memoryview(bytearray(entry.local_header_size))
-    check = functools.partial(_checked, plan, entry, header, dest)
-    reader.add(plan.key, entry.header_offset, [header, dest], check)
-
-
-#: Records of at most this many bytes are read with their neighbours into one buffer
-#: and copied out of it into their storages: one request, one receive loop and one
-#: check pass for hundreds of them. Larger records are read straight into their storage.
-SMALL_RECORD = 256 * 1024
-#: A buffer of small records spans at most this many bytes (the reader still joins
-#: neighbouring buffers into reads of up to ``read_chunk_size``).
-BATCH_BYTES = 4 * 1024 * 1024
-#: Small records this far apart or more are not batched together (torch aligns records
-#: with padding inside the header, so neighbours normally touch).
-BATCH_GAP = 64 * 1024
-
-
-class _RecordReads:
-    """Adds the reads of records to a reader, large ones straight into their storage and
-    runs of small neighbours into one buffer (call :meth:`flush` before ``run``)."""
-
-    def __init__(self, reader: RangeReader, plan: _Plan) -> None:
-        self._reader = reader
-        self._plan = plan
-        self._batch: list[tuple[Entry, memoryview]] = []
-        self._start = self._end = 0
-
-    def add(self, entry: Entry, dest: memoryview) -> None:
-        if entry.size > SMALL_RECORD or entry.local_header_size < 0:
-            _read_record(self._reader, self._plan, entry, dest)
-            return
-        start = entry.header_offset
-        gap = min(BATCH_GAP, self._reader.options.read_gap)
-        if self._batch and not (
-            0 <= start - self._end <= gap and entry.end - self._start <= BATCH_BYTES
-        ):
-            self.flush()
-        if not self._batch:
-            self._start = start
-        self._batch.append((entry, dest))
-        self._end = entry.end
-
-    def flush(self) -> None:
-        if not self._batch:
-            return
-        batch, self._batch = self._batch, []
-        buffer = memoryview(bytearray(self._end - self._start))
-        check = functools.partial(_copy_checked, self._plan, batch, buffer, self._start)
-        self._reader.add(self._plan.key, self._start, buffer, check)
-
-
-def _copy_checked(
-    plan: _Plan, batch: list[tuple[Entry, memoryview]], buffer: memoryview, start: int
-) -> None:
-    """Copy each record of a batch read into its storage, and check it there."""
-    for entry, dest in batch:
-        at = entry.header_offset - start
-        data = at + entry.local_header_size
-        dest[:] = buffer[data : data + entry.size]
-        _checked(plan, entry, buffer[at:data], dest)
-
-
 def _small_records(plan: _Plan, options: TransferOptions) -> dict[str, memoryview]:
     """``data.pkl`` and ``byteorder``, checked: from the tail already read if they are in
     it, else in one more request."""
@@ -225,9 +150,9 @@ def _small_records(plan: _Plan, options: TransferOptions) -> dict[str, memoryvie
                 rel = e.header_offset - plan.tail_start
                 header = memoryview(plan.tail)[rel : rel + e.local_header_size]
                 dest[:] = plan.tail[rel + e.local_header_size : rel + e.local_header_size + e.size]
-                _checked(plan, e, header, dest)
+                check_record(plan.url, e, header, dest)
             else:
-                _read_record(reader, plan, e, dest)
+                read_record(reader, plan.key, plan.url, e, dest)
             found[name] = dest
         reader.run()
     return found
@@ -235,41 +160,49 @@ def _small_records(plan: _Plan, options: TransferOptions) -> dict[str, memoryvie
 
 def _structure(
     plan: _Plan,
-    options: TransferOptions,
+    small: dict[str, memoryview],
     weights_only: bool,
     keys: Sequence[str] | None,
-    on_storage: Callable[[Entry, torch.UntypedStorage], None] | None,
+    placed: PlacedRecords | None,
 ) -> _Fetched:
-    """Unpickle ``data.pkl``, allocating each storage it names (``on_storage`` is told of
-    each, to read it at once); with ``keys``, only the storages they reference are kept."""
-    small = _small_records(plan, options)
+    """Unpickle ``data.pkl``, each storage it names taken from ``placed`` (else allocated,
+    to be read after); with ``keys``, only the storages they reference are kept.
+    ``small`` holds the records :func:`_small_records` read."""
     data_pkl = small[plan.prefix + "data.pkl"]
     byteorder = plan.prefix + "byteorder"
     order = bytes(small[byteorder]).decode() if byteorder in small else "little"
     refs: dict[str, StorageRef] = {}
     storages: dict[str, torch.UntypedStorage] = {}
     typed: dict[str, torch.storage.TypedStorage] = {}
+    #: Tensors made on the way to a storage, for the first tensor over it (engine/records.py).
+    spares: dict[int, torch.Tensor] = {}
+    prefix = plan.prefix + "data/"
+    records = {n[len(prefix) :]: e for n, e in plan.entries.items() if n.startswith(prefix)}
 
     def persistent_load(saved_id: Any) -> Any:
         ref = parse_persistent_id(saved_id, plan.url)
-        if ref.key in typed:
-            return typed[ref.key]
-        entry = _record(plan, ref.key)
+        found = typed.get(ref.key)
+        if found is not None:
+            return found
+        entry = records.get(ref.key) or _record(plan, ref.key)
         if entry.size != ref.nbytes:
             raise CorruptCheckpointError(
                 f"{plan.url}: record data/{ref.key} holds {entry.size} bytes, expected {ref.nbytes}"
             )
-        storage = torch.UntypedStorage(ref.nbytes)
+        if placed is None:
+            storage, spare = torch.UntypedStorage(ref.nbytes), None
+        else:
+            storage, spare = placed.storage(entry, ref)
         refs[ref.key] = ref
         storages[ref.key] = storage
-        if on_storage is not None:
-            on_storage(entry, storage)
-        typed[ref.key] = torch.storage.TypedStorage(
-            wrap_storage=storage, dtype=ref.dtype, _internal=True
-        )
-        return typed[ref.key]
+        found = typed[ref.key] = typed_storage(storage, ref.dtype)
+        if spare is not None:
+            spares[id(found)] = spare
+        return found
 
-    result = unpickle(data_pkl, persistent_load, weights_only=weights_only, url=plan.url)
+    result = unpickle(
+        data_pkl, persistent_load, weights_only=weights_only, url=plan.url, spares=spares
+    )
     if keys is not None:
         result = _select(result, keys, plan.url)
         wanted = referenced_storages(result, {s._cdata: k for k, s in storages.items()})
@@ -293,20 +226,27 @@ def _fetch(
     advance: Callable[[int], None],
 ) -> _Fetched:
     """Unpickle the structure and fill every storage it needs, in parallel, checked;
-    without ``keys`` each read starts as soon as unpickling meets its storage."""
-    with RangeReader(plan.store, options, stream=True, advance=advance) as reader:
-        records = _RecordReads(reader, plan)
-
-        def read_now(entry: Entry, storage: torch.UntypedStorage) -> None:
-            records.add(entry, _storage_view(storage))
-
-        fetched = _structure(plan, options, weights_only, keys, read_now if keys is None else None)
-        if keys is not None:
+    without ``keys`` every record's read is sent before unpickling starts."""
+    small = _small_records(plan, options)  # data.pkl first: the records' reads would slow it
+    with RangeReader(plan.store, options, stream=keys is not None, advance=advance) as reader:
+        if keys is None:
+            placed = PlacedRecords(reader, plan.key, plan.url, _data_records(plan))
+            reader.start()
+            fetched = _structure(plan, small, weights_only, None, placed)
+            placed.check_arrived()
+        else:
+            fetched = _structure(plan, small, weights_only, keys, None)
+            records = RecordReads(reader, plan.key, plan.url)
             for k in sorted(fetched.storages, key=lambda k: _record(plan, k).header_offset):
-                records.add(_record(plan, k), _storage_view(fetched.storages[k]))
-        records.flush()
+                records.add(_record(plan, k), storage_view(fetched.storages[k]))
+            records.flush()
         reader.run()
     return fetched
+
+
+def _data_records(plan: _Plan) -> list[Entry]:
+    """The archive's storage records (``{prefix}data/...``)."""
+    return [e for n, e in plan.entries.items() if n.startswith(plan.prefix + "data/")]
 
 
 def _fetch_shared(
@@ -324,15 +264,15 @@ def _fetch_shared(
     fetched: _Fetched | None = None
     items: list[tuple[int, memoryview]] = []
     try:
-        fetched = _structure(plan, options, weights_only, keys, None)
+        fetched = _structure(plan, _small_records(plan, options), weights_only, keys, None)
         found = sorted(
             ((_record(plan, k), fetched.storages[k]) for k in fetched.storages),
             key=lambda es: es[0].header_offset,
         )
         owners = split_even([e.size for e, _ in found], ranks)
-        items = [(o, _storage_view(st)) for o, (_, st) in zip(owners, found, strict=True)]
+        items = [(o, storage_view(st)) for o, (_, st) in zip(owners, found, strict=True)]
         with RangeReader(plan.store, options, stream=True, advance=advance) as reader:
-            records = _RecordReads(reader, plan)
+            records = RecordReads(reader, plan.key, plan.url)
             for (owner, view), (entry, _storage) in zip(items, found, strict=True):
                 if owner == me:
                     records.add(entry, view)
@@ -417,8 +357,7 @@ def load(
     if plan.whole:
         result = _read_whole(plan, map_location, weights_only)
         return _select(result, keys, plan.url) if keys is not None else result
-    data = [e for n, e in plan.entries.items() if n.startswith(plan.prefix + "data/")]
-    total = sum(e.local_header_size + e.size for e in data)
+    total = sum(e.local_header_size + e.size for e in _data_records(plan))
     name = f"load {where.key.rsplit('/', 1)[-1]}"
     with progress_bar(name, total, where.options.progress) as advance:
         if group is None:

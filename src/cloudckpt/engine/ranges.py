@@ -14,7 +14,9 @@ A streaming reader sends a batch whenever ``read_chunk_size`` bytes are waiting,
 reads start while the caller is still planning the rest; ``add`` then blocks while the
 group is full, which bounds what the caller allocates ahead. :meth:`RangeReader.run`
 sends what is left and waits for all of it; leaving its ``with`` block on an error
-cancels what was sent. Used by ``load``, the DCP reader, ``cloudckpt verify`` and
+cancels what was sent. :meth:`RangeReader.start` sends what was added from a thread of
+its own instead, so that the caller goes on (a load unpickling while its records
+arrive). Used by ``load``, the DCP reader, ``cloudckpt verify`` and
 ``cloudckpt cp`` (:func:`split`).
 """
 
@@ -27,7 +29,7 @@ from typing import TypeVar
 
 from ..options import TransferOptions
 from ..store import Store
-from .scheduler import TransferGroup
+from .scheduler import Cancelled, TransferGroup
 
 __all__ = ["RangeReader", "split"]
 
@@ -94,6 +96,9 @@ class RangeReader:
         self._advance = advance
         self._group: TransferGroup | None = None
         self._lock = threading.Lock()
+        self._feeder: threading.Thread | None = None
+        self._feed_error: BaseException | None = None
+        self._stopped = False
         #: Reads sent and bytes fetched, gaps included (for tests and benchmarks).
         self.requests = 0
         self.bytes = 0
@@ -117,8 +122,35 @@ class RangeReader:
         elif on_done is not None:
             on_done()
 
+    def start(self) -> None:
+        """Send what was added so far from a thread of its own and return at once;
+        :meth:`run` waits for it (and reads what was added after)."""
+        if self._feeder is not None:
+            raise RuntimeError("RangeReader.start() called twice")
+        group = self._group_for_reads()
+        pending, self._requests, self._waiting = self._requests, defaultdict(list), 0
+
+        def feed() -> None:
+            try:
+                self._send_pending(pending)
+            except BaseException as exc:
+                self._feed_error = exc
+                group.cancel_event.set()
+
+        self._feeder = threading.Thread(target=feed, name="cloudckpt-read-feeder", daemon=True)
+        self._feeder.start()
+
+    def _join_feeder(self) -> None:
+        feeder, self._feeder = self._feeder, None
+        if feeder is not None:
+            feeder.join()
+
     def run(self) -> None:
         """Read everything added so far; raise the first failure (after retries)."""
+        self._join_feeder()
+        if self._feed_error is not None and not isinstance(self._feed_error, Cancelled):
+            self.cancel()
+            raise self._feed_error
         self._send()
         group, self._group = self._group, None
         if group is not None:
@@ -140,6 +172,10 @@ class RangeReader:
     def cancel(self) -> None:
         """Stop the reads sent and not finished, and drop those not sent (after an error)."""
         self._requests, self._waiting = defaultdict(list), 0
+        self._stopped = True
+        if self._group is not None:
+            self._group.cancel_event.set()
+        self._join_feeder()
         group, self._group = self._group, None
         if group is not None:
             group.cancel()
@@ -158,8 +194,9 @@ class RangeReader:
         self, key: str, start: int, buffers: list[memoryview], covers: list[_Request], n: int
     ) -> None:
         """One read of ``buffers`` from ``start``; ``n`` of its bytes are requested ones."""
-        if self._group is None:
-            self._group = TransferGroup(self.options, self.options.read_concurrency)
+        if self._stopped:
+            raise Cancelled()
+        group = self._group_for_reads()
         self.requests += 1
         self.bytes += sum(b.nbytes for b in buffers)
         store, advance = self.store, self._advance
@@ -170,44 +207,52 @@ class RangeReader:
                 advance(n)
             self._finish(covers)
 
-        self._group.submit(read, f"read {n} bytes at {start} of {store.url(key)}")
+        group.submit(read, f"read {n} bytes at {start} of {store.url(key)}")
+
+    def _group_for_reads(self) -> TransferGroup:
+        if self._group is None:
+            self._group = TransferGroup(self.options, self.options.read_concurrency)
+        return self._group
 
     def _send(self) -> None:
         """Send the waiting requests, joined and split (blocks while the group is full).
         On a failure, everything sent is cancelled before the error is raised."""
-        chunk, max_gap = self.options.read_chunk_size, self.options.read_gap
         pending, self._requests, self._waiting = self._requests, defaultdict(list), 0
         try:
-            for key, requests in pending.items():
-                requests.sort(key=lambda r: r.start)
-                run: list[memoryview] = []
-                covers: list[_Request] = []
-                run_start = run_end = run_bytes = 0
-                for request in requests:
-                    start, n = request.start, request.size
-                    if n > chunk:
-                        pieces = _pieces(request.buffers, chunk)
-                        request.pending = len(pieces)
-                        for pos, views in pieces:
-                            size = sum(v.nbytes for v in views)
-                            self._submit(key, start + pos, views, [request], size)
-                        continue
-                    request.pending = 1
-                    gap = start - run_end
-                    if run and 0 <= gap <= max_gap and start + n - run_start <= chunk:
-                        if gap:
-                            run.append(memoryview(bytearray(gap)))
-                        run += request.buffers
-                        covers.append(request)
-                        run_bytes += n
-                    else:
-                        if run:
-                            self._submit(key, run_start, run, covers, run_bytes)
-                        run, covers = list(request.buffers), [request]
-                        run_start, run_bytes = start, n
-                    run_end = start + n
-                if run:
-                    self._submit(key, run_start, run, covers, run_bytes)
+            self._send_pending(pending)
         except BaseException:
             self.cancel()
             raise
+
+    def _send_pending(self, pending: dict[str, list[_Request]]) -> None:
+        chunk, max_gap = self.options.read_chunk_size, self.options.read_gap
+        for key, requests in pending.items():
+            requests.sort(key=lambda r: r.start)
+            run: list[memoryview] = []
+            covers: list[_Request] = []
+            run_start = run_end = run_bytes = 0
+            for request in requests:
+                start, n = request.start, request.size
+                if n > chunk:
+                    pieces = _pieces(request.buffers, chunk)
+                    request.pending = len(pieces)
+                    for pos, views in pieces:
+                        size = sum(v.nbytes for v in views)
+                        self._submit(key, start + pos, views, [request], size)
+                    continue
+                request.pending = 1
+                gap = start - run_end
+                if run and 0 <= gap <= max_gap and start + n - run_start <= chunk:
+                    if gap:
+                        run.append(memoryview(bytearray(gap)))
+                    run += request.buffers
+                    covers.append(request)
+                    run_bytes += n
+                else:
+                    if run:
+                        self._submit(key, run_start, run, covers, run_bytes)
+                    run, covers = list(request.buffers), [request]
+                    run_start, run_bytes = start, n
+                run_end = start + n
+            if run:
+                self._submit(key, run_start, run, covers, run_bytes)

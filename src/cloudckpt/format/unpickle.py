@@ -18,6 +18,7 @@ once per load instead); everything else goes through torch's own rebuild functio
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import pickle
 import struct
@@ -31,7 +32,7 @@ import torch
 from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
 from .gcpause import paused_gc
 
-__all__ = ["StorageRef", "parse_persistent_id", "unpickle"]
+__all__ = ["StorageRef", "parse_persistent_id", "typed_storage", "unpickle"]
 
 
 class StorageRef:
@@ -70,6 +71,21 @@ def _storage_dtype(storage_type: Any) -> torch.dtype | None:
 
 def parse_persistent_id(saved_id: Any, url: str) -> StorageRef:
     """Decode ``('storage', storage_type, key, location, numel)``."""
+    if type(saved_id) is tuple and len(saved_id) == 5:  # as torch writes it: checked fast
+        tag, storage_type, key, location, numel = saved_id
+        if (
+            tag == "storage"
+            and type(key) is str
+            and type(location) is str
+            and type(numel) is int
+            and numel >= 0
+        ):
+            try:
+                known = _dtypes.get(storage_type)
+            except TypeError:  # unhashable: the full decode below names it
+                known = None
+            if known is not None:
+                return StorageRef(key, known, location, numel * known.itemsize)
     if not isinstance(saved_id, tuple) or len(saved_id) != 5 or _text(saved_id[0]) != "storage":
         raise CorruptCheckpointError(f"{url}: unexpected persistent id {saved_id!r} in data.pkl")
     _, storage_type, key, location, numel = saved_id
@@ -80,6 +96,32 @@ def parse_persistent_id(saved_id: Any, url: str) -> StorageRef:
     if not isinstance(numel, int) or numel < 0:
         raise CorruptCheckpointError(f"{url}: bad element count {numel!r} for storage {key!r}")
     return StorageRef(_text(key), dtype, _text(location), numel * dtype.itemsize)
+
+
+_TypedStorage = torch.storage.TypedStorage
+_new_object = object.__new__
+_fast_typed: list[bool] = []
+
+
+def typed_storage(storage: torch.UntypedStorage, dtype: torch.dtype) -> Any:
+    """``TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)``, a third of
+    the cost: its ``__init__`` only checks its arguments and sets these two attributes.
+    The first call compares the result with the constructor's; if they differ, the
+    constructor is used from then on."""
+    if not _fast_typed:
+        slow = _TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        fast = _new_object(_TypedStorage)
+        fast.dtype, fast._untyped_storage = dtype, storage
+        _fast_typed.append(
+            vars(slow).keys() == vars(fast).keys()
+            and all(vars(slow)[k] is vars(fast)[k] for k in vars(slow))
+        )
+    if _fast_typed[0]:
+        typed = _new_object(_TypedStorage)
+        typed.dtype = dtype
+        typed._untyped_storage = storage
+        return typed
+    return _TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
 class _FullUnpickler(pickle.Unpickler):
@@ -141,17 +183,25 @@ def _rebuild_tensor_v2(
     requires_grad: bool,
     backward_hooks: Any,
     metadata: Any = None,
+    *,
+    spares: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``torch._utils._rebuild_tensor_v2`` for CPU storages with no fake mode active."""
-    if (
-        type(storage) is not torch.storage.TypedStorage
-        or storage._untyped_storage.device.type != "cpu"
-    ):
-        return _torch_rebuild_v2(
-            storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
-        )
-    untyped = storage._untyped_storage
-    tensor = torch.empty((0,), dtype=storage.dtype).set_(untyped, storage_offset, size, stride)
+    """``torch._utils._rebuild_tensor_v2`` for CPU storages with no fake mode active.
+
+    ``spares`` maps ``id(storage)`` to a fresh tensor of the storage's dtype that nothing
+    else refers to: the first tensor over that storage is that one, ``set_`` to its
+    place (one torch call instead of two)."""
+    spare = spares.pop(id(storage), None) if spares else None
+    if spare is None:  # (a spare is only made for a plain CPU storage)
+        if (
+            type(storage) is not torch.storage.TypedStorage
+            or storage._untyped_storage.device.type != "cpu"
+        ):
+            return _torch_rebuild_v2(
+                storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
+            )
+        spare = torch.empty((0,), dtype=storage.dtype)
+    tensor = spare.set_(storage._untyped_storage, storage_offset, size, stride)
     if requires_grad:
         tensor.requires_grad = True
     if metadata:
@@ -163,7 +213,7 @@ def _rebuild_tensor_v2(
 _torch_rebuild_v2 = torch._utils._rebuild_tensor_v2
 
 
-def _allowed_globals() -> dict[str, Any] | None:
+def _allowed_globals(spares: dict[int, torch.Tensor] | None = None) -> dict[str, Any] | None:
     """What torch's weights-only loader allows right now (its list, then the user's),
     or None where this torch does not expose them (then torch's unpickler is used)."""
     try:
@@ -181,7 +231,8 @@ def _allowed_globals() -> dict[str, Any] | None:
         from torch._guards import detect_fake_mode
 
         if detect_fake_mode(None) is None:
-            allowed["torch._utils._rebuild_tensor_v2"] = _rebuild_tensor_v2
+            fast = None if spares is None else functools.partial(_rebuild_tensor_v2, spares=spares)
+            allowed["torch._utils._rebuild_tensor_v2"] = fast or _rebuild_tensor_v2
     return allowed
 
 
@@ -227,11 +278,15 @@ def unpickle(
     *,
     weights_only: bool,
     url: str,
+    spares: dict[int, torch.Tensor] | None = None,
 ) -> Any:
     """Run the unpickler over ``data`` with ``persistent_load`` supplying storages
     (``persistent_load`` must return the same object when asked for a storage again:
-    a pickle torch's own unpickler must handle is read a second time by it)."""
-    allowed = _allowed_globals() if weights_only else None
+    a pickle torch's own unpickler must handle is read a second time by it).
+
+    ``spares``: tensors the first rebuild over a storage may take (see
+    :func:`_rebuild_tensor_v2`); ``persistent_load`` may add to it as it goes."""
+    allowed = _allowed_globals(spares) if weights_only else None
     try:
         return _run(_unpickler(data, weights_only, allowed), persistent_load, weights_only, url)
     except (_TorchUnpicklerNeeded, MemoryError):
@@ -247,7 +302,7 @@ def _run(
 ) -> Any:
     unpickler.persistent_load = persistent_load
     try:
-        with paused_gc():
+        with paused_gc(kept=True):
             result = unpickler.load()
     except _TorchUnpicklerNeeded:
         raise

@@ -36,12 +36,18 @@ _EOCD_SIZE = 22
 _ZIP64_LOCATOR_SIZE = 20
 _CENTRAL_SIZE = 46
 LOCAL_HEADER_SIZE = 30
+#: A central directory entry's fixed part, the fields read: version made by and needed
+#: (skipped), flags, method, time and date (skipped), CRC-32, sizes, name, extra and
+#: comment lengths, disk, attributes (skipped), local header offset.
+_CENTRAL_ENTRY = struct.Struct("<4x4xHH4xIIIHHH8xI")
+#: A local header's name and extra lengths (at byte 26).
+_NAME_EXTRA = struct.Struct("<HH")
 _MAX_COMMENT = 0xFFFF
 #: Bytes from the end that always contain the EOCD (and zip64 locator) records.
 TAIL_PROBE = _EOCD_SIZE + _MAX_COMMENT + _ZIP64_LOCATOR_SIZE + 56
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One record: where its local header and data are, and its checksum."""
 
@@ -112,46 +118,31 @@ def parse_directory(tail: bytes, tail_start: int, object_size: int, url: str) ->
         raise NeedMoreBytes(cd_offset)
     entries: dict[str, Entry] = {}
     pos = rel
+    end = len(tail)
+    unpack = _CENTRAL_ENTRY.unpack_from
     for _ in range(count):
-        if tail[pos : pos + 4] != _CENTRAL or pos + _CENTRAL_SIZE > len(tail):
+        if pos + _CENTRAL_SIZE > end or tail[pos : pos + 4] != _CENTRAL:
             raise CorruptCheckpointError(f"{url}: damaged central directory entry at {pos}")
-        (
-            _,
-            _,
-            _,
-            flags,
-            method,
-            _,
-            _,
-            crc,
-            csize,
-            usize,
-            name_len,
-            extra_len,
-            comment_len,
-            _,
-            _,
-            _,
-            offset,
-        ) = struct.unpack_from("<4sHHHHHHIIIHHHHHII", tail, pos)
+        (flags, method, crc, csize, usize, name_len, extra_len, comment_len, offset) = unpack(
+            tail, pos
+        )
         name_start = pos + _CENTRAL_SIZE
         name = tail[name_start : name_start + name_len].decode("utf-8", "replace")
-        extra = tail[name_start + name_len : name_start + name_len + extra_len]
         zip64 = 0xFFFFFFFF in (csize, usize, offset)
         if zip64:
+            extra = tail[name_start + name_len : name_start + name_len + extra_len]
             usize, csize, offset = _zip64_extra(extra, usize, csize, offset, url, name)
+        if offset + LOCAL_HEADER_SIZE + csize > cd_offset:
+            raise CorruptCheckpointError(
+                f"{url}: record {name!r} claims bytes past the end of the archive"
+            )
+        if method == 0 and csize != usize:
+            raise CorruptCheckpointError(
+                f"{url}: record {name!r} is stored uncompressed, yet its directory "
+                f"entry gives {csize} stored and {usize} original bytes"
+            )
         entries[name] = Entry(name, offset, usize, csize, crc, method, flags, zip64)
         pos = name_start + name_len + extra_len + comment_len
-    for entry in entries.values():
-        if entry.header_offset + LOCAL_HEADER_SIZE + entry.compressed_size > cd_offset:
-            raise CorruptCheckpointError(
-                f"{url}: record {entry.name!r} claims bytes past the end of the archive"
-            )
-        if entry.method == 0 and entry.compressed_size != entry.size:
-            raise CorruptCheckpointError(
-                f"{url}: record {entry.name!r} is stored uncompressed, yet its directory "
-                f"entry gives {entry.compressed_size} stored and {entry.size} original bytes"
-            )
     _infer_local_headers(entries, cd_offset, url)
     return Directory(entries=entries, cd_offset=cd_offset, cd_size=cd_size)
 
@@ -188,11 +179,10 @@ def _infer_local_headers(entries: dict[str, Entry], cd_offset: int, url: str) ->
     reader fetches that local header before planning its reads.
     """
     ordered = sorted(entries.values(), key=lambda e: e.header_offset)
-    following_entries: list[Entry | None] = [*ordered[1:], None] if ordered else []
-    for entry, nxt in zip(ordered, following_entries, strict=True):
-        following = nxt.header_offset if nxt is not None else cd_offset
+    following = [e.header_offset for e in ordered[1:]] + [cd_offset] if ordered else []
+    for entry, nxt in zip(ordered, following, strict=True):
         descriptor = (24 if entry.zip64 else 16) if entry.flags & 0x08 else 0
-        size = following - entry.header_offset - entry.compressed_size - descriptor
+        size = nxt - entry.header_offset - entry.compressed_size - descriptor
         minimum = LOCAL_HEADER_SIZE + len(entry.name.encode())
         if size < minimum or size > minimum + 0xFFFF:
             entry.local_header_size = -1  # unknown: the reader fetches the header first
@@ -205,7 +195,7 @@ def check_local_header(header: bytes | memoryview, entry: Entry, url: str) -> No
     header = bytes(header)
     if len(header) < LOCAL_HEADER_SIZE or header[:4] != _LOCAL:
         raise CorruptCheckpointError(f"{url}: record {entry.name!r} has no local header")
-    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    name_len, extra_len = _NAME_EXTRA.unpack_from(header, 26)
     name = header[LOCAL_HEADER_SIZE : LOCAL_HEADER_SIZE + name_len].decode("utf-8", "replace")
     if name != entry.name or LOCAL_HEADER_SIZE + name_len + extra_len != entry.local_header_size:
         raise CorruptCheckpointError(
