@@ -73,6 +73,13 @@ class _Plan:
     #: The tail already read for the directory (small records may sit in it).
     tail: bytes = b""
     tail_start: int = 0
+    #: The storage records (``{prefix}data/KEY``) by KEY.
+    records: dict[str, Entry] = field(init=False)
+
+    def __post_init__(self) -> None:
+        at = len(self.prefix) + len("data/")
+        data = self.prefix + "data/"
+        self.records = {n[at:]: e for n, e in self.entries.items() if n.startswith(data)}
 
     @property
     def whole(self) -> bool:
@@ -176,15 +183,16 @@ def _structure(
     typed: dict[str, torch.storage.TypedStorage] = {}
     #: Tensors made on the way to a storage, for the first tensor over it (engine/records.py).
     spares: dict[int, torch.Tensor] = {}
-    prefix = plan.prefix + "data/"
-    records = {n[len(prefix) :]: e for n, e in plan.entries.items() if n.startswith(prefix)}
+    records = plan.records
 
     def persistent_load(saved_id: Any) -> Any:
         ref = parse_persistent_id(saved_id, plan.url)
         found = typed.get(ref.key)
         if found is not None:
             return found
-        entry = records.get(ref.key) or _record(plan, ref.key)
+        entry = records.get(ref.key)
+        if entry is None:
+            raise CorruptCheckpointError(f"{plan.url}: storage record data/{ref.key} is missing")
         if entry.size != ref.nbytes:
             raise CorruptCheckpointError(
                 f"{plan.url}: record data/{ref.key} holds {entry.size} bytes, expected {ref.nbytes}"
@@ -211,13 +219,6 @@ def _structure(
     return _Fetched(result, data_pkl, order, refs, storages)
 
 
-def _record(plan: _Plan, key: str) -> Entry:
-    entry = plan.entries.get(f"{plan.prefix}data/{key}")
-    if entry is None:
-        raise CorruptCheckpointError(f"{plan.url}: storage record data/{key} is missing")
-    return entry
-
-
 def _fetch(
     plan: _Plan,
     options: TransferOptions,
@@ -230,23 +231,21 @@ def _fetch(
     small = _small_records(plan, options)  # data.pkl first: the records' reads would slow it
     with RangeReader(plan.store, options, stream=keys is not None, advance=advance) as reader:
         if keys is None:
-            placed = PlacedRecords(reader, plan.key, plan.url, _data_records(plan))
+            placed = PlacedRecords(reader, plan.key, plan.url, plan.records.values())
             reader.start()
             fetched = _structure(plan, small, weights_only, None, placed)
             placed.check_arrived()
         else:
             fetched = _structure(plan, small, weights_only, keys, None)
             records = RecordReads(reader, plan.key, plan.url)
-            for k in sorted(fetched.storages, key=lambda k: _record(plan, k).header_offset):
-                records.add(_record(plan, k), storage_view(fetched.storages[k]))
+            for k in sorted(fetched.storages, key=lambda k: plan.records[k].header_offset):
+                records.add(plan.records[k], storage_view(fetched.storages[k]))
             records.flush()
         reader.run()
     return fetched
 
 
-def _data_records(plan: _Plan) -> list[Entry]:
-    """The archive's storage records (``{prefix}data/...``)."""
-    return [e for n, e in plan.entries.items() if n.startswith(plan.prefix + "data/")]
+
 
 
 def _fetch_shared(
@@ -266,7 +265,7 @@ def _fetch_shared(
     try:
         fetched = _structure(plan, _small_records(plan, options), weights_only, keys, None)
         found = sorted(
-            ((_record(plan, k), fetched.storages[k]) for k in fetched.storages),
+            ((plan.records[k], fetched.storages[k]) for k in fetched.storages),
             key=lambda es: es[0].header_offset,
         )
         owners = split_even([e.size for e, _ in found], ranks)
@@ -357,7 +356,7 @@ def load(
     if plan.whole:
         result = _read_whole(plan, map_location, weights_only)
         return _select(result, keys, plan.url) if keys is not None else result
-    total = sum(e.local_header_size + e.size for e in _data_records(plan))
+    total = sum(e.local_header_size + e.size for e in plan.records.values())
     name = f"load {where.key.rsplit('/', 1)[-1]}"
     with progress_bar(name, total, where.options.progress) as advance:
         if group is None:

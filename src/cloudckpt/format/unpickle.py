@@ -10,7 +10,7 @@ pure-Python one: every global a pickle can reach, and so every callable ``REDUCE
 says what that does and does not cover). ``weights_only=False`` is an explicit opt-in to
 full pickle for trusted files.
 
-Plain CPU tensors are rebuilt by :func:`_rebuild_tensor_v2`, which does what
+Plain CPU tensors are rebuilt by the function :func:`_rebuilder` makes, which does what
 ``torch._utils._rebuild_tensor_v2`` does without its per-tensor fake-mode lookup (made
 once per load instead); everything else goes through torch's own rebuild functions.
 """
@@ -18,7 +18,6 @@ once per load instead); everything else goes through torch's own rebuild functio
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import pickle
 import struct
@@ -175,39 +174,42 @@ def _unsupported(module: str, name: str) -> _Refused:
     )
 
 
-def _rebuild_tensor_v2(
-    storage: Any,
-    storage_offset: int,
-    size: Any,
-    stride: Any,
-    requires_grad: bool,
-    backward_hooks: Any,
-    metadata: Any = None,
-    *,
-    spares: dict[int, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def _rebuilder(spares: dict[int, torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``torch._utils._rebuild_tensor_v2`` for CPU storages with no fake mode active.
 
     ``spares`` maps ``id(storage)`` to a fresh tensor of the storage's dtype that nothing
     else refers to: the first tensor over that storage is that one, ``set_`` to its
-    place (one torch call instead of two)."""
-    spare = spares.pop(id(storage), None) if spares else None
-    if spare is None:  # (a spare is only made for a plain CPU storage)
-        if (
-            type(storage) is not torch.storage.TypedStorage
-            or storage._untyped_storage.device.type != "cpu"
-        ):
-            return _torch_rebuild_v2(
-                storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
-            )
-        spare = torch.empty((0,), dtype=storage.dtype)
-    tensor = spare.set_(storage._untyped_storage, storage_offset, size, stride)
-    if requires_grad:
-        tensor.requires_grad = True
-    if metadata:
-        torch._utils.set_tensor_metadata(tensor, metadata)
-    tensor._backward_hooks = backward_hooks
-    return tensor
+    place (one torch call instead of two). A closure over it, not a ``partial``: the
+    pickle calls this once per tensor."""
+    pop = spares.pop
+    typed_class = torch.storage.TypedStorage
+    new_empty = torch.empty
+
+    def rebuild(
+        storage: Any,
+        storage_offset: int,
+        size: Any,
+        stride: Any,
+        requires_grad: bool,
+        backward_hooks: Any,
+        metadata: Any = None,
+    ) -> torch.Tensor:
+        spare = pop(id(storage), None)
+        if spare is None:  # (a spare is only made for a plain CPU storage)
+            if type(storage) is not typed_class or storage._untyped_storage.device.type != "cpu":
+                return _torch_rebuild_v2(
+                    storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
+                )
+            spare = new_empty((0,), dtype=storage.dtype)
+        tensor = spare.set_(storage._untyped_storage, storage_offset, size, stride)
+        if requires_grad:
+            tensor.requires_grad = True
+        if metadata:
+            torch._utils.set_tensor_metadata(tensor, metadata)
+        tensor._backward_hooks = backward_hooks
+        return tensor
+
+    return rebuild
 
 
 _torch_rebuild_v2 = torch._utils._rebuild_tensor_v2
@@ -231,8 +233,7 @@ def _allowed_globals(spares: dict[int, torch.Tensor] | None = None) -> dict[str,
         from torch._guards import detect_fake_mode
 
         if detect_fake_mode(None) is None:
-            fast = None if spares is None else functools.partial(_rebuild_tensor_v2, spares=spares)
-            allowed["torch._utils._rebuild_tensor_v2"] = fast or _rebuild_tensor_v2
+            allowed["torch._utils._rebuild_tensor_v2"] = _rebuilder({} if spares is None else spares)
     return allowed
 
 
@@ -285,7 +286,7 @@ def unpickle(
     a pickle torch's own unpickler must handle is read a second time by it).
 
     ``spares``: tensors the first rebuild over a storage may take (see
-    :func:`_rebuild_tensor_v2`); ``persistent_load`` may add to it as it goes."""
+    :func:`_rebuilder`); ``persistent_load`` may add to it as it goes."""
     allowed = _allowed_globals(spares) if weights_only else None
     try:
         return _run(_unpickler(data, weights_only, allowed), persistent_load, weights_only, url)
