@@ -245,9 +245,6 @@ def _fetch(
     return fetched
 
 
-
-
-
 def _fetch_shared(
     plan: _Plan,
     options: TransferOptions,

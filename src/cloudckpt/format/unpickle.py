@@ -233,7 +233,8 @@ def _allowed_globals(spares: dict[int, torch.Tensor] | None = None) -> dict[str,
         from torch._guards import detect_fake_mode
 
         if detect_fake_mode(None) is None:
-            allowed["torch._utils._rebuild_tensor_v2"] = _rebuilder({} if spares is None else spares)
+            rebuild = _rebuilder({} if spares is None else spares)
+            allowed["torch._utils._rebuild_tensor_v2"] = rebuild
     return allowed
 
 
