@@ -49,6 +49,17 @@ MIXED_RATIO = 0.85
 #: many times the one at the next count down (100,000 vs 10,000 in a full run).
 PER_TENSOR_GROWTH = 1.5
 SCALING_SYSTEMS = ("ceiling", "cloudckpt", "cloudckpt-dcp")
+#: Issue 15's targets on the 10,000-tensor state (many-small): (what, system, figure,
+#: goal, higher is better).
+MANY_SMALL_TARGETS = (
+    ("single-object load vs best ceiling GET", "cloudckpt", "load_vs_ceiling", 0.5, True),
+    ("single-object load vs torch.load(weights_only=True) from memory (x faster)",
+     "cloudckpt", "load_vs_torch_load_memory", 3.0, True),
+    ("single-object save vs best ceiling PUT", "cloudckpt", "save_vs_ceiling", 0.85, True),
+    ("async stall vs warm memcpy", "cloudckpt-async", "async_stall_vs_memcpy", 2.0, False),
+    ("DCP save vs best ceiling PUT", "cloudckpt-dcp", "save_vs_ceiling", 0.4, True),
+    ("DCP load vs best ceiling GET", "cloudckpt-dcp", "load_vs_ceiling", 0.25, True),
+)  # fmt: skip
 FINDINGS = Path(__file__).with_name("findings.md")
 
 
@@ -125,7 +136,15 @@ def _figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if memcpy:
                 out["warm_memcpy_s"] = memcpy
                 out["async_stall_vs_memcpy"] = out["async_stall_s"] / memcpy
+        reference = [r["warm"]["torch_load_memory_s"] for r in ok if _torch_load_ran(r)]
+        if op == "load" and reference:
+            out["torch_load_memory_s"] = _median(reference)
+            out["load_vs_torch_load_memory"] = out["torch_load_memory_s"] / out["load_seconds"]
     return out
+
+
+def _torch_load_ran(run: dict[str, Any]) -> bool:
+    return isinstance(run.get("warm"), dict) and "torch_load_memory_s" in run["warm"]
 
 
 UNITS = {
@@ -134,6 +153,7 @@ UNITS = {
     "vs_ceiling_2to3": "x ceiling-2to3", "vs_megatron_msc": "x megatron-msc",
     "vs_get_put": "x ceiling GET + PUT time", "bytes": "B",
     "stall_s": "s", "total_s": "s", "memcpy_s": "s", "vs_memcpy": "x warm memcpy",
+    "torch_load_memory_s": "s", "vs_torch_load_memory": "x torch.load from memory",
     "error": "error", "reps": "count",
 }  # fmt: skip
 
@@ -285,6 +305,9 @@ def targets(table: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]
         check("export peak extra RSS (MiB) vs 2x the largest output shard",
               sx.get("load_peak_extra_rss_MiB"), EXPORT_RSS_SHARDS * sx["bytes"] / MiB, False,
               "MiB")  # fmt: skip
+    ms = table.get("many-small", {})
+    for name, system, figure, goal, higher in MANY_SMALL_TARGETS:
+        check(f"many-small {name}", ms.get(system, {}).get(figure), goal, higher, "x")
     ga = table.get("gpt-adamw", {})
     for system, label in (("cloudckpt", "single object"), ("cloudckpt-dcp", "DCP")):
         for op, verb in (("save", "PUT"), ("load", "GET")):
