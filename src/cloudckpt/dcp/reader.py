@@ -171,7 +171,8 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         """The commit marker, checked against the layout index written with it
         (dcp/commit_read.py); both are read at once. Its ``storage_meta`` carries this
         load's ``load_id``, as FileSystemReader's does."""
-        metadata, self._read_with = read_commit(self.location, kwargs.get("rank"))
+        with paused_gc(kept=True):  # .metadata and the index: objects per item, kept
+            metadata, self._read_with = read_commit(self.location, kwargs.get("rank"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
@@ -188,10 +189,11 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
         self._save_id = save_id_of(metadata)
-        self._chunks = ChunkIndex(metadata)
-        self._index, self._index_read = None, False
-        if self._read_with is not None and self._save_id == self._read_with[0]:
-            self._index, self._index_read = self._adopt(self._read_with[1]), True
+        with paused_gc(kept=True):  # an entry per item, kept for the load
+            self._chunks = ChunkIndex(metadata)
+            self._index, self._index_read = None, False
+            if self._read_with is not None and self._save_id == self._read_with[0]:
+                self._index, self._index_read = self._adopt(self._read_with[1]), True
 
     def _layout_index(self) -> LayoutIndex | None:
         """cloudckpt's index of large tensors' byte offsets and checksums, if this save
@@ -206,9 +208,11 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         if not self._save_id:
             return None
         rank = None if self.use_collectives else self.rank
-        doc = layout_document(self.location, rank)
-        if doc is not None and doc.get("save_id") == self._save_id:
-            self._index = self._adopt(parse_index(doc, self.location.url_of(layout_name(rank))))
+        with paused_gc(kept=True):
+            doc = layout_document(self.location, rank)
+            if doc is not None and doc.get("save_id") == self._save_id:
+                url = self.location.url_of(layout_name(rank))
+                self._index = self._adopt(parse_index(doc, url))
         return self._index
 
     def _adopt(self, index: LayoutIndex) -> LayoutIndex:

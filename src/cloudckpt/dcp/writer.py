@@ -56,6 +56,7 @@ from ..format.dcp.layout import (
     split_items,
 )
 from ..format.dcp.tensor_archive import TensorArchive, archive_builder_on, tensor_archive
+from ..format.gcpause import paused_gc
 from ..format.memview import writable_view
 from ..options import TransferOptions
 from ..store import byte_view
@@ -298,6 +299,20 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         ]
         cancel = threading.Event()
         results: list[WriteResult] = []
+        with paused_gc(kept=True):  # a result per item, kept for finish (gcpause.py)
+            results = self._write_all(files, planner, cancel)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_all(
+        self,
+        files: list[tuple[str, list[WriteItem]]],
+        planner: SavePlanner,
+        cancel: threading.Event,
+    ) -> list[WriteResult]:
+        """Each data object's items, the objects written at once."""
+        results: list[WriteResult] = []
         if len(files) == 1:
             results = self._write_object(files[0][0], files[0][1], planner, cancel)
         elif files:
@@ -316,9 +331,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                 real = [e for e in errors if not isinstance(e, Cancelled)]
                 if errors:
                     raise (real or errors)[0]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        return results
 
     def _write_object(
         self,
@@ -373,6 +386,16 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
     # -- commit --------------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after every rank's data committed: write ``.metadata`` (the marker)."""
+        with paused_gc(kept=True):  # an entry per item, kept in the metadata returned
+            payload, index = self._encode(metadata, results)
+        self.location.store.put(self.location.key(layout_name(self._layout_rank())), index)
+        self._commit(payload)
+
+    def _layout_rank(self) -> int | None:
+        return None if self.use_collectives or self.rank is None else self.rank
+
+    def _encode(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes]:
+        """``.metadata``'s bytes (with every result's storage info) and the layout index's."""
         storage_md: dict[Any, Any] = {}
         archives: dict[str, Any] = {}
         chunks: dict[str, int] = {}
@@ -393,13 +416,13 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
             metadata.version = _DCP_VERSION
         if hasattr(metadata, "storage_meta"):
             metadata.storage_meta = self.storage_meta()
-        rank = None if self.use_collectives or self.rank is None else self.rank
         payload = pickle.dumps(metadata)
-        # Before the marker: a committed checkpoint always has its index, which also
-        # holds the CRC-32 of the marker's bytes.
-        index = encode_index(self.save_id, crc32(payload), archives, chunks)
-        name = layout_name(rank)
-        self.location.store.put(self.location.key(name), index)
+        # Written before the marker: a committed checkpoint always has its index, which
+        # also holds the CRC-32 of the marker's bytes.
+        return payload, encode_index(self.save_id, crc32(payload), archives, chunks)
+
+    def _commit(self, payload: bytes) -> None:
+        """Write the marker (``.metadata``) once, refusing another save's."""
         name = self._own_marker()
         store, key, url = self.location.store, self.location.key(name), self.location.url_of(name)
         try:
