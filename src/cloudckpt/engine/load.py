@@ -323,7 +323,10 @@ def load(
     """Read a checkpoint written by :func:`cloudckpt.save` or ``torch.save``.
 
     Returns what ``torch.load`` returns for the same bytes. ``keys`` loads only those
-    top-level entries of a dict checkpoint, fetching only the bytes they need.
+    top-level entries of a dict checkpoint, fetching only the bytes they need. The
+    storages of small tensors (up to 256 KiB) lie in shared blocks, each its own storage,
+    and cannot grow (``resize_`` past their size raises, as after ``torch.load(...,
+    mmap=True)``); docs/format.md, "Parallel read".
 
     ``share=True``: every rank of ``process_group`` (default: the world) calls ``load``
     at once, as a DDP resume does, and the object's bytes are read once in all: each
