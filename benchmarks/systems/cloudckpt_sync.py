@@ -39,12 +39,8 @@ def warm(state: dict[str, torch.Tensor], ctx: Ctx) -> dict[str, float]:
     """Untimed: create the store's client, as a process that checkpoints already has;
     and the torch.load reference (see the module's docstring)."""
     open_url(ctx.url, resolve_options(storage_options=ctx.storage_options()))
-    size = sum(t.untyped_storage().nbytes() for t in state.values())
-    return (
-        {"torch_load_memory_s": torch_load_from_memory_seconds(state)}
-        if size <= TORCH_LOAD_MAX
-        else {}
-    )
+    seconds = torch_load_from_memory_seconds(state)
+    return {} if seconds is None else {"torch_load_memory_s": seconds}
 
 
 def save(state: dict[str, torch.Tensor], ctx: Ctx) -> None:
