@@ -75,14 +75,18 @@ def read_record(reader: RangeReader, key: str, url: str, entry: Entry, dest: mem
     reader.add(key, entry.header_offset, [header, dest], check)
 
 
+def _joins(start: int, end: int, entry: Entry, gap: int) -> bool:
+    """Whether ``entry`` joins the batch spanning ``[start, end)``: it follows within
+    ``gap`` bytes and the batch stays within ``BATCH_BYTES``."""
+    return 0 <= entry.header_offset - end <= gap and entry.end - start <= BATCH_BYTES
+
+
 def _batches(entries: Iterable[Entry], gap: int) -> Iterable[tuple[list[Entry], int, int]]:
     """Runs of small neighbouring records, in the order given: (records, start, end)."""
     batch: list[Entry] = []
     start = end = 0
     for entry in entries:
-        if batch and not (
-            0 <= entry.header_offset - end <= gap and entry.end - start <= BATCH_BYTES
-        ):
+        if batch and not _joins(start, end, entry, gap):
             yield batch, start, end
             batch = []
         if not batch:
@@ -112,12 +116,8 @@ class RecordReads:
             read_record(self._reader, self._key, self._url, entry, dest)
             return
         if self._batch:
-            first, last = self._batch[0][0], self._batch[-1][0]
-            gap = min(BATCH_GAP, self._reader.options.read_gap)
-            if not (
-                0 <= entry.header_offset - last.end <= gap
-                and entry.end - first.header_offset <= BATCH_BYTES
-            ):
+            start, end = self._batch[0][0].header_offset, self._batch[-1][0].end
+            if not _joins(start, end, entry, min(BATCH_GAP, self._reader.options.read_gap)):
                 self.flush()
         self._batch.append((entry, dest))
 
