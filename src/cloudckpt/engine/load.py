@@ -77,9 +77,8 @@ class _Plan:
     records: dict[str, Entry] = field(init=False)
 
     def __post_init__(self) -> None:
-        at = len(self.prefix) + len("data/")
         data = self.prefix + "data/"
-        self.records = {n[at:]: e for n, e in self.entries.items() if n.startswith(data)}
+        self.records = {n[len(data) :]: e for n, e in self.entries.items() if n.startswith(data)}
 
     @property
     def whole(self) -> bool:
