@@ -235,3 +235,19 @@ def test_unpicklable_state_gives_back_its_slabs(tmp_path):
             {"w": [torch.zeros(10) for _ in range(10)], "fn": lambda: 1}, tmp_path / "x.pt"
         )
     assert pool.idle_bytes == pool.allocated_bytes
+
+
+def test_what_a_snapshot_records_is_not_walked_by_the_next_young_collections() -> None:
+    """The snapshot's per-tensor records go to the oldest generation when the collector
+    resumes (format/gcpause.py): the caller's next allocations do not start a young
+    collection over them, while training waits."""
+    import gc
+
+    state = {f"t{i}": torch.randn(4) for i in range(3000)}
+    snap = snapshot(state)
+    try:
+        young = {id(o) for o in gc.get_objects(generation=0) + gc.get_objects(generation=1)}
+        assert not any(id(t) in young for t in snap.tensors)
+        assert snap.nbytes == 3000 * 16
+    finally:
+        snap.release()
