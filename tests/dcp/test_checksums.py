@@ -119,7 +119,18 @@ def test_an_untouched_checkpoint_loads_exactly(saved: Path, state: dict[str, Any
     assert layout["format"] == 2 and isinstance(layout["metadata_crc32"], int)
     (entry,) = layout["archives"].values()
     assert entry[6] == block_size_for(ROWS * COLS * 4) == 64 * 1024  # 2 MiB / 64 -> 64 KiB
-    assert len(layout["chunks"]) == 2  # "b" and "step" are read whole
+    assert len(layout["chunks"]) == 2  # "b" and "step" as read whole by older readers
+    (placed,) = layout["records"].values()  # "b"'s record placed; "step" is a byte item
+    assert len(placed) == 3
+
+
+def _small_record(saved: Path, fqn: str = "b") -> tuple[int, int]:
+    """(object offset of a small tensor's record bytes, the chunk's length)."""
+    metadata = CloudStorageReader(str(saved)).read_metadata()
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == fqn]
+    flat = _layout(saved)["records"][info.relative_path]
+    placed = {flat[i]: flat[i + 1] for i in range(0, len(flat), 3)}
+    return info.offset + placed[info.offset], info.length
 
 
 @pytest.mark.parametrize("where", [0, 1, 777_777, ROWS * COLS * 4 - 1])
@@ -236,22 +247,119 @@ def test_blocks_are_at_most_one_mib() -> None:
     assert block_size_for(1 << 30) == MAX_BLOCK == 1 << 20
 
 
-def test_small_tensors_and_byte_items_are_checked_whole(saved: Path, state: dict[str, Any]) -> None:
+def test_byte_items_are_checked_whole(saved: Path, state: dict[str, Any]) -> None:
     layout = _layout(saved)
     metadata = CloudStorageReader(str(saved)).read_metadata()
-    for fqn in ("b", "step"):
-        (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == fqn]
-        assert f"{info.relative_path}@{info.offset}" in layout["chunks"]
-        data = saved / "__0_0.distcp"
-        original = data.read_bytes()
-        _flip(data, info.offset + info.length - 100)
-        with pytest.raises(CheckpointException) as caught:
-            _load(str(saved), state)
-        error = _failure(caught)
-        assert isinstance(error, ChecksumError)
-        assert f"bytes {info.offset}-{info.offset + info.length} ({fqn})" in str(error)
-        data.write_bytes(original)
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == "step"]
+    assert f"{info.relative_path}@{info.offset}" in layout["chunks"]
+    _flip(saved / "__0_0.distcp", info.offset + info.length - 100)
+    with pytest.raises(CheckpointException) as caught:
+        _load(str(saved), state)
+    error = _failure(caught)
+    assert isinstance(error, ChecksumError)
+    assert f"bytes {info.offset}-{info.offset + info.length} (step)" in str(error)
+
+
+def test_a_small_tensor_is_read_into_its_destination_and_checked_there(
+    saved: Path, state: dict[str, Any]
+) -> None:
+    start, _ = _small_record(saved)
+    reader = _reader(str(saved))
+    item = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("b"),
+        dest_offsets=torch.Size([0]),
+        storage_index=MetadataIndex("b", torch.Size([0])),
+        storage_offsets=torch.Size([0]),
+        lengths=torch.Size([10]),
+    )
+    target = torch.zeros(10, dtype=torch.int32)
+    reader.read_data(LoadPlan([item]), _Planner({"b": target}))
+    assert torch.equal(target, state["b"])
+    assert reader.last_read_bytes == 40  # the record alone, not its archive
+    data = saved / "__0_0.distcp"
+    original = data.read_bytes()
+    _flip(data, start + 17)
+    with pytest.raises(CheckpointException) as caught:
+        _load(str(saved), state)
+    error = _failure(caught)
+    assert isinstance(error, ChecksumError)
+    assert f"__0_0.distcp bytes {start}-{start + 40} (b, its storage record)" in str(error)
+    data.write_bytes(original)
+    # The archive's other bytes are not read: damage there does not reach the tensor.
+    _flip(data, start + 40 + 30)
     assert torch.equal(_load(str(saved), state)["b"], state["b"])
+
+
+def test_part_of_a_small_tensor_is_read_as_its_record_s_one_block(
+    saved: Path, state: dict[str, Any]
+) -> None:
+    start, _ = _small_record(saved)
+    item = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("b"),
+        dest_offsets=torch.Size([0]),
+        storage_index=MetadataIndex("b", torch.Size([0])),
+        storage_offsets=torch.Size([3]),
+        lengths=torch.Size([4]),
+    )
+    reader = _reader(str(saved))
+    target = torch.zeros(4, dtype=torch.int32)
+    reader.read_data(LoadPlan([item]), _Planner({"b": target}))
+    assert torch.equal(target, state["b"][3:7])
+    assert reader.last_read_bytes == 40  # widened to the whole record, to check it
+    _flip(saved / "__0_0.distcp", start + 36)  # outside the slice, inside the record
+    with pytest.raises(ChecksumError, match=r"\(b, block 0 of"):
+        _reader(str(saved)).read_data(LoadPlan([item]), _Planner({"b": target}))
+
+
+def test_a_layout_without_records_reads_small_tensors_whole(
+    saved: Path, state: dict[str, Any]
+) -> None:
+    """An index written before ``records``: small archives are read whole, checked by
+    their CRC-32, as before."""
+    layout = _layout(saved)
+    del layout["records"]
+    (saved / ".cloudckpt-layout.json").write_text(json.dumps(layout))
+    metadata = CloudStorageReader(str(saved)).read_metadata()
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == "b"]
+    assert torch.equal(_load(str(saved), state)["b"], state["b"])
+    _flip(saved / "__0_0.distcp", info.offset + info.length - 100)
+    with pytest.raises(CheckpointException) as caught:
+        _load(str(saved), state)
+    assert isinstance(_failure(caught), ChecksumError)
+    assert f"bytes {info.offset}-{info.offset + info.length} (b)" in str(_failure(caught))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda flat: flat.append(5),  # not triples
+        lambda flat: flat.__setitem__(1, -1),  # a negative data offset
+        lambda flat: flat.__setitem__(2, 1 << 32),  # not a CRC-32
+        lambda flat: flat.__setitem__(0, "0"),  # not an offset
+    ],
+)
+def test_a_damaged_records_entry_is_refused(saved: Path, damage: Any) -> None:
+    layout = _layout(saved)
+    (flat,) = layout["records"].values()
+    damage(flat)
+    (saved / ".cloudckpt-layout.json").write_text(json.dumps(layout))
+    with pytest.raises(CorruptCheckpointError, match=r"records? .*delete it to load"):
+        CloudStorageReader(str(saved)).read_metadata()
+
+
+def test_a_record_placed_past_its_chunk_is_refused(saved: Path, state: dict[str, Any]) -> None:
+    layout = _layout(saved)
+    (flat,) = layout["records"].values()
+    _, length = _small_record(saved)
+    flat[1] = length - 39  # the 40 record bytes would end past the chunk
+    (saved / ".cloudckpt-layout.json").write_text(json.dumps(layout))
+    with pytest.raises(CheckpointException) as caught:
+        _load(str(saved), state)
+    error = _failure(caught)
+    assert isinstance(error, CorruptCheckpointError)
+    assert "the layout index places b at bytes" in str(error)
 
 
 def test_a_flipped_bit_in_metadata_fails_its_crc(saved: Path) -> None:
@@ -266,7 +374,8 @@ def test_a_flipped_bit_in_metadata_fails_its_crc(saved: Path) -> None:
 def test_a_truncated_data_object_is_reported(saved: Path, state: dict[str, Any]) -> None:
     data = saved / "__0_0.distcp"
     start, size = _record_start(saved)
-    for cut in (start + size // 2, data.stat().st_size - 10):
+    small, _ = _small_record(saved)
+    for cut in (start + size // 2, small + 20):  # inside the large record, the small one
         original = data.read_bytes()
         data.write_bytes(original[:cut])
         with pytest.raises(CheckpointException) as caught:
@@ -404,7 +513,9 @@ def test_save_and_load_without_collectives(tmp_path: Path, state: dict[str, Any]
     assert reader.use_collectives is False and reader.rank == 0
     # The rank's layout index was used: the large tensor was read without probing.
     assert reader.last_read_requests == 1
-    assert reader.last_read_bytes == (path / "__0_0.distcp").stat().st_size
+    # One read across the object, short of the small archive's trailer, not needed.
+    size = (path / "__0_0.distcp").stat().st_size
+    assert ROWS * COLS * 4 + 40 < reader.last_read_bytes < size
     # and its checksums: a flip is caught.
     layout = json.loads((path / "__0.cloudckpt-layout.json").read_text())
     ((where, entry),) = layout["archives"].items()

@@ -92,7 +92,7 @@ def read_commit(
 def adopt(index: LayoutIndex, storage_data: Mapping[Any, Any], layout_url: str) -> LayoutIndex:
     """The index, once every chunk it names is one ``.metadata`` has (else damaged)."""
     chunks = {(info.relative_path, info.offset) for info in storage_data.values()}
-    for where in (*index.archives, *index.chunks):
+    for where in (*index.archives, *index.chunks, *index.records):
         if where not in chunks:
             raise CorruptCheckpointError(
                 f"{layout_url} is damaged: it describes bytes {where[1]}+ of {where[0]}, "

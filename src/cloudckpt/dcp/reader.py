@@ -446,14 +446,23 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         slices: list[Slice],
         slicer: SliceReader,
     ) -> None:
-        """The first round: chunks read whole, slices the layout index places, and the
-        head and tail of every other archive (to find its tensor in the second round)."""
+        """The first round: slices the layout index places, chunks read whole, and the
+        head and tail of every other archive (to find its tensor in the second round).
+
+        A tensor whose storage record the index places is read straight into its
+        destination, whatever its size (cloudckpt's writer places small records too,
+        each checked by its own CRC-32); a small chunk it does not place is read whole."""
+        places = index.archives if index is not None else {}
+        records = index.records if index is not None else {}
         for a in archives.values():
-            if read_whole(a):
-                a.whole = bytearray(a.length)
-                crc = index.chunks.get((a.relative, a.offset)) if index is not None else None
-                first.add(a.relative, a.offset, memoryview(a.whole), slicer.whole_check(a, crc))
-            elif index is not None and (known := index.archives.get((a.relative, a.offset))):
+            where = (a.relative, a.offset)
+            plain = not a.transforms and all(i.type != LoadItemType.BYTE_IO for i in a.items)
+            known = places.get(where) if plain else None
+            record = records.get(where) if plain and known is None else None
+            if record is not None:
+                for item in a.items:
+                    slices.append(slicer.plan_record(a, record, item, planner, first))
+            elif known is not None:
                 if not known.dense or known.data_offset + known.record_size > a.length:
                     raise CorruptCheckpointError(
                         f"{self.location.url_of(layout_name(None))}: the entry of "
@@ -462,6 +471,10 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                     )
                 for item in a.items:  # written by us: read the spans in this round
                     slices.append(slicer.plan_slice(a, known, item, planner, first))
+            elif read_whole(a):
+                a.whole = bytearray(a.length)
+                crc = index.chunks.get(where) if index is not None else None
+                first.add(a.relative, a.offset, memoryview(a.whole), slicer.whole_check(a, crc))
             else:
                 a.head, a.tail = bytearray(HEAD_PROBE), bytearray(TAIL_PROBE)
                 first.add(a.relative, a.offset, memoryview(a.head))

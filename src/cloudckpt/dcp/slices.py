@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ..format.checksum import crc32
 from ..format.dcp.archive import SavedTensor, parse_archive
-from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records
+from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records, one_block
 from ..format.dcp.layout import WHOLE_LIMIT
 from ..format.dcp.metadata import ChunkIndex
 from ..format.memview import writable_view
@@ -112,6 +112,31 @@ def _whole_into(
     start = saved.data_offset
     tensor_bytes(target)[:] = memoryview(a.whole)[start : start + saved.record_size]
     return True
+
+
+class _RecordCheck:
+    """The check of a storage record read straight into its destination: its CRC-32
+    against the one the layout index recorded (the message built only on failure)."""
+
+    __slots__ = ("crc", "fqn", "start", "url", "view")
+
+    def __init__(self, view: memoryview, crc: int, url: str, start: int, fqn: str) -> None:
+        self.view, self.crc, self.url, self.start, self.fqn = view, crc, url, start, fqn
+
+    def __call__(self) -> None:
+        if crc32(self.view) != self.crc:
+            end = self.start + self.view.nbytes
+            where = f"{self.url} bytes {self.start}-{end} ({self.fqn}, its storage record)"
+            check_chunk(self.view, self.crc, where)
+
+
+def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of a tensor of ``sizes`` (in elements)."""
+    strides, step = [], 1
+    for n in reversed(sizes):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def read_whole(a: Archive) -> bool:
@@ -329,11 +354,18 @@ class SliceReader:
         return saved, None
 
     def slice_of(
-        self, a: Archive, saved: SavedTensor, item: ReadItem, planner: LoadPlanner, url: str
+        self,
+        a: Archive,
+        saved: SavedTensor,
+        item: ReadItem,
+        planner: LoadPlanner,
+        url: str,
+        target: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[int, ...], int]:
-        """``item``'s destination, its lengths and the element of the storage record where
-        the slice starts, once the saved tensor is the one ``.metadata`` describes, the
-        slice lies inside it and inside its record, and the destination has its shape."""
+        """``item``'s destination (``target`` when the caller resolved it), its lengths
+        and the element of the storage record where the slice starts, once the saved
+        tensor is the one ``.metadata`` describes, the slice lies inside it and inside its
+        record, and the destination has its shape."""
         fqn = item.storage_index.fqn
         sizes, dtype = self._chunk_of(item, url)
         if saved.size != sizes or saved.dtype != dtype:
@@ -362,12 +394,63 @@ class SliceReader:
                 raise CorruptCheckpointError(
                     f"{url}: {fqn} lies past the end of its storage record"
                 )
-        target = planner.resolve_tensor(item).detach()
+        if target is None:
+            target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != lengths:
             raise CorruptCheckpointError(
                 f"{url}: {fqn} slice has shape {lengths}, the destination {tuple(target.shape)}"
             )
         return target, lengths, first
+
+    def plan_record(
+        self,
+        a: Archive,
+        record: tuple[int, int],
+        item: ReadItem,
+        planner: LoadPlanner,
+        fetcher: RangeFetcher,
+    ) -> Slice:
+        """Schedule ``item`` from a small storage record the layout index places
+        (``record``: where its bytes start in the chunk, their CRC-32): the tensor is the
+        chunk ``.metadata`` describes, contiguous. A whole tensor into a contiguous CPU
+        destination of its dtype is read straight into it and checked there, the common
+        case kept to a few calls (thousands of small tensors); anything else is a slice
+        of the record read as one block (:meth:`plan_slice`)."""
+        url = self._url(a.relative)
+        sizes, dtype = self._chunk_of(item, url)
+        data_offset, crc = record
+        record_size = math.prod(sizes) * dtype.itemsize
+        if data_offset + record_size > a.length:
+            raise CorruptCheckpointError(
+                f"{url}: the layout index places {item.storage_index.fqn} at bytes "
+                f"{data_offset}-{data_offset + record_size} of a chunk of {a.length} bytes"
+            )
+        target = planner.resolve_tensor(item).detach()
+        if (
+            record_size
+            and target.dtype is dtype
+            and target.is_cpu
+            and target.is_contiguous()
+            and target.shape == sizes
+            and tuple(item.lengths) == sizes
+            and not any(item.storage_offsets)
+        ):
+            view = tensor_bytes(target)
+            start = a.offset + data_offset
+            check = _RecordCheck(view, crc, url, start, item.storage_index.fqn)
+            fetcher.add(a.relative, start, view, check)
+            return Slice(item, target)
+        saved = SavedTensor(
+            dtype=dtype,
+            storage_offset=0,
+            size=sizes,
+            stride=_contiguous(sizes),
+            data_offset=data_offset,
+            record_size=record_size,
+            block_size=one_block(record_size),
+            block_crcs=crc.to_bytes(4, "little"),
+        )
+        return self.plan_slice(a, saved, item, planner, fetcher, target)
 
     def plan_slice(
         self,
@@ -376,6 +459,7 @@ class SliceReader:
         item: ReadItem,
         planner: LoadPlanner,
         fetcher: RangeFetcher,
+        target: torch.Tensor | None = None,
     ) -> Slice:
         """Schedule the byte span holding ``item``'s slice of a saved tensor, and its check.
 
@@ -387,7 +471,7 @@ class SliceReader:
         """
         url = self._url(a.relative)
         fqn = item.storage_index.fqn
-        target, lengths, first = self.slice_of(a, saved, item, planner, url)
+        target, lengths, first = self.slice_of(a, saved, item, planner, url, target)
         numel = math.prod(lengths)
         if numel == 0:
             return Slice(item, target)

@@ -107,12 +107,14 @@ def _built_archive(tensor: torch.Tensor) -> TensorArchive | None:
 @dataclasses.dataclass(frozen=True)
 class _Written:
     """What a rank reports for one item: DCP's storage info, and for the layout index
-    either where a large tensor's bytes sit in its archive (with their block CRC-32s) or
-    the CRC-32 of a chunk readers read whole. Split in ``finish``."""
+    where a tensor's bytes sit in its archive (with their block CRC-32s) and the CRC-32
+    of a chunk readers read whole, each where there is one. Split in ``finish``."""
 
     info: Any
     saved: SavedTensor | None = None
     crc: int | None = None
+    #: A small built archive's storage record: (data_offset, its zip CRC-32).
+    record: tuple[int, int] | None = None
 
 
 class _Tap:
@@ -148,11 +150,12 @@ class _Tap:
 
 def _write_tensor(
     sink: BorrowingSink, data: Any, build: bool
-) -> tuple[SavedTensor | None, int | None]:
+) -> tuple[SavedTensor | None, int | None, tuple[int, int] | None]:
     """Write a tensor item's ``torch.save`` archive: built as header, storage and trailer
     where ``build`` allows and the tensor is plain (three writes), else by ``torch.save``
     through a tap. Returns what the layout index records: for an archive read by slice,
-    where its storage bytes sit and their block CRC-32s; for one read whole, its CRC-32."""
+    where its storage bytes sit and their block CRC-32s; for one read whole, its CRC-32
+    and, when built here, where its storage record sits and the record's CRC-32."""
     offset = sink.tell()
     tensor = _cpu_tensor(data)
     nbytes = tensor.numel() * tensor.element_size()
@@ -175,9 +178,12 @@ def _write_tensor(
         torch.save(tensor, tap)  # type: ignore[arg-type]
         crc, block_size, blocks, found = tap.crc, tap.block_size, tap.blocks, tap.found
     if sink.tell() - offset <= WHOLE_LIMIT:  # read whole: one CRC-32
-        return None, crc
+        # A built archive's record is placed too (its bytes are the tensor's, contiguous):
+        # a reader that knows the index reads them straight into the destination.
+        record = (built.data_offset, built.record_crc) if built is not None and nbytes else None
+        return None, crc, record
     if found is None:  # pragma: no cover - torch.save always writes the storage in one go
-        return None, None
+        return None, None, None
     saved = SavedTensor(
         dtype=tensor.dtype,
         storage_offset=0,
@@ -188,7 +194,7 @@ def _write_tensor(
         block_size=block_size,
         block_crcs=blocks,
     )
-    return saved, None
+    return saved, None, None
 
 
 def _world_size() -> int:
@@ -357,6 +363,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                 data = planner.resolve_data(item)
                 saved: SavedTensor | None = None
                 crc: int | None = None
+                record: tuple[int, int] | None = None
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO):
                         raise TypeError(f"byte item {item.index.fqn} resolved to {type(data)}")
@@ -365,14 +372,14 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                     sink.write(buffer)
                     del buffer
                 else:
-                    saved, crc = _write_tensor(sink, data, build)
+                    saved, crc, record = _write_tensor(sink, data, build)
                 length = sink.tell() - offset
                 info = StorageInfo(relative, offset, length)
                 results.append(
                     WriteResult(
                         index=item.index,
                         size_in_bytes=length,
-                        storage_data=_Written(info, saved, crc),
+                        storage_data=_Written(info, saved, crc, record),
                     )
                 )
             sink.commit()
@@ -399,6 +406,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         storage_md: dict[Any, Any] = {}
         archives: dict[str, Any] = {}
         chunks: dict[str, int] = {}
+        records: dict[str, list[int]] = {}
         for rank_results in results:
             for wr in rank_results:
                 written = wr.storage_data
@@ -409,6 +417,11 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                         archives[where] = written.saved.to_json()
                     if written.crc is not None:
                         chunks[where] = written.crc
+                    if written.record is not None:
+                        placed = records.get(written.info.relative_path)
+                        if placed is None:
+                            placed = records[written.info.relative_path] = []
+                        placed += (written.info.offset, *written.record)
                 else:  # a result from another writer: keep it as DCP gave it
                     storage_md[wr.index] = written
         metadata.storage_data = storage_md
@@ -419,7 +432,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         payload = pickle.dumps(metadata)
         # Written before the marker: a committed checkpoint always has its index, which
         # also holds the CRC-32 of the marker's bytes.
-        return payload, encode_index(self.save_id, crc32(payload), archives, chunks)
+        return payload, encode_index(self.save_id, crc32(payload), archives, chunks, records)
 
     def _commit(self, payload: bytes) -> None:
         """Write the marker (``.metadata``) once, refusing another save's."""

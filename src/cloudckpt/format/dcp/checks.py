@@ -4,8 +4,11 @@ A rank often reads only part of a saved tensor (resharding), so one CRC-32 over 
 storage record cannot check it. :class:`CloudStorageWriter` therefore records, in the
 layout index, the CRC-32 of every ``block_size`` bytes of each large tensor record
 (:func:`block_crcs`) and the CRC-32 of every chunk a reader reads whole (small archives,
-byte items). The reader widens each slice it reads to block boundaries and checks every
-block it covers (:class:`BlockCheck`); chunks read whole are checked against their CRC-32,
+byte items). A small tensor record is also placed in the index with its own zip CRC-32,
+so that a reader can read it straight into its destination instead of reading the
+archive whole; part of one is read as the record's one block (:func:`one_block`).
+The reader widens each slice it reads to block boundaries and checks every block it
+covers (:class:`BlockCheck`); chunks read whole are checked against their CRC-32,
 or, without a layout index, against the zip CRC-32 of each record
 (:func:`check_zip_records`). All of them use :func:`cloudckpt.format.checksum.crc32`,
 the same CRC-32 the rest of the library uses.
@@ -28,6 +31,7 @@ __all__ = [
     "block_size_for",
     "check_chunk",
     "check_zip_records",
+    "one_block",
     "valid_block_size",
 ]
 
@@ -46,6 +50,15 @@ def block_size_for(record_size: int) -> int:
     """The block size for a record: about 1/64 of it, a power of two in 64 KiB..1 MiB."""
     size = MIN_BLOCK
     while size < MAX_BLOCK and size * 2 * _BLOCKS_PER_RECORD <= record_size:
+        size *= 2
+    return size
+
+
+def one_block(record_size: int) -> int:
+    """The block size that makes a record one block: the least power of two (4 KiB at
+    least) that holds it, so that the record's own zip CRC-32 is its block's."""
+    size = _ACCEPTED_BLOCKS[0]
+    while size < record_size:
         size *= 2
     return size
 

@@ -11,7 +11,8 @@ Format 2 (format 1, written before checksums, has only ``save_id`` and ``archive
         "__0_0.distcp@4096": [dtype, size, stride, storage_offset, data_offset,
                               record_size, block_size, "<base64 CRC-32s>"]
       },
-      "chunks": {"__0_0.distcp@0": 3735928559}   # CRC-32 of each chunk read whole
+      "chunks": {"__0_0.distcp@0": 3735928559},  # CRC-32 of each chunk read whole
+      "records": {"__0_0.distcp": [0, 448, 2882400018, ...]}  # small tensor records
     }
 
 ``archives`` keys are ``relative_path@offset`` of the chunk in ``.metadata``;
@@ -19,6 +20,13 @@ Format 2 (format 1, written before checksums, has only ``save_id`` and ``archive
 last two fields are the record's block size and the CRC-32 of each block, 4 bytes
 little-endian each, base64 encoded (older 6-field entries have neither). ``chunks``
 covers the chunks a reader reads whole: tensor archives up to 256 KiB and byte items.
+``records`` (added in format 2; readers that predate it ignore it) places the storage
+record of each small tensor archive written by cloudckpt's archive builder: per data
+object, a flat list of ``offset, data_offset, crc32`` triples: the chunk's offset in
+``.metadata``, where the record's bytes start inside it, and the record's zip CRC-32.
+The tensor is the chunk ``.metadata`` describes (its sizes and dtype, contiguous), so a
+reader reads those bytes straight into the destination and checks them, instead of
+reading the archive whole and copying them out.
 """
 
 from __future__ import annotations
@@ -43,19 +51,28 @@ class LayoutIndex:
 
     archives: dict[tuple[str, int], SavedTensor] = field(default_factory=dict)
     chunks: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: Small tensor records: (object, chunk offset) -> (data_offset, record CRC-32).
+    records: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
 
 
 def encode_index(
-    save_id: str, metadata_crc32: int, archives: dict[str, Any], chunks: dict[str, int]
+    save_id: str,
+    metadata_crc32: int,
+    archives: dict[str, Any],
+    chunks: dict[str, int],
+    records: dict[str, list[int]] | None = None,
 ) -> bytes:
-    """The index's bytes (``archives`` values are :meth:`SavedTensor.to_json` lists)."""
-    body = {
+    """The index's bytes (``archives`` values are :meth:`SavedTensor.to_json` lists,
+    ``records`` values flat ``offset, data_offset, crc32`` triples)."""
+    body: dict[str, Any] = {
         "format": INDEX_FORMAT,
         "save_id": save_id,
         "metadata_crc32": metadata_crc32,
         "archives": archives,
         "chunks": chunks,
     }
+    if records:
+        body["records"] = records
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -85,6 +102,10 @@ def _where(key: Any) -> tuple[str, int] | None:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _offset(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 62
 
 
 def _crc(value: Any) -> bool:
@@ -123,4 +144,17 @@ def parse_index(doc: dict[str, Any], url: str) -> LayoutIndex:
         if where is None or not _crc(value):
             raise bad(f"chunk entry {_short(key)}")
         index.chunks[where] = value
+    records = doc.get("records", {})
+    if not isinstance(records, dict):
+        raise bad("records is not a JSON object")
+    placed = index.records
+    for relative, flat in records.items():
+        if not relative or not isinstance(flat, list) or len(flat) % 3:
+            raise bad(f"records of {_short(relative)}")
+        triples = iter(flat)
+        for offset, data_offset, crc in zip(triples, triples, triples, strict=True):
+            if not (_offset(offset) and _offset(data_offset) and _crc(crc)):
+                entry = _short([offset, data_offset, crc])
+                raise bad(f"record entry {entry} of {_short(relative)}")
+            placed[(relative, offset)] = (data_offset, crc)
     return index
