@@ -191,6 +191,28 @@ def test_small_items_are_coalesced_into_one_request(tmp_path: Path) -> None:
     assert reader.last_read_requests == 1
 
 
+def test_metadata_writes_equal_shapes_and_properties_once(tmp_path: Path) -> None:
+    """.metadata as torch's FileSystemWriter describes the same state, in fewer bytes:
+    equal shapes and tensor properties are pickled once and referred to after."""
+    state: dict[str, Any] = {f"t{i:02d}": torch.randn(3, 5) for i in range(40)}
+    state["h"] = torch.zeros(2, 5, dtype=torch.float16)
+    state["g"] = torch.zeros(3, 5, requires_grad=True)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    dcp.save(state, storage_writer=CloudStorageWriter(str(ours)))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(theirs)))
+    # Test-only: both files were just written here.
+    mine = pickle.loads((ours / ".metadata").read_bytes())
+    ref = pickle.loads((theirs / ".metadata").read_bytes())
+    assert mine.state_dict_metadata == ref.state_dict_metadata
+    described = mine.state_dict_metadata.values()
+    assert len({id(md.properties) for md in described}) == 3  # fp32, fp16, requires_grad
+    assert len({id(md.size) for md in described}) == 2
+    assert (ours / ".metadata").stat().st_size < (theirs / ".metadata").stat().st_size
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(ours)))
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
 @pytest.mark.parametrize("writer", [CloudStorageWriter, dcp.FileSystemWriter])
 def test_small_archives_are_copied_from_their_record_without_torch_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: Any

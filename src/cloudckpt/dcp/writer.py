@@ -55,6 +55,7 @@ from ..format.dcp.layout import (
     metadata_name,
     split_items,
 )
+from ..format.dcp.metadata import share_equal_parts
 from ..format.dcp.tensor_archive import TensorArchive, archive_builder_on, tensor_archive
 from ..format.gcpause import paused_gc
 from ..format.memview import writable_view
@@ -429,6 +430,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
             metadata.version = _DCP_VERSION
         if hasattr(metadata, "storage_meta"):
             metadata.storage_meta = self.storage_meta()
+        share_equal_parts(metadata)
         payload = pickle.dumps(metadata)
         # Written before the marker: a committed checkpoint always has its index, which
         # also holds the CRC-32 of the marker's bytes.
