@@ -53,6 +53,7 @@ from ..format.dcp.archive import parse_archive
 from ..format.dcp.index import LayoutIndex, parse_index
 from ..format.dcp.layout import layout_name
 from ..format.dcp.metadata import ChunkIndex
+from ..format.dcp.sharing import share_in_load_plan
 from ..format.gcpause import paused_gc
 from ..format.memview import writable_view
 from ..options import TransferOptions
@@ -220,8 +221,9 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         return adopt(index, self.storage_data, self.location.url_of(layout_name(rank)))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """No storage-specific planning."""
-        return plan
+        """The plan's equal shapes made one object each, so that DCP's gather and scatter
+        of plans pickle each once (format/dcp/sharing.py)."""
+        return share_in_load_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: when two or more ranks ask for the same items, mark every plan

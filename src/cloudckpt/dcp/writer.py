@@ -55,7 +55,7 @@ from ..format.dcp.layout import (
     metadata_name,
     split_items,
 )
-from ..format.dcp.metadata import share_equal_parts
+from ..format.dcp.sharing import share_in_metadata, share_in_save_plan
 from ..format.dcp.tensor_archive import TensorArchive, archive_builder_on, tensor_archive
 from ..format.gcpause import paused_gc
 from ..format.memview import writable_view
@@ -272,7 +272,10 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         self.location.clear_marker(name, self.overwrite)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Without collectives each rank names its own objects and clears its own marker."""
+        """Without collectives each rank names its own objects and clears its own marker.
+        The plan's equal shapes and tensor properties become one object each, so that
+        DCP's gather and scatter of plans pickle each once (format/dcp/sharing.py)."""
+        plan = share_in_save_plan(plan)
         if not self.use_collectives and self.rank is not None:
             self._clear_marker(self._own_marker())
             return dataclasses.replace(
@@ -430,7 +433,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
             metadata.version = _DCP_VERSION
         if hasattr(metadata, "storage_meta"):
             metadata.storage_meta = self.storage_meta()
-        share_equal_parts(metadata)
+        share_in_metadata(metadata)  # equal shapes pickled once (format/dcp/sharing.py)
         payload = pickle.dumps(metadata)
         # Written before the marker: a committed checkpoint always has its index, which
         # also holds the CRC-32 of the marker's bytes.
