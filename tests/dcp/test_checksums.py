@@ -60,6 +60,18 @@ def _rows(fqn: str, first: int, count: int, cols: int = COLS) -> ReadItem:
     )
 
 
+def _elements(fqn: str, first: int, count: int) -> ReadItem:
+    """Elements ``first .. first+count`` of a 1-D tensor saved as one chunk."""
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(fqn),
+        dest_offsets=torch.Size([0]),
+        storage_index=MetadataIndex(fqn, torch.Size([0])),
+        storage_offsets=torch.Size([first]),
+        lengths=torch.Size([count]),
+    )
+
+
 def _reader(url: str) -> CloudStorageReader:
     reader = CloudStorageReader(url)
     reader.set_up_storage_reader(reader.read_metadata(), True)
@@ -265,14 +277,7 @@ def test_a_small_tensor_is_read_into_its_destination_and_checked_there(
 ) -> None:
     start, _ = _small_record(saved)
     reader = _reader(str(saved))
-    item = ReadItem(
-        type=LoadItemType.TENSOR,
-        dest_index=MetadataIndex("b"),
-        dest_offsets=torch.Size([0]),
-        storage_index=MetadataIndex("b", torch.Size([0])),
-        storage_offsets=torch.Size([0]),
-        lengths=torch.Size([10]),
-    )
+    item = _elements("b", 0, 10)
     target = torch.zeros(10, dtype=torch.int32)
     reader.read_data(LoadPlan([item]), _Planner({"b": target}))
     assert torch.equal(target, state["b"])
@@ -295,14 +300,7 @@ def test_part_of_a_small_tensor_is_read_as_its_record_s_one_block(
     saved: Path, state: dict[str, Any]
 ) -> None:
     start, _ = _small_record(saved)
-    item = ReadItem(
-        type=LoadItemType.TENSOR,
-        dest_index=MetadataIndex("b"),
-        dest_offsets=torch.Size([0]),
-        storage_index=MetadataIndex("b", torch.Size([0])),
-        storage_offsets=torch.Size([3]),
-        lengths=torch.Size([4]),
-    )
+    item = _elements("b", 3, 4)
     reader = _reader(str(saved))
     target = torch.zeros(4, dtype=torch.int32)
     reader.read_data(LoadPlan([item]), _Planner({"b": target}))
