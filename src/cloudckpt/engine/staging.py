@@ -214,8 +214,6 @@ class _StagingPickler(pickle.Pickler):
         self.snap = snap
         self.index: dict[int, int] = {}
         self.tensors = snap.tensors
-        self.parts = snap.parts
-        self.nbytes = 0  # staged bytes, added to snap.nbytes when the dump ends
         self.stream: Any = None
         self.slab = -1  # index in snap.storages of the slab being filled
         self.slab_address = 0
@@ -230,22 +228,9 @@ class _StagingPickler(pickle.Pickler):
             if not ((cpu or obj.is_cuda) and plain_strided(obj)):
                 return NotImplemented  # torch's reduction; its storages come back below
             storage = obj.untyped_storage()
-            key = storage._cdata
-            index = self.index.get(key)
+            index = self.index.get(storage._cdata)
             if index is None:
-                nbytes = storage.nbytes()
-                if cpu and 0 < nbytes <= SMALL_MAX:  # _stage's small case, inlined
-                    offset = self.slab_used
-                    if offset + nbytes > SLAB_BYTES:
-                        offset = self._new_slab()
-                    _memmove(self.slab_address + offset, storage.data_ptr(), nbytes)
-                    self.slab_used = (offset + nbytes + _ALIGN - 1) & -_ALIGN
-                    parts = self.parts
-                    parts.append((self.slab, offset, nbytes))
-                    self.nbytes += nbytes
-                    index = self.index[key] = len(parts) - 1
-                else:
-                    index = self._stage(storage, "cpu" if cpu else "cuda")
+                index = self._stage(storage, "cpu" if cpu else "cuda")
             # The tensor's layout is kept aside, not pickled (fewer objects through the
             # pickler); the structure names its position.
             tensors = self.tensors
@@ -294,7 +279,7 @@ class _StagingPickler(pickle.Pickler):
             snap.pinned.append(pinned)
             part = (len(snap.storages) - 1, -1, nbytes)
         snap.parts.append(part)
-        self.nbytes += nbytes
+        snap.nbytes += nbytes
         index = self.index[storage._cdata] = len(snap.parts) - 1
         return index
 
@@ -333,12 +318,11 @@ def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
     # trigger cyclic collections that walk the whole heap (the state included), which cost
     # more than the copies. Nothing here makes cycles: collect later, not while training waits.
     try:
-        with paused_gc(kept=True):
+        with paused_gc():
             try:
                 pickler.dump(obj)
             finally:
                 pickler.clear_memo()  # its tuples freed now, not walked by the next collection
-                snap.nbytes = pickler.nbytes
         if pickler.stream is not None:
             pickler.stream.synchronize()  # the snapshot is complete only when copies land
     except BaseException:

@@ -40,6 +40,7 @@ from ..zipdir import (
     parse_directory,
 )
 from .checks import block_count, valid_block_size
+from .layout import is_count
 
 __all__ = ["SavedTensor", "parse_archive", "saved_from_json"]
 
@@ -91,12 +92,6 @@ class SavedTensor:
 
 #: Most dimensions a layout index entry may describe (torch allows 64... in practice).
 _MAX_DIMS = 64
-#: Offsets and sizes beyond this cannot describe bytes in any object.
-_MAX_INT = 1 << 62
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_INT
 
 
 def saved_from_json(value: Any) -> SavedTensor | None:
@@ -118,7 +113,7 @@ def saved_from_json(value: Any) -> SavedTensor | None:
         return None
     if len(size) != len(stride) or len(size) > _MAX_DIMS:
         return None
-    if not all(map(_int, [*size, *stride, storage_offset, data_offset, record_size])):
+    if not all(map(is_count, [*size, *stride, storage_offset, data_offset, record_size])):
         return None
     block_size, crcs = 0, b""
     if len(value) == 8:

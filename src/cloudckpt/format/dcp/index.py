@@ -37,6 +37,7 @@ from typing import Any
 
 from ...errors import CorruptCheckpointError
 from .archive import SavedTensor, saved_from_json
+from .layout import is_count
 
 __all__ = ["INDEX_FORMAT", "LayoutIndex", "encode_index", "parse_index", "read_document"]
 
@@ -104,10 +105,6 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _offset(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 1 << 62
-
-
 def _crc(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
 
@@ -153,7 +150,7 @@ def parse_index(doc: dict[str, Any], url: str) -> LayoutIndex:
             raise bad(f"records of {_short(relative)}")
         triples = iter(flat)
         for offset, data_offset, crc in zip(triples, triples, triples, strict=True):
-            if not (_offset(offset) and _offset(data_offset) and _crc(crc)):
+            if not (is_count(offset) and is_count(data_offset) and _crc(crc)):
                 entry = _short([offset, data_offset, crc])
                 raise bad(f"record entry {entry} of {_short(relative)}")
             placed[(relative, offset)] = (data_offset, crc)

@@ -29,10 +29,12 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 __all__ = [
     "DATA_SUFFIX",
     "LAYOUT_NAME",
+    "MAX_COUNT",
     "METADATA_NAME",
     "WHOLE_LIMIT",
     "StorageInfo",
     "data_prefix",
+    "is_count",
     "item_nbytes",
     "layout_name",
     "metadata_name",
@@ -49,6 +51,16 @@ METADATA_NAME = ".metadata"
 LAYOUT_NAME = ".cloudckpt-layout.json"
 #: Archives up to this size are read whole; larger ones are read by byte span.
 WHOLE_LIMIT = 256 * 1024
+#: Offsets, sizes and counts read from a checkpoint's metadata stay below this: no
+#: object holds that many bytes, and no tensor that many elements.
+MAX_COUNT = 1 << 62
+
+
+def is_count(value: Any) -> bool:
+    """Whether ``value``, read from ``.metadata`` or the layout index, is a count: an
+    ``int`` (not a ``bool``) in ``[0, MAX_COUNT)``."""
+    return type(value) is int and 0 <= value < MAX_COUNT
+
 
 try:  # torch's own record type, so FileSystemReader reads our .metadata unchanged
     from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo

@@ -54,15 +54,9 @@ from torch.serialization import _get_layout
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..gcpause import paused_gc
-from .layout import StorageInfo
+from .layout import MAX_COUNT, StorageInfo, is_count
 
-__all__ = [
-    "ChunkIndex",
-    "MCoreMetadata",
-    "MCoreSavePlan",
-    "check_metadata",
-    "decode_metadata",
-]
+__all__ = ["ChunkIndex", "MCoreMetadata", "MCoreSavePlan", "check_metadata", "decode_metadata"]
 
 
 @dataclass
@@ -122,8 +116,6 @@ _GLOBALS: dict[tuple[str, str], Any] = {
         pathlib.PureWindowsPath,
     ),
 }
-#: Offsets, lengths and sizes at or beyond this describe no object's bytes.
-_MAX_INT = 1 << 62
 _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
 
@@ -187,10 +179,6 @@ def decode_metadata(payload: bytes, url: str, *, scan: bool = True) -> Metadata:
     return metadata
 
 
-def _count(value: Any) -> bool:
-    return type(value) is int and 0 <= value < _MAX_INT
-
-
 _INT_ONLY = {int}
 
 
@@ -239,7 +227,7 @@ def _shape(value: Any) -> tuple[int, ...] | None:
         return None
     if not value:
         return ()
-    if set(map(type, value)) <= _INT_ONLY and min(value) >= 0 and max(value) < _MAX_INT:
+    if set(map(type, value)) <= _INT_ONLY and min(value) >= 0 and max(value) < MAX_COUNT:
         return tuple(value)
     return None
 
@@ -297,14 +285,14 @@ def check_metadata(metadata: Metadata, url: str) -> None:
                     getattr(index, "offset", None) is None
                     or _shape(getattr(index, "offset", None)) is not None
                 )
-                or not (getattr(index, "index", None) is None or _count(index.index))
+                or not (getattr(index, "index", None) is None or is_count(index.index))
             ):
                 raise bad(f"storage key {_describe(index)}")
             if (
                 not isinstance(info, StorageInfo)
                 or not isinstance(getattr(info, "relative_path", None), str)
-                or not _count(getattr(info, "offset", None))
-                or not _count(getattr(info, "length", None))
+                or not is_count(getattr(info, "offset", None))
+                or not is_count(getattr(info, "length", None))
                 or not _texts(getattr(info, "transform_descriptors", None))
             ):
                 raise bad(f"storage entry of {index.fqn}: {_describe(info)}")
