@@ -318,7 +318,7 @@ def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
     # trigger cyclic collections that walk the whole heap (the state included), which cost
     # more than the copies. Nothing here makes cycles: collect later, not while training waits.
     try:
-        with paused_gc():
+        with paused_gc(kept=True):
             try:
                 pickler.dump(obj)
             finally:
