@@ -10,7 +10,7 @@ import io
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
+from cloudckpt.dcp.destinations import Destinations
 from cloudckpt.dcp.slices import HEAD_PROBE, TAIL_PROBE, Archive, SliceReader
 from cloudckpt.errors import (
     AlreadyExistsError,
@@ -256,8 +257,9 @@ def test_a_saved_tensor_reaching_past_its_record_is_refused(tmp_path: Path) -> N
     # Strides of 2 over a record of 4 floats: the last element would lie at byte 24.
     saved = SavedTensor(torch.float32, 0, (4,), (2,), data_offset=64, record_size=16)
     with pytest.raises(CorruptCheckpointError, match="past the end of its storage record"):
-        slices = SliceReader(reader.location, reader._chunks, weights_only=True)
-        slices.slice_of(archive, saved, _slice_item("b", (0,), (4,)), _Planner({}), url)
+        dest = Destinations(cast(Any, _Planner({})))
+        slices = SliceReader(reader.location, reader._chunks, weights_only=True, dest=dest)
+        slices.slice_of(archive, saved, _slice_item("b", (0,), (4,)), url)
 
 
 def test_every_store_round_trip(store_url: Any, weight: torch.Tensor) -> None:

@@ -58,6 +58,7 @@ from ..format.gcpause import paused_gc
 from ..format.memview import writable_view
 from ..options import TransferOptions
 from .commit_read import adopt, layout_document, read_commit, save_id_of
+from .destinations import Destinations
 from .fetch import RangeFetcher
 from .location import CheckpointLocation, LocatedCheckpoint
 from .slices import HEAD_PROBE, TAIL_PROBE, Archive, Slice, SliceReader, read_whole
@@ -364,15 +365,15 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
 
         self.last_read_requests = self.last_read_bytes = 0
         index = self._layout_index() if archives else None
-        slicer = SliceReader(self.location, self._chunks, self.weights_only)
+        slicer = SliceReader(self.location, self._chunks, self.weights_only, Destinations(planner))
         slicer.check_sizes([a for a in archives.values() if read_whole(a)])
         slices: list[Slice] = []
         with RangeFetcher(self.location, stream=True) as first:
-            self._plan_first(archives, index, planner, first, slices, slicer)
+            self._plan_first(archives, index, first, slices, slicer)
             self._run(first)
         for a in archives.values():
             if a.whole is not None:
-                slicer.deliver_whole(a, planner)
+                slicer.deliver_whole(a)
                 a.whole = None
 
         fallback: list[Archive] = []
@@ -392,10 +393,10 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                     fallback.append(a)
                     continue
                 for item in a.items:
-                    slices.append(slicer.plan_slice(a, saved, item, planner, second))
+                    slices.append(slicer.plan_slice(a, saved, item, second))
             self._run(second)
         for a in fallback:
-            slicer.deliver_whole(a, planner)
+            slicer.deliver_whole(a)
             a.whole = None
         for s in slices:
             if s.scratch is not None and s.saved is not None:
@@ -403,7 +404,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                     tuple(s.item.lengths), s.saved.stride, 0
                 )
                 s.target.copy_(src)
-            planner.commit_tensor(s.item, s.target)
+            slicer.dest.commit(s.item, s.target)
 
     def _stream_extensions(self, descriptors: Sequence[str], fqn: str) -> tuple[Any, ...]:
         """The stream extensions that decode a chunk written through ``descriptors``
@@ -443,7 +444,6 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         self,
         archives: dict[tuple[str, int], Archive],
         index: LayoutIndex | None,
-        planner: LoadPlanner,
         first: RangeFetcher,
         slices: list[Slice],
         slicer: SliceReader,
@@ -463,7 +463,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
             record = records.get(where) if plain and known is None else None
             if record is not None:
                 for item in a.items:
-                    slices.append(slicer.plan_record(a, record, item, planner, first))
+                    slices.append(slicer.plan_record(a, record, item, first))
             elif known is not None:
                 if not known.dense or known.data_offset + known.record_size > a.length:
                     raise CorruptCheckpointError(
@@ -472,7 +472,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                         f"{a.length} bytes"
                     )
                 for item in a.items:  # written by us: read the spans in this round
-                    slices.append(slicer.plan_slice(a, known, item, planner, first))
+                    slices.append(slicer.plan_slice(a, known, item, first))
             elif read_whole(a):
                 a.whole = bytearray(a.length)
                 crc = index.chunks.get(where) if index is not None else None

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from ..engine.pages import populate
 from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ..format.checksum import crc32
 from ..format.dcp.archive import SavedTensor, parse_archive
@@ -28,6 +29,7 @@ from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records, one_
 from ..format.dcp.layout import WHOLE_LIMIT
 from ..format.dcp.metadata import ChunkIndex
 from ..format.memview import writable_view
+from .destinations import Destinations
 from .fetch import RangeFetcher
 from .location import CheckpointLocation
 
@@ -159,9 +161,14 @@ class SliceReader:
     """The checks, slices and deliveries of one load of the checkpoint at ``location``."""
 
     def __init__(
-        self, location: CheckpointLocation, chunks: ChunkIndex | None, weights_only: bool
+        self,
+        location: CheckpointLocation,
+        chunks: ChunkIndex | None,
+        weights_only: bool,
+        dest: Destinations,
     ) -> None:
         self.location = location
+        self.dest = dest  # the load's planner: where each item goes
         self._chunks = chunks
         self.weights_only = weights_only
         self._urls: dict[str, str] = {}  # each object's name checked once, not per item
@@ -255,7 +262,7 @@ class SliceReader:
         except Exception:  # damaged bytes: the planner's own load reports them
             pass
 
-    def deliver_whole(self, a: Archive, planner: LoadPlanner) -> None:
+    def deliver_whole(self, a: Archive) -> None:
         """Hand a fully read chunk to the planner.
 
         A tensor archive of the usual shape (one tensor, stored records, little-endian)
@@ -273,14 +280,14 @@ class SliceReader:
             if record is not None:
                 saved, flat = record
                 for item in a.items:
-                    target, lengths, first = self.slice_of(a, saved, item, planner, url)
+                    target, lengths, first = self.slice_of(a, saved, item, url)
                     # A whole tensor: its record's bytes copied straight into the
                     # destination; else a copy through a strided view of the record.
                     if math.prod(lengths) and not _whole_into(a, saved, target, lengths):
                         if flat is None:
                             flat = _flat(a, saved)
                         target.copy_(flat.as_strided(lengths, saved.stride, first))
-                    planner.commit_tensor(item, target)
+                    self.dest.commit(item, target)
                 return
         loaded: torch.Tensor | None = None
         for item in a.items:
@@ -288,7 +295,7 @@ class SliceReader:
                 if self.weights_only:
                     self._vet_bytes(a, item, url)
                 try:
-                    planner.load_bytes(item, io.BytesIO(a.whole))
+                    self.dest.planner.load_bytes(item, io.BytesIO(a.whole))
                 except CloudCkptError:
                     raise
                 except Exception as exc:  # the default planner: torch.load of the bytes
@@ -326,14 +333,14 @@ class SliceReader:
                     f"chunk of shape {tuple(loaded.shape)}"
                 )
             source = narrow(loaded, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
+            target = self.dest.resolve(item)
             if target.size() != source.size():
                 raise CorruptCheckpointError(
                     f"{url}: {item.storage_index.fqn} slice has shape {tuple(source.shape)}, "
                     f"the destination {tuple(target.shape)}"
                 )
             target.copy_(source)
-            planner.commit_tensor(item, target)
+            self.dest.commit(item, target)
 
     def _record_in(self, a: Archive, url: str) -> tuple[SavedTensor, torch.Tensor | None] | None:
         """The tensor of an archive read whole and, where it is empty, its storage record
@@ -358,7 +365,6 @@ class SliceReader:
         a: Archive,
         saved: SavedTensor,
         item: ReadItem,
-        planner: LoadPlanner,
         url: str,
         target: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[int, ...], int]:
@@ -395,7 +401,7 @@ class SliceReader:
                     f"{url}: {fqn} lies past the end of its storage record"
                 )
         if target is None:
-            target = planner.resolve_tensor(item).detach()
+            target = self.dest.resolve(item)
         if tuple(target.shape) != lengths:
             raise CorruptCheckpointError(
                 f"{url}: {fqn} slice has shape {lengths}, the destination {tuple(target.shape)}"
@@ -407,7 +413,6 @@ class SliceReader:
         a: Archive,
         record: tuple[int, int],
         item: ReadItem,
-        planner: LoadPlanner,
         fetcher: RangeFetcher,
     ) -> Slice:
         """Schedule ``item`` from a small storage record the layout index places
@@ -425,7 +430,7 @@ class SliceReader:
                 f"{url}: the layout index places {item.storage_index.fqn} at bytes "
                 f"{data_offset}-{data_offset + record_size} of a chunk of {a.length} bytes"
             )
-        target = planner.resolve_tensor(item).detach()
+        target = self.dest.resolve(item)
         if (
             record_size
             and target.dtype is dtype
@@ -435,7 +440,9 @@ class SliceReader:
             and tuple(item.lengths) == sizes
             and not any(item.storage_offsets)
         ):
-            view = tensor_bytes(target)
+            address = target.data_ptr()
+            populate(address, record_size)  # fresh memory: faulted in here, not in recv
+            view = writable_view(address, record_size)
             start = a.offset + data_offset
             check = _RecordCheck(view, crc, url, start, item.storage_index.fqn)
             fetcher.add(a.relative, start, view, check)
@@ -450,14 +457,13 @@ class SliceReader:
             block_size=one_block(record_size),
             block_crcs=crc.to_bytes(4, "little"),
         )
-        return self.plan_slice(a, saved, item, planner, fetcher, target)
+        return self.plan_slice(a, saved, item, fetcher, target)
 
     def plan_slice(
         self,
         a: Archive,
         saved: SavedTensor,
         item: ReadItem,
-        planner: LoadPlanner,
         fetcher: RangeFetcher,
         target: torch.Tensor | None = None,
     ) -> Slice:
@@ -471,7 +477,7 @@ class SliceReader:
         """
         url = self._url(a.relative)
         fqn = item.storage_index.fqn
-        target, lengths, first = self.slice_of(a, saved, item, planner, url, target)
+        target, lengths, first = self.slice_of(a, saved, item, url, target)
         numel = math.prod(lengths)
         if numel == 0:
             return Slice(item, target)

@@ -178,17 +178,18 @@ def async_save(
     _raise_unreported()
 
     pool = get_pool()
-    try:
-        snap = snapshot(obj, pool)
-    except PICKLE_ERRORS as exc:
-        raise_if_unpicklable(obj, exc, target)
-        raise
     handle = SaveHandle(target)
-    handle._staged.set()
-    with _registry_lock:
-        _handles.append(handle)
+    staged: list[Any] = []  # the snapshot, once taken; empty when it failed
+    go = threading.Event()
 
+    # The thread is started before the snapshot and waits for it: started after, it
+    # would take the GIL from the caller (materializing at once) while the caller still
+    # has to return, and that wait would count in the stall (docs/async.md).
     def run() -> None:
+        go.wait()
+        if not staged:
+            return
+        snap = staged[0]
         try:
             staged_obj = snap.materialize()
             result = write_object(staged_obj, store, key, opts, size_hint=snap.nbytes)
@@ -202,7 +203,20 @@ def async_save(
     threading.Thread(
         target=run, name=f"cloudckpt-save-{key.rsplit('/', 1)[-1]}", daemon=True
     ).start()
+    try:
+        staged.append(snapshot(obj, pool))
+    except PICKLE_ERRORS as exc:
+        go.set()  # the thread ends
+        raise_if_unpicklable(obj, exc, target)
+        raise
+    except BaseException:
+        go.set()
+        raise
+    handle._staged.set()
+    with _registry_lock:
+        _handles.append(handle)
     handle.stall_seconds = time.perf_counter() - started
+    go.set()
     return handle
 
 

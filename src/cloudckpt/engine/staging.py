@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..format.gcpause import paused_gc
+from ..format.memview import copy_memory
 from ..format.tensors import plain_strided
 
 __all__ = ["SLAB_BYTES", "SMALL_MAX", "Snapshot", "StagingPool", "get_pool", "snapshot"]
@@ -50,7 +51,6 @@ SLAB_BYTES = 4 << 20
 SMALL_MAX = 256 << 10
 _ALIGN = 64  # each part of a slab starts on a 64-byte boundary, as torch's allocator does
 
-_memmove = ctypes.memmove
 _Tensor = torch.Tensor
 
 
@@ -290,7 +290,7 @@ class _StagingPickler(pickle.Pickler):
         offset = self.slab_used
         if offset + nbytes > SLAB_BYTES:
             offset = self._new_slab()
-        _memmove(self.slab_address + offset, storage.data_ptr(), nbytes)
+        copy_memory(self.slab_address + offset, storage.data_ptr(), nbytes)
         self.slab_used = (offset + nbytes + _ALIGN - 1) & -_ALIGN
         return (self.slab, offset, nbytes)
 

@@ -25,7 +25,6 @@ writes zip64 fields into its records there).
 from __future__ import annotations
 
 import collections
-import ctypes
 import functools
 import io
 import logging
@@ -40,7 +39,7 @@ import torch
 
 from .checksum import crc32
 from .gcpause import paused_gc
-from .memview import buffer_address, writable_view
+from .memview import buffer_address, copy_memory, writable_view
 from .tensors import plain_strided
 from .torchzip import (
     AFTER,
@@ -75,7 +74,6 @@ _RECORD_OVERHEAD = 30 + 4 + 63 + 16 + 46 + 2 * len(PREFIX + "data/") + 2 * 20
 _Tensor = torch.Tensor
 _rebuild_v2 = torch._utils._rebuild_tensor_v2
 _rebuild_v3 = torch._utils._rebuild_tensor_v3
-_memmove = ctypes.memmove
 #: Types ``persistent_id`` answers None for at once (none is, or derives from, a storage).
 _NOT_STORAGES = frozenset(
     {int, float, bool, str, bytes, tuple, list, dict, type(None), torch.Tensor, torch.dtype}
@@ -265,7 +263,7 @@ class ArchivePlan:
                 at += len(header)
                 crc = 0
                 if nbytes:
-                    _memmove(out.address + at, storage.data_ptr(), nbytes)
+                    copy_memory(out.address + at, storage.data_ptr(), nbytes)
                     crc = crc32(out.view[at : at + nbytes])  # while the bytes are in cache
                     tail = descriptor(crc, nbytes)
                     chunk[at + nbytes : at + nbytes + len(tail)] = tail

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["buffer_address", "writable_view"]
+__all__ = ["buffer_address", "copy_memory", "writable_view"]
 
 _from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
 _from_memory.restype = ctypes.py_object
 _from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _PYBUF_WRITE = 0x200
+
+#: ``memmove(dst, src, nbytes)`` between addresses, keeping the GIL. ``ctypes.memmove``
+#: releases it around every call: with any other Python thread running (a data loader,
+#: a logger), the caller then waits up to the switch interval (5 ms) to get it back, for
+#: a copy of a few KiB. Measured on 10,000 tensors of 16 KiB with one busy thread: a
+#: snapshot took 4.1 s that way, 0.17 s keeping the GIL (docs/async.md).
+copy_memory = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes.cast(ctypes.memmove, ctypes.c_void_p).value or 0
+)
 
 
 def writable_view(address: int, nbytes: int) -> memoryview:

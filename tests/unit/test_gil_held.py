@@ -1,0 +1,55 @@
+"""The per-tensor copies of a snapshot and of the archive builder, and the page faulting
+of a DCP load, keep the GIL: another Python thread (a data loader, a logger) must not
+get it at every tensor, or the caller waits up to the switch interval each time to get
+it back (format/memview.py ``copy_memory``, engine/pages.py). Whether a thread gets the
+GIL in a short release depends on the scheduler, so these tests check how the calls are
+made (ctypes' flag for a call that keeps the GIL) and what they do, not the timing."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from cloudckpt.engine import pages, staging
+from cloudckpt.format import archive_writer
+from cloudckpt.format.memview import copy_memory
+
+
+def _keeps_gil(fn: object) -> bool:
+    """A ctypes function made to run with the GIL held (PYFUNCTYPE, PyDLL)."""
+    return bool(getattr(fn, "_flags_", 0) & ctypes._FUNCFLAG_PYTHONAPI)  # type: ignore[attr-defined]
+
+
+def test_the_flag_tells_the_two_kinds_of_call_apart() -> None:
+    assert not _keeps_gil(ctypes.memmove)  # ctypes' own releases the GIL
+    assert _keeps_gil(ctypes.pythonapi.PyMemoryView_FromMemory)
+
+
+def test_the_per_tensor_copies_and_page_faulting_keep_the_gil() -> None:
+    assert _keeps_gil(copy_memory)
+    assert staging.copy_memory is copy_memory  # a snapshot's small storages
+    assert archive_writer.copy_memory is copy_memory  # the builder's small records
+    if pages.POPULATE:
+        assert _keeps_gil(pages._CALL)
+
+
+def test_copy_memory_copies() -> None:
+    a = torch.zeros(1 << 20, dtype=torch.uint8)
+    b = torch.arange(1 << 20, dtype=torch.int32).to(torch.uint8)
+    copy_memory(a.data_ptr() + 1, b.data_ptr(), a.nbytes - 1)
+    assert int(a[0]) == 0
+    assert torch.equal(a[1:], b[:-1])
+
+
+@pytest.mark.skipif(not pages.POPULATE, reason="no MADV_POPULATE_WRITE on this kernel")
+def test_populate_writes_nothing_and_keeps_resident_bytes() -> None:
+    t = torch.arange(100_000, dtype=torch.float32)
+    before = t.clone()
+    pages.populate(t.data_ptr() + 3, t.nbytes - 3)  # not page-aligned: the page is taken
+    assert torch.equal(t, before)
+    fresh = torch.empty(1 << 20, dtype=torch.uint8)
+    pages.populate(fresh.data_ptr(), fresh.nbytes)
+    fresh.fill_(7)
+    assert int(fresh.sum()) == 7 << 20
