@@ -232,6 +232,35 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return None
 
 
+class _Shapes:
+    """:func:`_shape` and element counts, each worked out once per object: the writer
+    shares equal ``torch.Size`` objects (format/dcp/sharing.py), so 10,000 items of one
+    shape are one check. Keyed by identity, for one pass over a ``Metadata`` that holds
+    every object alive."""
+
+    __slots__ = ("_counts", "_shapes")
+
+    def __init__(self) -> None:
+        self._shapes: dict[int, tuple[int, ...] | None] = {}
+        self._counts: dict[int, int] = {}
+
+    def __call__(self, value: Any) -> tuple[int, ...] | None:
+        key = id(value)
+        try:
+            return self._shapes[key]
+        except KeyError:
+            found = self._shapes[key] = _shape(value)
+            return found
+
+    def elements(self, value: Any, checked: tuple[int, ...]) -> int:
+        """The element count of ``value``, already checked as the shape ``checked``."""
+        key = id(value)
+        count = self._counts.get(key)
+        if count is None:
+            count = self._counts[key] = math.prod(checked)
+        return count
+
+
 def check_metadata(metadata: Metadata, url: str) -> None:
     """Check the fields the planner and the reader use; CorruptCheckpointError if damaged."""
 
@@ -241,6 +270,9 @@ def check_metadata(metadata: Metadata, url: str) -> None:
     state = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(state, dict):
         raise bad("state_dict_metadata is not a dict")
+    shape = _Shapes()
+    inside: dict[tuple[int, int, int], bool] = {}  # (offsets, sizes, size) by identity
+    checked_properties: set[int] = set()
     for fqn, md in state.items():
         if not isinstance(fqn, str):
             raise bad(f"a key is {_describe(fqn)}, not a string")
@@ -249,29 +281,37 @@ def check_metadata(metadata: Metadata, url: str) -> None:
         if not isinstance(md, TensorStorageMetadata):
             raise bad(f"{fqn} is described by {type(md).__name__}")
         properties = getattr(md, "properties", None)
-        if not isinstance(properties, TensorProperties) or not isinstance(
-            getattr(properties, "dtype", None), torch.dtype
-        ):
-            raise bad(f"{fqn} has no dtype")
-        size = _shape(getattr(md, "size", None))
+        if id(properties) not in checked_properties:
+            if not isinstance(properties, TensorProperties) or not isinstance(
+                getattr(properties, "dtype", None), torch.dtype
+            ):
+                raise bad(f"{fqn} has no dtype")
+            checked_properties.add(id(properties))
+        size_value = getattr(md, "size", None)
+        size = shape(size_value)
         chunks = getattr(md, "chunks", None)
         if size is None or not isinstance(chunks, list):
             raise bad(f"{fqn} has no size or chunk list")
+        covered = 0
         for chunk in chunks:
-            offsets = _shape(getattr(chunk, "offsets", None))
-            sizes = _shape(getattr(chunk, "sizes", None))
-            if (
-                not isinstance(chunk, ChunkStorageMetadata)
-                or offsets is None
-                or sizes is None
-                or not len(offsets) == len(sizes) == len(size)
-                or any(o + n > s for o, n, s in zip(offsets, sizes, size, strict=True))
-            ):
+            offsets_value = getattr(chunk, "offsets", None)
+            sizes_value = getattr(chunk, "sizes", None)
+            offsets, sizes = shape(offsets_value), shape(sizes_value)
+            if not isinstance(chunk, ChunkStorageMetadata) or offsets is None or sizes is None:
                 raise bad(f"{fqn} has a chunk outside its size {list(size)}")
+            key = (id(offsets_value), id(sizes_value), id(size_value))
+            fits = inside.get(key)
+            if fits is None:
+                fits = inside[key] = len(offsets) == len(sizes) == len(size) and not any(
+                    o + n > s for o, n, s in zip(offsets, sizes, size, strict=True)
+                )
+            if not fits:
+                raise bad(f"{fqn} has a chunk outside its size {list(size)}")
+            covered += shape.elements(sizes_value, sizes)
         # torch's planner reads only the chunks listed: one missing would leave part of
         # the destination as it was, silently. Saved chunks never overlap, so together
         # they hold exactly the tensor's elements.
-        if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
+        if covered != shape.elements(size_value, size):
             raise bad(f"the chunks of {fqn} do not cover its size {list(size)}")
     storage = getattr(metadata, "storage_data", None)
     if storage is not None:
@@ -283,7 +323,7 @@ def check_metadata(metadata: Metadata, url: str) -> None:
                 or not isinstance(getattr(index, "fqn", None), str)
                 or not (
                     getattr(index, "offset", None) is None
-                    or _shape(getattr(index, "offset", None)) is not None
+                    or shape(getattr(index, "offset", None)) is not None
                 )
                 or not (getattr(index, "index", None) is None or is_count(index.index))
             ):
