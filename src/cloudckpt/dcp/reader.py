@@ -307,13 +307,14 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         views: list[tuple[int, memoryview]] = []
         keep: list[torch.Tensor] = []  # every buffer a view points into, alive till sent
         staged: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        dest = Destinations(planner)
         for item, owner in zip(tensors, owners, strict=True):
             if owner == me:  # what this rank read, as it handed it to the planner
                 buf = recorder.committed[id(item)]
                 if not (buf.is_contiguous() and buf.device.type == "cpu"):
                     buf = buf.detach().cpu().contiguous()
             else:  # where the planner wants it (a planner may hand out a scratch tensor)
-                target = planner.resolve_tensor(item)
+                target = dest.resolve(item)
                 buf = target
                 if not (target.is_contiguous() and target.device.type == "cpu"):
                     buf = torch.empty(tuple(target.shape), dtype=target.dtype)
@@ -324,7 +325,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         for item, target, buf in staged:
             if buf is not target:
                 target.copy_(buf)
-            planner.commit_tensor(item, target)
+            dest.commit(item, target)
 
     def _info(self, item: Any) -> Any:
         try:

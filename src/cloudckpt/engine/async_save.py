@@ -206,12 +206,11 @@ def async_save(
     try:
         staged.append(snapshot(obj, pool))
     except PICKLE_ERRORS as exc:
-        go.set()  # the thread ends
         raise_if_unpicklable(obj, exc, target)
         raise
-    except BaseException:
-        go.set()
-        raise
+    finally:
+        if not staged:
+            go.set()  # no snapshot: the thread ends
     handle._staged.set()
     with _registry_lock:
         _handles.append(handle)
