@@ -220,25 +220,6 @@ def test_a_damaged_pickle_is_corrupt_not_unsafe(tmp_path):
         cloudckpt.load(str(path))
 
 
-def test_a_global_only_torchs_unpickler_handles_falls_back_to_it(tmp_path, monkeypatch):
-    """Legacy sparse tensor classes send the load to torch's own unpickler; every storage
-    is still the one the first pass allocated (``persistent_load`` is asked again)."""
-    path = tmp_path / "fallback.pt"
-    base = torch.randn(8)
-    cloudckpt.save(collections.OrderedDict(a=base, b=base[2:]), str(path))
-    seen: list[str] = []
-
-    def needs_torch(full_path: str, found: Any) -> bool:
-        seen.append(full_path)
-        return full_path == "collections.OrderedDict"
-
-    monkeypatch.setattr(unpickle_mod, "_needs_torch", needs_torch)
-    ours, theirs = _both(path)
-    assert "collections.OrderedDict" in seen
-    _same(ours, theirs)
-    assert ours["b"].untyped_storage().data_ptr() == ours["a"].untyped_storage().data_ptr()
-
-
 def test_a_memo_index_in_the_billions_loads_as_torch_loads_it(tmp_path):
     """LONG_BINPUT 2**31 on a valid pickle: the C unpickler's memo allocation is refused
     or granted; either way the load ends as torch's does (here: the value)."""

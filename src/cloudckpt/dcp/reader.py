@@ -91,6 +91,8 @@ class _Recorder:
 
     def __init__(self, planner: LoadPlanner) -> None:
         self._planner = planner
+        #: The planner byte items are delivered to (dcp/slices.py).
+        self.wrapped = planner
         self.committed: dict[int, torch.Tensor] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -109,11 +111,13 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
     :class:`~cloudckpt.TransferOptions` fields (``read_concurrency``,
     ``read_chunk_size``, ``storage_options``...).
 
-    Non-tensor items (DCP's byte items) are unpickled by the planner with
-    ``weights_only=False``; with ``weights_only=True`` (the default) the reader first
-    checks each one with torch's weights-only unpickler and refuses, with
-    :class:`~cloudckpt.errors.UnsafeCheckpointError`, one that names anything else
-    (a class, a function): a data object from a bucket cannot run code on load.
+    Non-tensor items (DCP's byte items): with ``weights_only=True`` (the default) each
+    is loaded through cloudckpt's trust boundary (format/unpickle.py), which refuses,
+    with :class:`~cloudckpt.errors.UnsafeCheckpointError`, whatever
+    ``torch.load(weights_only=True)`` refuses; torch's ``DefaultLoadPlanner`` is given
+    the loaded object (its own ``torch.load(weights_only=False)`` never runs), another
+    planner the accepted bytes. ``weights_only=False`` hands the bytes to the planner
+    unchecked: only for checkpoints you trust.
 
     Chunks written through torch's stream extensions (``FileSystemWriter(...,
     _extensions=[ZStandard()])``) are read whole and decoded by the extensions

@@ -4,31 +4,33 @@
 ``read_data``: it schedules the byte span of each requested slice of a saved tensor
 (straight into the destination where it can, widened to checksum blocks), the check of
 every chunk read whole, and hands what was read to DCP's planner (tensor archives of
-the usual shape parsed where they lie, anything else through ``torch.load``). Every
-refusal is a :class:`~cloudckpt.errors.CorruptCheckpointError` naming the object, the
-bytes and the item.
+the usual shape parsed where they lie, anything else through the trust boundary of
+format/unpickle.py). Every refusal is a typed error naming the object, the bytes and
+the item.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..engine.pages import populate
-from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CloudCkptError, CorruptCheckpointError
 from ..format.checksum import crc32
 from ..format.dcp.archive import SavedTensor, parse_archive
 from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records, one_block
 from ..format.dcp.layout import WHOLE_LIMIT
 from ..format.dcp.metadata import ChunkIndex
 from ..format.memview import writable_view
+from ..format.unpickle import load_torch_bytes
 from .destinations import Destinations
 from .fetch import RangeFetcher
 from .location import CheckpointLocation
@@ -247,20 +249,32 @@ class SliceReader:
             )
         return found
 
-    def _vet_bytes(self, a: Archive, item: ReadItem, url: str) -> None:
-        """Refuse a byte item that torch's weights-only unpickler refuses."""
+    def _load_bytes(self, a: Archive, item: ReadItem, url: str) -> None:
+        """Hand a byte item to the planner, after the trust boundary accepted it.
+
+        With ``weights_only`` (the default) the bytes are loaded through the boundary
+        (format/unpickle.py); torch's ``DefaultLoadPlanner`` is given that object as its
+        ``load_bytes`` would set it, so its ``torch.load(weights_only=False)`` never
+        runs; any other planner gets the accepted bytes. ``weights_only=False`` hands
+        the bytes to the planner as they are (an explicit opt-in)."""
         assert a.whole is not None
+        planner = getattr(self.dest.planner, "wrapped", self.dest.planner)
+        where = f"{url} bytes {a.offset}-{a.offset + a.length} ({item.storage_index.fqn})"
+        if self.weights_only:
+            obj = load_torch_bytes(a.whole, weights_only=True, url=where)
+            if type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+                fqn = item.dest_index.fqn
+                if planner.flatten_state_dict:
+                    set_element(planner.original_state_dict, planner.mappings[fqn], obj)
+                else:
+                    planner.state_dict[fqn] = obj
+                return
         try:
-            torch.load(io.BytesIO(a.whole), map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError) as exc:
-            raise UnsafeCheckpointError(
-                f"{url}: {item.storage_index.fqn} holds objects that weights_only loading "
-                f"does not allow: {exc}. If you trust this checkpoint, pass "
-                "CloudStorageReader(..., weights_only=False); to allow a specific class, "
-                "use torch.serialization.add_safe_globals([...])."
-            ) from exc
-        except Exception:  # damaged bytes: the planner's own load reports them
-            pass
+            planner.load_bytes(item, io.BytesIO(a.whole))
+        except CloudCkptError:
+            raise
+        except Exception as exc:  # the planner's own load of the bytes
+            raise CorruptCheckpointError(f"{where} could not be loaded: {exc}") from exc
 
     def deliver_whole(self, a: Archive) -> None:
         """Hand a fully read chunk to the planner.
@@ -268,8 +282,8 @@ class SliceReader:
         A tensor archive of the usual shape (one tensor, stored records, little-endian)
         is parsed where it lies and its slices copied straight from the storage record:
         a third of the CPU of ``torch.load`` per archive, which is most of a load of
-        many small tensors. Anything else is unpickled by ``torch.load``, as
-        FileSystemReader does.
+        many small tensors. Anything else is loaded through the trust boundary
+        (``FileSystemReader`` would ``torch.load`` it).
         """
         assert a.whole is not None
         if a.transforms:
@@ -292,26 +306,11 @@ class SliceReader:
         loaded: torch.Tensor | None = None
         for item in a.items:
             if item.type == LoadItemType.BYTE_IO:
-                if self.weights_only:
-                    self._vet_bytes(a, item, url)
-                try:
-                    self.dest.planner.load_bytes(item, io.BytesIO(a.whole))
-                except CloudCkptError:
-                    raise
-                except Exception as exc:  # the default planner: torch.load of the bytes
-                    raise CorruptCheckpointError(
-                        f"{url}: bytes {a.offset}-{a.offset + a.length} "
-                        f"({item.storage_index.fqn}) could not be loaded: {exc}"
-                    ) from exc
+                self._load_bytes(a, item, url)
                 continue
             if loaded is None:
-                try:
-                    loaded = torch.load(io.BytesIO(a.whole), map_location="cpu", weights_only=True)
-                except Exception as exc:
-                    raise CorruptCheckpointError(
-                        f"{url}: bytes {a.offset}-{a.offset + a.length} "
-                        f"({item.storage_index.fqn}) are not a tensor archive: {exc}"
-                    ) from exc
+                where = f"{url} bytes {a.offset}-{a.offset + a.length} ({item.storage_index.fqn})"
+                loaded = load_torch_bytes(a.whole, map_location="cpu", url=where)
                 if not isinstance(loaded, torch.Tensor):
                     raise CorruptCheckpointError(
                         f"{url}: {item.storage_index.fqn} holds {type(loaded).__name__}"

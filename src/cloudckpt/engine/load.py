@@ -33,10 +33,18 @@ from ..errors import (
     MissingKeyError,
     NotAnObjectError,
     NotFoundError,
+    UnsafeCheckpointError,
 )
 from ..format.safetensors import is_safetensors_url
 from ..format.tensors import referenced_storages
-from ..format.unpickle import StorageRef, parse_persistent_id, typed_storage, unpickle
+from ..format.unpickle import (
+    StorageRef,
+    load_torch_bytes,
+    parse_persistent_id,
+    restore_location,
+    typed_storage,
+    unpickle,
+)
 from ..format.zipdir import Entry
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, open_target
@@ -284,11 +292,24 @@ def _fetch_shared(
 
 
 def _read_whole(plan: _Plan, map_location: Any, weights_only: bool) -> Any:
-    """Archives we cannot read record by record (legacy format, compressed records)."""
+    """Archives we cannot read record by record: a zip with compressed records goes
+    through the boundary whole (format/unpickle.load_torch_bytes); torch's legacy
+    (pre-zip) format through ``torch.load`` itself, whose weights-only unpickler is the
+    reference our boundary follows (docs/security.md)."""
     data = plan.store.get_range(plan.key, 0, plan.size)
+    if data[:2] == b"PK":
+        return load_torch_bytes(
+            data, map_location=map_location, weights_only=weights_only, url=plan.url
+        )
+    if data[:1] != b"\x80":  # the legacy format opens with a pickle's PROTO
+        raise CorruptCheckpointError(
+            f"{plan.url} is not a torch checkpoint (neither a zip archive nor a pickle)"
+        )
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except Exception as exc:
+        if weights_only and "Unsupported global" in str(exc):  # torch's refusal of a name
+            raise UnsafeCheckpointError(f"{plan.url}: torch.load refused it: {exc}") from None
         raise CorruptCheckpointError(
             f"{plan.url} is not a readable torch checkpoint: {exc}"
         ) from exc
@@ -404,7 +425,7 @@ def _restore(
     on_cpu = map_location in (None, "cpu") or map_location == torch.device("cpu")
     if on_cpu and all(r.location == "cpu" for r in refs.values()):
         return fetched.result
-    restore_location = torch.serialization._get_restore_location(map_location)
+    restore = torch.serialization._get_restore_location(map_location)
     restored: dict[str, torch.storage.TypedStorage] = {}
 
     def persistent_load(saved_id: Any) -> Any:
@@ -414,7 +435,7 @@ def _restore(
             if storage is None:  # not selected by keys=: leave it on the meta device
                 storage = torch.UntypedStorage(ref.nbytes, device="meta")
             else:
-                storage = restore_location(storage, ref.location)
+                storage = restore_location(restore, storage, ref.location, map_location, url)
             restored[ref.key] = torch.storage.TypedStorage(
                 wrap_storage=storage, dtype=ref.dtype, _internal=True
             )

@@ -184,6 +184,12 @@ def _infer_local_headers(entries: dict[str, Entry], cd_offset: int, url: str) ->
         descriptor = (24 if entry.zip64 else 16) if entry.flags & 0x08 else 0
         size = nxt - entry.header_offset - entry.compressed_size - descriptor
         minimum = LOCAL_HEADER_SIZE + len(entry.name.encode())
+        if entry.header_offset + minimum + entry.compressed_size > nxt:
+            # Records that overlap would let one file's bytes stand for many records
+            # (and allocations many times the object's size): never written so.
+            raise CorruptCheckpointError(
+                f"{url}: record {entry.name!r} overlaps the record or directory after it"
+            )
         if size < minimum or size > minimum + 0xFFFF:
             entry.local_header_size = -1  # unknown: the reader fetches the header first
         else:
@@ -220,13 +226,14 @@ def local_header_size(header: bytes) -> int:
     return LOCAL_HEADER_SIZE + name_len + extra_len
 
 
-def check_records(data: bytes | bytearray | memoryview, where: str) -> None:
+def check_records(data: bytes | bytearray | memoryview, where: str) -> Directory:
     """Check every record of a ``torch.save`` archive held in memory by its zip CRC-32.
 
     Stored records are checked as they are, deflated ones by their inflated bytes (as a
     loader reads them). A damaged directory or local header, or a record past the end,
     is a :class:`CorruptCheckpointError`; a record whose bytes do not match its CRC-32
-    a :class:`ChecksumError`. Used by the DCP reader and ``cloudckpt verify``.
+    a :class:`ChecksumError`. Used by the DCP reader, ``cloudckpt verify`` and
+    :func:`~cloudckpt.format.unpickle.load_torch_bytes`; returns the directory.
     """
     view = memoryview(data)
     start = max(0, len(view) - (1 << 20))  # the directory sits at the end
@@ -259,3 +266,4 @@ def check_records(data: bytes | bytearray | memoryview, where: str) -> None:
         else:
             raise CorruptCheckpointError(f"{where}: record {e.name!r} uses compression {e.method}")
         check_record_crc(where, e.name, e.crc32, crc)
+    return directory

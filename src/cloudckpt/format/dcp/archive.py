@@ -5,13 +5,14 @@ To read part of a large chunk straight into its destination we need the record t
 holds the tensor's storage and the tensor's dtype, storage offset, size and stride.
 :func:`parse_archive` finds them from two small reads: the archive's head (where
 ``data.pkl`` sits) and its tail (the zip directory). ``data.pkl`` is checked by its
-CRC-32, then read by the C unpickler with an allow-list that builds nothing (recorders
-of ``_rebuild_tensor_v2``/``_v3``'s arguments, stand-ins for storage classes); a parse
+CRC-32, then read through the trust boundary (format/unpickle.py) under an allow-list
+that builds nothing (recorders of ``_rebuild_tensor_v2``/``_v3``'s arguments, stand-ins
+for storage classes); a parse
 is kept by the pickle's bytes, and an archive laid out like one parsed before (a tensor
 of the same dtype and shape: the same bytes but for its directory's CRC-32s) is
 recognised without parsing its directory again. Anything unusual (compressed records,
 another rebuild function, conjugate or negative views, big-endian data) returns
-``None`` and the caller reads the archive whole and hands it to ``torch.load``.
+``None`` and the caller loads the archive whole, through the boundary.
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import base64
 import binascii
 import collections
 import dataclasses
-import io
 import math
-import pickle
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ..checksum import crc32
-from ..unpickle import StorageRef, parse_persistent_id
+from ..unpickle import Policy, StorageRef, StorageStandIn, parse_persistent_id, run_restricted
 from ..zipdir import (
     Entry,
     NeedMoreBytes,
@@ -138,10 +137,6 @@ def saved_from_json(value: Any) -> SavedTensor | None:
     )
 
 
-class _Unsupported(Exception):
-    """The pickle builds something other than one plain tensor."""
-
-
 class _TensorArgs:
     """Stand-in for ``torch._utils._rebuild_tensor_v2``: keeps its arguments. ``plain``:
     no more than ``requires_grad`` and the hooks follow the view (torch appends the
@@ -168,22 +163,12 @@ class _TensorArgsV3(_TensorArgs):
         self.plain = self.dtype is not None
 
 
-class _StorageType:
-    """Stand-in for a storage class named in a persistent id (``torch FloatStorage``):
-    its element type, and nothing to call."""
-
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-
-def _storage_types() -> dict[str, _StorageType]:
+def _storage_types() -> dict[str, StorageStandIn]:
     found = {
-        name: _StorageType(dtype)
+        name: StorageStandIn(dtype)
         for dtype, name in torch.storage._dtype_to_storage_type_map().items()
     }
-    found["UntypedStorage"] = _StorageType(torch.uint8)
+    found["UntypedStorage"] = StorageStandIn(torch.uint8)
     return found
 
 
@@ -204,26 +189,10 @@ _GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-class _LayoutUnpickler(pickle.Unpickler):
-    """Builds nothing: records the arguments of the single tensor rebuild.
-
-    The C unpickler, over a ``data.pkl`` whose CRC-32 matched: ``find_class`` gives
-    only the recorders and stand-ins of ``_GLOBALS`` (nothing that runs code), anything
-    else ends the parse and the caller reads the archive with ``torch.load``.
-    """
-
-    def __init__(self, data: bytes, url: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self.url = url
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _GLOBALS.get((module, name))
-        if found is None:
-            raise _Unsupported(f"{module}.{name}")
-        return found
-
-    def persistent_load(self, pid: Any) -> StorageRef:
-        return parse_persistent_id(pid, self.url)
+#: The layout parse's policy: the recorders and stand-ins of ``_GLOBALS``, nothing that
+#: runs code; anything else ends the parse and the caller loads the archive whole,
+#: through the boundary (format/unpickle.load_torch_bytes).
+_POLICY = Policy(globals={f"{m}.{n}": o for (m, n), o in _GLOBALS.items()}, advice="")
 
 
 @dataclass(frozen=True)
@@ -252,8 +221,8 @@ def _layout(pickled: bytes, url: str) -> _Layout | None:
     except KeyError:
         pass
     try:
-        args = _LayoutUnpickler(pickled, url).load()
-    except Exception:  # anything but one plain tensor: torch.load reads it whole
+        args = run_restricted(pickled, _POLICY, lambda pid: parse_persistent_id(pid, url), url)
+    except Exception:  # anything but one plain tensor: loaded whole
         return None  # not kept: the error may name this archive
     found: _Layout | None = None
     if isinstance(args, _TensorArgs) and isinstance(args.storage, StorageRef):

@@ -24,11 +24,8 @@ The writers whose ``.metadata`` decodes:
 from __future__ import annotations
 
 import collections
-import io
 import math
 import pathlib
-import pickle
-import pickletools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.serialization import _get_layout
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..gcpause import paused_gc
+from ..unpickle import PROTOCOL4_OPCODES, Policy, run_restricted
 from .layout import MAX_COUNT, StorageInfo, is_count
 
 __all__ = ["ChunkIndex", "MCoreMetadata", "MCoreSavePlan", "check_metadata", "decode_metadata"]
@@ -116,63 +113,34 @@ _GLOBALS: dict[tuple[str, str], Any] = {
         pathlib.PureWindowsPath,
     ),
 }
-_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
 
-class _Refused(pickle.UnpicklingError):
-    """The pickle names a global outside the allow-list."""
+def _dtypes() -> dict[str, torch.dtype]:
+    """``torch.<name>`` for every dtype torch has, as a pickle names them."""
+    return {f"torch.{n}": v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` and nothing else: no arbitrary globals, no code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _GLOBALS.get((module, name))
-        if found is not None:
-            return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise _Refused(
-            f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
-            "needs; refusing to load it"
-        )
+def _refuse(module: str, name: str) -> Exception:
+    return UnsafeCheckpointError(
+        f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
+        "needs; refusing to load it"
+    )
 
 
-def _scan(payload: bytes, url: str) -> None:
-    """Refuse memo indexes no pickle of this size can have, before unpickling.
-
-    The C unpickler grows its memo to twice the largest index it is asked to store,
-    zero-filling it: one flipped bit can turn an opcode into ``LONG_BINPUT`` and ask for
-    tens of GiB. A valid pickle stores fewer objects than it has bytes.
-    """
-    try:
-        for op, arg, _ in pickletools.genops(payload):
-            if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg <= len(payload)):
-                raise CorruptCheckpointError(
-                    f"{url} is not DCP metadata: memo index {arg} in a pickle of "
-                    f"{len(payload)} bytes"
-                )
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:  # genops: ValueError on anything malformed
-        raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from exc
+#: What a ``.metadata`` pickle may hold: the classes above, dtypes, protocol 2-5 opcodes.
+_POLICY = Policy(
+    globals={**{f"{m}.{n}": o for (m, n), o in _GLOBALS.items()}, **_dtypes()},
+    opcodes=PROTOCOL4_OPCODES,
+    refuse_global=_refuse,
+    map_python2_names=False,
+    advice="",
+)
 
 
-def decode_metadata(payload: bytes, url: str, *, scan: bool = True) -> Metadata:
-    """DCP's ``.metadata`` from its bytes, through the allow-list unpickler, checked.
-
-    ``scan=False`` skips the opcode scan; only for bytes already known to be the ones a
-    writer produced (their CRC-32 matched the layout index written with them).
-    """
-    if scan:
-        _scan(payload, url)
-    try:
-        with paused_gc():
-            metadata = _MetadataUnpickler(io.BytesIO(payload)).load()
-    except _Refused as exc:
-        raise UnsafeCheckpointError(f"{url}: {exc}") from exc
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from exc
+def decode_metadata(payload: bytes, url: str) -> Metadata:
+    """DCP's ``.metadata`` from its bytes, through the trust boundary
+    (format/unpickle.py) under its own allow-list, then checked field by field."""
+    metadata = run_restricted(payload, _POLICY, None, url, what="DCP metadata")
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url} holds {type(metadata).__name__}, not Metadata")
     check_metadata(metadata, url)
