@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .engine.load import load
     from .engine.safetensors import load_safetensors, save_safetensors
     from .engine.save import SaveResult, save
+    from .format.unpickle import set_unpickler
     from .manager import CheckpointInfo, CheckpointManager
 
 from ._version import __version__
@@ -48,6 +49,7 @@ __all__ = [
     "release_buffers",
     "save",
     "save_safetensors",
+    "set_unpickler",
     "wait_all",
 ]
 
@@ -65,6 +67,7 @@ _LAZY = {
     "release_buffers": ".engine.buffers",
     "SaveResult": ".engine.save",
     "save": ".engine.save",
+    "set_unpickler": ".format.unpickle",
 }
 
 

@@ -30,6 +30,7 @@ def test_all_is_sorted_and_pinned():
         "release_buffers",
         "save",
         "save_safetensors",
+        "set_unpickler",
         "wait_all",
     }
     for name in cloudckpt.__all__:
