@@ -20,7 +20,6 @@ import torch
 
 import cloudckpt
 from cloudckpt import errors
-from cloudckpt.format import unpickle as unpickle_mod
 from dtypes import DTYPES
 
 

@@ -258,7 +258,7 @@ class SliceReader:
         runs; any other planner gets the accepted bytes. ``weights_only=False`` hands
         the bytes to the planner as they are (an explicit opt-in)."""
         assert a.whole is not None
-        planner = getattr(self.dest.planner, "wrapped", self.dest.planner)
+        planner: Any = getattr(self.dest.planner, "wrapped", self.dest.planner)
         where = f"{url} bytes {a.offset}-{a.offset + a.length} ({item.storage_index.fqn})"
         if self.weights_only:
             obj = load_torch_bytes(a.whole, weights_only=True, url=where)
