@@ -12,15 +12,28 @@ Every copy is store to store (a local path is the filesystem store):
 
 A journal is only reused when the source's size and ETag (or mtime) are unchanged.
 Abandoned uploads are aborted by ``cloudckpt gc`` or by the bucket's lifecycle rules.
+
+Leftovers are untrusted input: whoever can write beside ``DST`` can plant them. A journal
+or partial file is used only if it is one cloudckpt made for this very copy: a regular
+file (opened with ``O_NOFOLLOW``, never through a link) of this user with a single link,
+a journal of bounded size and valid types, for the same source URL and identity, and
+(downloads) naming the device and inode of the partial file actually opened. Anything else
+is logged at WARNING and removed by name (a link itself, never its target), and the copy
+starts over. A ``DST`` that is a symbolic link is refused (:class:`DestinationIsSymlinkError`)
+rather than written through; the final rename makes ``DST`` a regular file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
+import logging
 import os
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,14 +44,24 @@ from typing import Any
 from ..engine.ranges import split
 from ..engine.scheduler import TransferGroup
 from ..engine.sink import ObjectSink, choose_part_size
-from ..errors import NotFoundError
+from ..errors import ConfigError, NotFoundError, StorageError
 from ..options import TransferOptions
-from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart
+from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
 from ..store.local import LocalStore
 
-__all__ = ["CopyResult", "copy_object", "default_state_dir"]
+__all__ = ["CopyResult", "DestinationIsSymlinkError", "copy_object", "default_state_dir"]
+
+log = logging.getLogger("cloudckpt")
 
 PARTIAL_SUFFIX = ".cloudckpt-partial"
+#: A journal's size bound: room for its fixed fields (URLs, identity) ...
+_JOURNAL_BASE_BYTES = 64 * 1024
+#: ... plus this much per chunk or part it can record (an index; a number, ETag and size).
+_JOURNAL_ENTRY_BYTES = 512
+
+
+class DestinationIsSymlinkError(ConfigError):
+    """``cp`` to a path that is a symbolic link: refused, so nothing is written through it."""
 
 
 @dataclass(frozen=True)
@@ -69,22 +92,92 @@ def _identity(info: ObjectInfo) -> str:
     return f"{info.size}:{info.etag or ''}:{info.mtime or ''}"
 
 
+def _is_int(value: object) -> bool:
+    """A JSON integer (``bool`` is an ``int`` subclass, and not one)."""
+    return type(value) is int
+
+
+def _journal_limit(entries: int) -> int:
+    """The most bytes an honest journal with ``entries`` chunks or parts can take."""
+    return _JOURNAL_BASE_BYTES + _JOURNAL_ENTRY_BYTES * entries
+
+
 def _write_json(path: Path, body: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(body, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
+    """Replace the journal at ``path`` atomically. The temporary file gets a new random name
+    (``mkstemp``: ``O_EXCL``, mode 0600), so nothing planted beside it is written through."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with open(path) as f:
-            body = json.load(f)
-        return body if isinstance(body, dict) else None
-    except (OSError, ValueError):
-        return None
+        with open(fd, "w") as f:
+            json.dump(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _untrusted(st: os.stat_result) -> str:
+    """Why a file with this status cannot be one cloudckpt made here ('' if it can be)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it belongs to uid {st.st_uid}, not to this user"
+    if st.st_nlink != 1:
+        return f"it has {st.st_nlink} hard links"
+    return ""
+
+
+def _open_trusted(path: Path, flags: int) -> tuple[int | None, str]:
+    """Open ``path`` without following a symbolic link, and keep it only if it is a regular
+    file of this user with a single link. Returns the fd, or None and why ('' if absent)."""
+    try:
+        # O_NONBLOCK: a planted FIFO must not hang the open; it changes nothing for a file.
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None, "it is a symbolic link"
+        return None, f"it cannot be opened ({exc.strerror or exc})"
+    why = _untrusted(os.fstat(fd))
+    if why:
+        os.close(fd)
+        return None, why
+    return fd, ""
+
+
+def _read_journal(path: Path, max_bytes: int) -> tuple[dict[str, Any] | None, str]:
+    """The JSON object in a journal, or None and why not ('' if there is none). A journal
+    is untrusted input: a link, another user's file, too large or not JSON is refused."""
+    fd, why = _open_trusted(path, os.O_RDONLY)
+    if fd is None:
+        return None, why
+    try:
+        with open(fd, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as exc:
+        return None, f"it cannot be read ({exc.strerror or exc})"
+    if len(raw) > max_bytes:
+        return None, f"it is larger than {max_bytes} bytes"
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None, "it is not valid JSON"
+    if not isinstance(body, dict):
+        return None, "it is not a JSON object"
+    return body, ""
+
+
+def _discard(path: Path) -> None:
+    """Remove a leftover by name: a symbolic link goes itself, never the file it names."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise StorageError(f"cannot remove the untrusted leftover {path}: {exc}") from None
 
 
 def copy_object(
@@ -119,6 +212,85 @@ def copy_object(
 # -- to the filesystem ---------------------------------------------------------------------
 
 
+def _journal_chunks(
+    journal: dict[str, Any],
+    partial: os.stat_result,
+    *,
+    source: str,
+    identity: str,
+    size: int,
+    chunk: int,
+    n_pieces: int,
+) -> set[int] | str:
+    """The chunks a download journal records as done, or why it does not apply: it must be
+    for this source, identity and chunk size, and name the partial file actually opened."""
+    if journal.get("source") != source:
+        return "it is for another source"
+    if journal.get("identity") != identity:
+        return "the source changed since"
+    if not _is_int(journal.get("chunk")) or journal["chunk"] != chunk:
+        return "it was written with another chunk size"
+    rec = journal.get("partial")
+    if not (
+        isinstance(rec, dict)
+        and _is_int(rec.get("dev"))
+        and _is_int(rec.get("ino"))
+        and (rec["dev"], rec["ino"]) == (partial.st_dev, partial.st_ino)
+    ):
+        return "it records another partial file"
+    if partial.st_size != size:
+        return "the partial file has the wrong size"
+    done = journal.get("done")
+    if not isinstance(done, list) or not all(_is_int(i) and 0 <= i < n_pieces for i in done):
+        return "its list of finished chunks is malformed"
+    return set(done)
+
+
+def _open_partial(
+    partial: Path,
+    journal_path: Path,
+    max_bytes: int,
+    check: Callable[[dict[str, Any], os.stat_result], set[int] | str],
+) -> tuple[int, os.stat_result, set[int]]:
+    """The partial file to write into (fd and status) and the chunks it already holds.
+
+    A previous run's file is reused only if it and its journal prove that cloudckpt made
+    them for this copy (see the module docstring); otherwise both are removed by name and a
+    new file is made with ``O_EXCL | O_NOFOLLOW``, so no planted link is ever written."""
+    journal, why = _read_journal(journal_path, max_bytes)
+    culprit = journal_path
+    if journal is not None:
+        fd, why = _open_trusted(partial, os.O_RDWR)
+        culprit = partial
+        if fd is None and not why:
+            why = "it is missing"
+        if fd is not None:
+            st = os.fstat(fd)
+            chunks = check(journal, st)
+            if isinstance(chunks, set):
+                return fd, st, chunks
+            os.close(fd)
+            why, culprit = chunks, journal_path
+    elif not why and os.path.lexists(partial):
+        why, culprit = "there is no journal for it", partial
+    if why:
+        log.warning("cloudckpt cp: not resuming from %s: %s; starting over", culprit, why)
+    _discard(journal_path)
+    _discard(partial)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(partial, flags, 0o644)
+    return fd, os.fstat(fd), set()
+
+
+def _same_file(path: Path, st: os.stat_result) -> bool:
+    """Whether ``path`` itself (not a link's target) is the file ``st`` describes."""
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(now.st_mode) and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
 def _download(
     src: Store,
     info: ObjectInfo,
@@ -127,29 +299,32 @@ def _download(
     options: TransferOptions,
     advance: Callable[[int], None],
 ) -> int:
-    path = dst.root / dst_key
+    path = dst.root / check_key(dst_key, dst.url(dst_key))
+    if path.is_symlink():
+        raise DestinationIsSymlinkError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); cp does not write through "
+            "links: copy to the link's target, or remove the link first"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     journal_path = path.with_name(path.name + PARTIAL_SUFFIX + ".json")
     chunk = options.read_chunk_size
     pieces = split(0, info.size, chunk)  # the journal records them by index
     identity = _identity(info)
-    journal = _read_json(journal_path)
-    done: set[int] = set()
-    if (
-        journal is not None
-        and journal.get("identity") == identity
-        and journal.get("chunk") == chunk
-        and partial.exists()
-    ):
-        done = {int(i) for i in journal.get("done", [])}
-    else:
-        partial.unlink(missing_ok=True)
-    resumed = sum(pieces[i][1] for i in done if i < len(pieces))
-    advance(resumed)
-    fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+    source = src.url(info.key)
+    check = functools.partial(
+        _journal_chunks,
+        source=source,
+        identity=identity,
+        size=info.size,
+        chunk=chunk,
+        n_pieces=len(pieces),
+    )
+    fd, made, done = _open_partial(partial, journal_path, _journal_limit(len(pieces)), check)
     lock = threading.Lock()
     try:
+        resumed = sum(pieces[i][1] for i in done)
+        advance(resumed)
         os.ftruncate(fd, info.size)
 
         def fetch(i: int) -> None:
@@ -166,9 +341,10 @@ def _download(
                 _write_json(
                     journal_path,
                     {
-                        "source": src.url(info.key),
+                        "source": source,
                         "identity": identity,
                         "chunk": chunk,
+                        "partial": {"dev": made.st_dev, "ino": made.st_ino},
                         "done": sorted(done),
                     },
                 )
@@ -177,7 +353,7 @@ def _download(
         group = TransferGroup(options, options.read_concurrency)
         for i in range(len(pieces)):
             if i not in done:
-                group.submit(functools.partial(fetch, i), f"read {src.url(info.key)} #{i}")
+                group.submit(functools.partial(fetch, i), f"read {source} #{i}")
         try:
             group.wait()
         except BaseException:
@@ -186,12 +362,57 @@ def _download(
         os.fsync(fd)
     finally:
         os.close(fd)
+    # rename() replaces a link at DST rather than following it; the checks make sure what
+    # lands there is the file written above, not something swapped in meanwhile.
+    if not _same_file(partial, made):
+        raise StorageError(f"{partial} was replaced during the copy; not moving it into place")
     os.replace(partial, path)
+    if not _same_file(path, made):
+        raise StorageError(f"{path} is not the file just copied; something replaced it")
     journal_path.unlink(missing_ok=True)
     return resumed
 
 
 # -- to an object store --------------------------------------------------------------------
+
+
+def _journal_parts(
+    journal: dict[str, Any],
+    *,
+    source: str,
+    destination: str,
+    identity: str,
+    part_size: int,
+    n_parts: int,
+) -> tuple[str, dict[int, UploadedPart]] | str:
+    """The upload id and finished parts an upload journal records, or why it does not
+    apply: it must be for this source, destination, identity and part size, well formed."""
+    if journal.get("source") != source or journal.get("destination") != destination:
+        return "it is for another copy"
+    if journal.get("identity") != identity:
+        return "the source changed since"
+    if not _is_int(journal.get("part_size")) or journal["part_size"] != part_size:
+        return "it was written with another part size"
+    upload_id = journal.get("upload_id")
+    if not isinstance(upload_id, str) or not upload_id:
+        return "its upload id is malformed"
+    recorded = journal.get("parts")
+    if not isinstance(recorded, dict):
+        return "its list of finished parts is malformed"
+    parts: dict[int, UploadedPart] = {}
+    for key, value in recorded.items():
+        number = int(key) if key.isascii() and key.isdecimal() and len(key) <= 9 else 0
+        if not (
+            1 <= number <= n_parts
+            and isinstance(value, list)
+            and len(value) == 2
+            and isinstance(value[0], str)
+            and _is_int(value[1])
+            and value[1] >= 0
+        ):
+            return "its list of finished parts is malformed"
+        parts[number] = UploadedPart(number, value[0], value[1])
+    return upload_id, parts
 
 
 def _upload(
@@ -217,25 +438,34 @@ def _upload(
         return 0
 
     state_dir = state_dir or default_state_dir()
-    state_dir.mkdir(parents=True, exist_ok=True)
-    tag = hashlib.sha256(f"{src.url(info.key)}\n{dst_url}".encode()).hexdigest()[:32]
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    source = src.url(info.key)
+    tag = hashlib.sha256(f"{source}\n{dst_url}".encode()).hexdigest()[:32]
     journal_path = state_dir / f"upload-{tag}.json"
     identity = _identity(info)
-    journal = _read_json(journal_path)
+    n_parts = len(split(0, info.size, part_size))
+    journal, why = _read_journal(journal_path, _journal_limit(n_parts))
     upload: MultipartUpload | None = None
     parts: dict[int, UploadedPart] = {}
-    if (
-        journal is not None
-        and journal.get("identity") == identity
-        and journal.get("part_size") == part_size
-    ):
-        open_ids = {u.upload_id for u in dst.list_multipart(dst_key) if u.key == dst_key}
-        if journal.get("upload_id") in open_ids:
-            upload = MultipartUpload(key=dst_key, upload_id=str(journal["upload_id"]))
-            parts = {
-                int(n): UploadedPart(int(n), str(etag), int(size))
-                for n, (etag, size) in journal.get("parts", {}).items()
-            }
+    if journal is not None:
+        recorded = _journal_parts(
+            journal,
+            source=source,
+            destination=dst_url,
+            identity=identity,
+            part_size=part_size,
+            n_parts=n_parts,
+        )
+        if isinstance(recorded, str):
+            why = recorded
+        else:
+            open_ids = {u.upload_id for u in dst.list_multipart(dst_key) if u.key == dst_key}
+            if recorded[0] in open_ids:
+                upload = MultipartUpload(key=dst_key, upload_id=recorded[0])
+                parts = recorded[1]
+    if why:
+        log.warning("cloudckpt cp: not resuming from %s: %s; starting over", journal_path, why)
+        _discard(journal_path)
     if upload is None:
         upload = dst.create_multipart(dst_key)
         parts = {}
@@ -251,7 +481,7 @@ def _upload(
             _write_json(
                 journal_path,
                 {
-                    "source": src.url(info.key),
+                    "source": source,
                     "destination": dst_url,
                     "identity": identity,
                     "part_size": part_size,
