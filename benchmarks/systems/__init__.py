@@ -20,6 +20,7 @@ SYSTEMS: dict[str, str] = {
     "ceiling-2to3": "ceiling_ranks",
     "cloudckpt": "cloudckpt_sync",
     "cloudckpt-async": "cloudckpt_async",
+    "cloudckpt-torch-unpickler": "cloudckpt_torch_unpickler",
     "cloudckpt-dcp": "cloudckpt_dcp",
     "cloudckpt-dcp-2to3": "cloudckpt_dcp_reshard",
     "boto3-nemo": "boto3_nemo",
