@@ -333,3 +333,22 @@ def test_dcp_byte_items_never_reach_a_full_unpickle(tmp_path, monkeypatch):
     with pytest.raises(errors.CloudCkptError):  # set_(False, None, None) fails: refused
         boundary.load_torch_bytes((tmp_path / "h.pt").read_bytes())
     assert not full_loads
+
+
+def test_a_sparse_tensor_with_indices_out_of_range_is_refused_as_torch_refuses_it(tmp_path):
+    """torch validates sparse tensors after unpickling where invariant checks are on
+    (their indices would be read out of bounds later); so does the boundary, through
+    torch's own queue, which it leaves empty."""
+    bad = torch.sparse_coo_tensor(
+        torch.tensor([[7]]), torch.tensor([1.0]), (4,), check_invariants=False
+    )
+    path = tmp_path / "sparse.pt"
+    torch.save({"s": bad}, path)
+    with torch.sparse.check_sparse_tensor_invariants():  # torch checks only when asked
+        with pytest.raises(RuntimeError):
+            torch.load(path, weights_only=True)
+        with pytest.raises(errors.CorruptCheckpointError, match="sparse"):
+            cloudckpt.load(str(path))
+    assert not torch._utils._sparse_tensors_to_validate
+    ours, theirs = cloudckpt.load(str(path)), torch.load(path, weights_only=True)
+    assert torch.equal(ours["s"]._indices(), theirs["s"]._indices())

@@ -773,8 +773,7 @@ def run_restricted(
         raise CorruptCheckpointError(
             f"{url}: {what} is not a valid pickle ({type(exc).__name__}: {_short(exc)})"
         ) from None
-    if machine.sparse:
-        _validate_sparse(machine.sparse, url)
+    _validate_sparse(machine.sparse, url)
     return result
 
 
@@ -784,11 +783,14 @@ def _short(exc: BaseException) -> str:
 
 
 def _validate_sparse(tensors: Iterable[Any], url: str) -> None:
-    """The invariants torch checks on sparse tensors after a load."""
+    """The invariants torch checks on sparse tensors after a load: those legacy sparse
+    classes built, and those torch's ``_rebuild_sparse_tensor`` queued (in a list of
+    torch's that this also empties)."""
     try:
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
                 torch._validate_sparse_coo_tensor_args(t._indices(), t._values(), t.size())
+        torch._utils._validate_loaded_sparse_tensors()
     except Exception as exc:
         raise CorruptCheckpointError(f"{url}: a sparse tensor is malformed: {exc}") from None
 
