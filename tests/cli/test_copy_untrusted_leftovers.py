@@ -144,11 +144,30 @@ def test_hard_linked_partial_is_not_trusted(
 
 def test_partial_replaced_by_another_file_is_not_trusted(tmp_path: Path) -> None:
     left = interrupted_download(tmp_path)
-    # Same name, same size, same owner, but not the file the journal recorded.
+    # Same name, same size, same owner, but not the file the journal recorded (the
+    # filesystem may or may not give it the freed inode number).
     left.partial.unlink()
     left.partial.write_bytes(b"\0" * len(left.data))
     assert left.resume() == 0
     assert_copied(left)
+
+
+def test_a_reused_inode_number_does_not_make_a_planted_partial_trusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file made in the partial's place that gets its inode number (as ext4 and tmpfs
+    often hand out a freed one): the recorded CRC-32s of the finished chunks refuse it."""
+    left = interrupted_download(tmp_path)
+    left.partial.unlink()
+    left.partial.write_bytes(b"\0" * len(left.data))
+    body = left.journal_body()
+    st = os.stat(left.partial)
+    body["partial"] = {"dev": st.st_dev, "ino": st.st_ino}  # as if the number were reused
+    left.journal.write_text(json.dumps(body))
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        assert left.resume() == 0
+    assert_copied(left)
+    assert warned(caplog, "not the bytes it recorded")
 
 
 def test_truncated_partial_is_not_trusted(tmp_path: Path) -> None:

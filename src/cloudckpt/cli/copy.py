@@ -17,7 +17,9 @@ Leftovers are untrusted input: whoever can write beside ``DST`` can plant them. 
 or partial file is used only if it is one cloudckpt made for this very copy: a regular
 file (opened with ``O_NOFOLLOW``, never through a link) of this user with a single link,
 a journal of bounded size and valid types, for the same source URL and identity, and
-(downloads) naming the device and inode of the partial file actually opened. Anything else
+(downloads) naming the device and inode of the partial file actually opened, whose finished
+chunks still hold the bytes whose CRC-32s the journal records (an inode number can be
+reused by a file made in the partial's place). Anything else
 is logged at WARNING and removed by name (a link itself, never its target), and the copy
 starts over. A ``DST`` that is a symbolic link is refused (:class:`DestinationIsSymlinkError`)
 rather than written through; the final rename makes ``DST`` a regular file.
@@ -45,6 +47,7 @@ from ..engine.ranges import split
 from ..engine.scheduler import TransferGroup
 from ..engine.sink import ObjectSink, choose_part_size
 from ..errors import ConfigError, NotFoundError, StorageError
+from ..format.checksum import crc32
 from ..options import TransferOptions
 from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
 from ..store.local import LocalStore
@@ -215,15 +218,18 @@ def copy_object(
 def _journal_chunks(
     journal: dict[str, Any],
     partial: os.stat_result,
+    fd: int,
     *,
+    pieces: list[tuple[int, int]],
     source: str,
     identity: str,
     size: int,
     chunk: int,
     n_pieces: int,
-) -> set[int] | str:
+) -> dict[int, int] | str:
     """The chunks a download journal records as done, or why it does not apply: it must be
-    for this source, identity and chunk size, and name the partial file actually opened."""
+    for this source, identity and chunk size, name the partial file actually opened, and
+    each finished chunk there must still have the CRC-32 recorded for it."""
     if journal.get("source") != source:
         return "it is for another source"
     if journal.get("identity") != identity:
@@ -241,18 +247,30 @@ def _journal_chunks(
     if partial.st_size != size:
         return "the partial file has the wrong size"
     done = journal.get("done")
-    if not isinstance(done, list) or not all(_is_int(i) and 0 <= i < n_pieces for i in done):
+    crcs = journal.get("crc32")
+    if (
+        not isinstance(done, list)
+        or not all(_is_int(i) and 0 <= i < n_pieces for i in done)
+        or not isinstance(crcs, list)
+        or len(crcs) != len(done)
+        or not all(_is_int(c) for c in crcs)
+    ):
         return "its list of finished chunks is malformed"
-    return set(done)
+    for i, crc in zip(done, crcs, strict=True):
+        start, n = pieces[i]
+        if crc32(os.pread(fd, n, start)) != crc:
+            return f"chunk {i} of the partial file is not the bytes it recorded"
+    return dict(zip(done, crcs, strict=True))
 
 
 def _open_partial(
     partial: Path,
     journal_path: Path,
     max_bytes: int,
-    check: Callable[[dict[str, Any], os.stat_result], set[int] | str],
-) -> tuple[int, os.stat_result, set[int]]:
-    """The partial file to write into (fd and status) and the chunks it already holds.
+    check: Callable[[dict[str, Any], os.stat_result, int], dict[int, int] | str],
+) -> tuple[int, os.stat_result, dict[int, int]]:
+    """The partial file to write into (fd and status) and the chunks it already holds
+    (index -> CRC-32).
 
     A previous run's file is reused only if it and its journal prove that cloudckpt made
     them for this copy (see the module docstring); otherwise both are removed by name and a
@@ -266,8 +284,8 @@ def _open_partial(
             why = "it is missing"
         if fd is not None:
             st = os.fstat(fd)
-            chunks = check(journal, st)
-            if isinstance(chunks, set):
+            chunks = check(journal, st, fd)
+            if isinstance(chunks, dict):
                 return fd, st, chunks
             os.close(fd)
             why, culprit = chunks, journal_path
@@ -279,7 +297,7 @@ def _open_partial(
     _discard(partial)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(partial, flags, 0o644)
-    return fd, os.fstat(fd), set()
+    return fd, os.fstat(fd), {}
 
 
 def _same_file(path: Path, st: os.stat_result) -> bool:
@@ -314,6 +332,7 @@ def _download(
     source = src.url(info.key)
     check = functools.partial(
         _journal_chunks,
+        pieces=pieces,
         source=source,
         identity=identity,
         size=info.size,
@@ -336,8 +355,9 @@ def _download(
             while written < n:
                 written += os.pwrite(fd, view[written:], start + written)
             _datasync(fd)
+            checksum = crc32(view)
             with lock:
-                done.add(i)
+                done[i] = checksum
                 _write_json(
                     journal_path,
                     {
@@ -346,6 +366,7 @@ def _download(
                         "chunk": chunk,
                         "partial": {"dev": made.st_dev, "ino": made.st_ino},
                         "done": sorted(done),
+                        "crc32": [done[d] for d in sorted(done)],
                     },
                 )
             advance(n)
