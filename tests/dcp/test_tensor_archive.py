@@ -26,7 +26,7 @@ from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.dcp import writer as writer_module
 from cloudckpt.errors import ChecksumError, CorruptCheckpointError
 from cloudckpt.format.checksum import crc32
-from cloudckpt.format.dcp.archive import parse_archive
+from cloudckpt.format.dcp.archive import ArchiveParses, parse_archive
 from cloudckpt.format.dcp.checks import block_crcs, block_size_for
 from cloudckpt.format.dcp.layout import WHOLE_LIMIT
 from cloudckpt.format.dcp.tensor_archive import (
@@ -122,7 +122,9 @@ def test_archive_is_torch_saves_byte_for_byte(dtype: torch.dtype, shape: str) ->
 
     # Both archives parse alike: the record our parse finds is the one zipfile finds.
     for archive_bytes in (data, theirs):
-        saved = parse_archive(archive_bytes[:4096], archive_bytes[-8192:], len(data), "x")
+        saved = parse_archive(
+            archive_bytes[:4096], archive_bytes[-8192:], len(data), "x", ArchiveParses()
+        )
         assert saved is not None
         assert saved.dtype == t.dtype and saved.size == tuple(t.shape)
         assert saved.stride == t.stride() and saved.storage_offset == 0
@@ -135,7 +137,9 @@ def test_strided_views_of_their_storage_are_torch_saves_too() -> None:
     base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
     for t in (base.t(), base[1:3], base[:, 2], base.expand(2, 6, 10)):
         assert _built(t).tobytes() == _torch_save(t)
-        saved = parse_archive(_torch_save(t), _torch_save(t), len(_torch_save(t)), "x")
+        saved = parse_archive(
+            _torch_save(t), _torch_save(t), len(_torch_save(t)), "x", ArchiveParses()
+        )
         assert saved is not None and saved.storage_offset == t.storage_offset()
 
 
@@ -178,7 +182,7 @@ def test_archives_with_view_bits_are_left_to_torch_load(kind: str) -> None:
     """torch.save keeps a conjugate or negative view's bit beside the rebuild's
     arguments; the fast parse does not apply it, so it hands the archive to torch.load."""
     data = _torch_save(UNUSUAL[kind]())
-    assert parse_archive(data, data, len(data), "x") is None
+    assert parse_archive(data, data, len(data), "x", ArchiveParses()) is None
 
 
 @pytest.mark.parametrize("option", [("storage_alignment", 4096), ("compute_crc32", False)])
@@ -277,16 +281,19 @@ def test_archives_laid_out_alike_are_recognised_and_parse_the_same() -> None:
     from cloudckpt.format.dcp import archive as archive_module
 
     first, second = (_torch_save(torch.randn(9, 3)) for _ in range(2))
-    assert parse_archive(first, first, len(first), "x") is not None
-    assert archive_module._recognised(second, second, len(second), "x") is not None
-    parsed = archive_module._parse(second, second, len(second), "x")
+    parses = ArchiveParses()
+    assert parse_archive(first, first, len(first), "x", parses) is not None
+    assert archive_module._recognised(second, second, len(second), "x", parses) is not None
+    parsed = archive_module._parse(second, second, len(second), "x", ArchiveParses())
     assert parsed is not None
-    assert parse_archive(second, second, len(second), "x") == parsed[0]
+    assert parse_archive(second, second, len(second), "x", parses) == parsed[0]
     # Another dtype of the same archive length: not taken for the first layout.
     other = _torch_save(torch.randn(9, 3).to(torch.int32))
     assert len(other) == len(first)
-    saved = parse_archive(other, other, len(other), "x")
+    saved = parse_archive(other, other, len(other), "x", parses)
     assert saved is not None and saved.dtype == torch.int32
+    # Nothing is kept past the load that parsed it: a new load starts empty.
+    assert archive_module._recognised(second, second, len(second), "x", ArchiveParses()) is None
 
 
 DAMAGE = {  # where in a small archive a flipped bit lands

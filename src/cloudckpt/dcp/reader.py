@@ -388,7 +388,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                     continue
                 url = self.location.url_of(a.relative)
                 where = f"{url} bytes {a.offset}-{a.offset + a.length}"
-                saved = parse_archive(bytes(a.head), bytes(a.tail), a.length, where)
+                saved = parse_archive(bytes(a.head), bytes(a.tail), a.length, where, slicer.parses)
                 a.head = a.tail = None
                 if saved is None:
                     a.whole = bytearray(a.length)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from ..engine.pages import populate
 from ..errors import CloudCkptError, CorruptCheckpointError
 from ..format.checksum import crc32
-from ..format.dcp.archive import SavedTensor, parse_archive
+from ..format.dcp.archive import ArchiveParses, SavedTensor, parse_archive
 from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records, one_block
 from ..format.dcp.layout import WHOLE_LIMIT
 from ..format.dcp.metadata import ChunkIndex
@@ -173,6 +173,8 @@ class SliceReader:
         self.dest = dest  # the load's planner: where each item goes
         self._chunks = chunks
         self.weights_only = weights_only
+        #: The archives this load has parsed (never kept past it).
+        self.parses = ArchiveParses()
         self._urls: dict[str, str] = {}  # each object's name checked once, not per item
 
     def _url(self, relative: str) -> str:
@@ -349,7 +351,7 @@ class SliceReader:
         data = bytes(a.whole[:HEAD_PROBE])
         where = f"{url} bytes {a.offset}-{a.offset + a.length}"
         size = len(a.whole)  # the chunk's length, or its decoded length
-        saved = parse_archive(data, bytes(a.whole[-TAIL_PROBE:]), size, where)
+        saved = parse_archive(data, bytes(a.whole[-TAIL_PROBE:]), size, where, self.parses)
         if saved is None or saved.data_offset + saved.record_size > size:
             return None
         itemsize = saved.dtype.itemsize

@@ -41,7 +41,7 @@ from ..zipdir import (
 from .checks import block_count, valid_block_size
 from .layout import is_count
 
-__all__ = ["SavedTensor", "parse_archive", "saved_from_json"]
+__all__ = ["ArchiveParses", "SavedTensor", "parse_archive", "saved_from_json"]
 
 
 @dataclass(frozen=True)
@@ -207,17 +207,15 @@ class _Layout:
     stride: tuple[int, ...]
 
 
-#: Parses by ``data.pkl`` bytes (a model's tensors share a few dtypes and shapes, and
-#: the pickle holds no data): the same bytes always give the same layout.
-_LAYOUTS: dict[bytes, _Layout | None] = {}
 _MAX_LAYOUTS = 4096
 _QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2)
 
 
-def _layout(pickled: bytes, url: str) -> _Layout | None:
+def _layout(pickled: bytes, url: str, parses: ArchiveParses) -> _Layout | None:
     """The tensor ``pickled`` rebuilds, or None for anything but one plain tensor."""
+    layouts = parses.layouts
     try:
-        return _LAYOUTS[pickled]
+        return layouts[pickled]
     except KeyError:
         pass
     try:
@@ -241,9 +239,9 @@ def _layout(pickled: bytes, url: str) -> _Layout | None:
         ):
             storage = args.storage
             found = _Layout(storage.key, storage.nbytes, dtype, args.storage_offset, size, stride)
-    if len(_LAYOUTS) >= _MAX_LAYOUTS:
-        _LAYOUTS.clear()
-    _LAYOUTS[pickled] = found
+    if len(layouts) >= _MAX_LAYOUTS:
+        layouts.clear()
+    layouts[pickled] = found
     return found
 
 
@@ -253,26 +251,40 @@ def _ints(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def parse_archive(head: bytes, tail: bytes, length: int, url: str) -> SavedTensor | None:
+class ArchiveParses:
+    """What one load has parsed, to recognise archives laid out alike: by ``data.pkl``
+    bytes (a model's tensors share a few dtypes and shapes, and the pickle holds no
+    data) and by layout (:class:`_Known`). One per load, never process-wide: nothing
+    read from one checkpoint's files is kept after its load."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[bytes, _Layout | None] = {}
+        self.known: dict[tuple[int, ...], list[_Known]] = {}
+
+
+def parse_archive(
+    head: bytes, tail: bytes, length: int, url: str, parses: ArchiveParses
+) -> SavedTensor | None:
     """The tensor in an archive of ``length`` bytes, from its first and last bytes.
 
-    An archive laid out like one parsed before (the same bytes but for the CRC-32s in
-    its directory: another tensor of the same dtype and shape) is recognised from
-    those bytes (:class:`_Known`), its ``data.pkl`` still checked by its CRC-32.
+    An archive laid out like one parsed before in the same load (``parses``: the same
+    bytes but for the CRC-32s in its directory, another tensor of the same dtype and
+    shape) is recognised from those bytes (:class:`_Known`), its ``data.pkl`` still
+    checked by its CRC-32.
     """
-    known = _recognised(head, tail, length, url)
+    known = _recognised(head, tail, length, url, parses)
     if known is not None:
         return known
-    parsed = _parse(head, tail, length, url)
+    parsed = _parse(head, tail, length, url, parses)
     if parsed is None:
         return None
     saved, pkl, record, looked = parsed
-    _remember(head, tail, length, saved, pkl, record, looked)
+    _remember(head, tail, length, saved, pkl, record, looked, parses)
     return saved
 
 
 def _parse(
-    head: bytes, tail: bytes, length: int, url: str
+    head: bytes, tail: bytes, length: int, url: str, parses: ArchiveParses
 ) -> tuple[SavedTensor, Entry, Entry, int] | None:
     """:func:`parse_archive`'s work: the tensor, the entries of ``data.pkl`` and of the
     storage record, and how many bytes of ``head`` it read."""
@@ -295,7 +307,7 @@ def _parse(
     pickled = head[pkl.data_offset : pkl.end]
     # It says which bytes make the tensor: check it first.
     check_record_crc(url, pkl.name, pkl.crc32, crc32(pickled))
-    layout = _layout(pickled, url)
+    layout = _layout(pickled, url, parses)
     if layout is None:
         return None
     record = entries.get(pkl.name[: -len("data.pkl")] + "data/" + layout.key)
@@ -344,9 +356,8 @@ class _Known:
 
 _EOCD = struct.Struct("<4sHHHHIIH")
 _U32 = struct.Struct("<I")
-#: Archives recognised by their layout: by (length, head and tail sizes, directory
-#: offset and size), a few each (tensors of other dtypes may share all of those).
-_KNOWN: dict[tuple[int, ...], list[_Known]] = {}
+#: Archives recognised by their layout are kept by (length, head and tail sizes,
+#: directory offset and size), a few each (tensors of other dtypes may share all those).
 _MAX_KNOWN = 1024
 _PER_KEY = 4
 
@@ -384,6 +395,7 @@ def _remember(
     pkl: Entry,
     record: Entry,
     looked: int,
+    parses: ArchiveParses,
 ) -> None:
     """Keep a parsed archive's layout (:class:`_Known`) when its directory is plain."""
     found = _directory_at(tail, length)
@@ -413,21 +425,23 @@ def _remember(
         saved=saved,
     )
     key = (length, len(head), len(tail), start, cd_size)
-    if len(_KNOWN) >= _MAX_KNOWN:
-        _KNOWN.clear()
-    kept = _KNOWN.setdefault(key, [])
+    if len(parses.known) >= _MAX_KNOWN:
+        parses.known.clear()
+    kept = parses.known.setdefault(key, [])
     if len(kept) >= _PER_KEY:
         kept.pop(0)
     kept.append(known)
 
 
-def _recognised(head: bytes, tail: bytes, length: int, url: str) -> SavedTensor | None:
+def _recognised(
+    head: bytes, tail: bytes, length: int, url: str, parses: ArchiveParses
+) -> SavedTensor | None:
     """The parse of an archive laid out like one parsed before, or None."""
     found = _directory_at(tail, length)
     if found is None:
         return None
     _, start, cd_size = found
-    candidates = _KNOWN.get((length, len(head), len(tail), start, cd_size))
+    candidates = parses.known.get((length, len(head), len(tail), start, cd_size))
     if not candidates:
         return None
     region = tail[start:]
