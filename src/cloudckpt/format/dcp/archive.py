@@ -30,7 +30,8 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ..checksum import crc32
-from ..unpickle import Policy, StorageRef, StorageStandIn, parse_persistent_id, run_restricted
+from ..restricted_pickle import Policy, run_restricted
+from ..unpickle import StorageRef, StorageStandIn, parse_persistent_id
 from ..zipdir import (
     Entry,
     NeedMoreBytes,

@@ -1,11 +1,12 @@
 """DCP's ``.metadata``: unpickled through an allow-list, then checked field by field.
 
 ``.metadata`` is a pickle (torch writes it so); a plain ``pickle.load`` of a file from a
-bucket would run whatever it names. :func:`decode_metadata` admits only the classes the
-writers of DCP checkpoints put there (named one by one in ``_GLOBALS``), dtypes and a
-few value types, refuses a damaged memo index before the C unpickler could allocate for
-it, and then checks the structure the planner and the reader rely on (types,
-non-negative offsets and lengths, chunks inside their tensor), so a damaged file is a
+bucket would run whatever it names. :func:`decode_metadata` runs the trust boundary's
+pickle machine (format/restricted_pickle.py) under a policy that admits only the
+classes the writers of DCP checkpoints put there (named one by one in ``_GLOBALS``),
+dtypes and a few value types, never changes one of them, and then checks the
+structure the planner and the reader rely on (types, non-negative offsets and lengths,
+chunks inside their tensor), so a damaged file is a
 :class:`~cloudckpt.errors.CorruptCheckpointError`, never an ``AttributeError`` deep
 inside a load.
 
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.serialization import _get_layout
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..unpickle import PROTOCOL4_OPCODES, Policy, run_restricted
+from ..restricted_pickle import PROTOCOL4_OPCODES, Policy, run_restricted
 from .layout import MAX_COUNT, StorageInfo, is_count
 
 __all__ = ["ChunkIndex", "MCoreMetadata", "MCoreSavePlan", "check_metadata", "decode_metadata"]
@@ -139,7 +140,7 @@ _POLICY = Policy(
 
 def decode_metadata(payload: bytes, url: str) -> Metadata:
     """DCP's ``.metadata`` from its bytes, through the trust boundary
-    (format/unpickle.py) under its own allow-list, then checked field by field."""
+    (format/restricted_pickle.py) under its own allow-list, then checked field by field."""
     metadata = run_restricted(payload, _POLICY, None, url, what="DCP metadata")
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url} holds {type(metadata).__name__}, not Metadata")
