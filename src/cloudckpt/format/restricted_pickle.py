@@ -301,6 +301,9 @@ class RestrictedUnpickler:
         extended = self.policy.opcodes
         plain_calls = self._callables - _SPECIAL_CALLABLE_IDS
         persistent = self._persistent
+        load_storage = self.persistent_load
+        hold = self._held.append
+        foreign = self._foreign.add
         stack: list[Any] = []
         append = stack.append
         marks: list[list[Any]] = []
@@ -347,7 +350,14 @@ class RestrictedUnpickler:
                 else:
                     stack[-1] = self._call(func, args, "REDUCE")
             elif op == 0x51:  # BINPERSID
-                append(persistent(stack.pop()))
+                pid = stack.pop()
+                if type(pid) is tuple and pid and pid[0] == "storage" and load_storage:
+                    found = load_storage(pid)  # what _persistent does, inlined
+                    hold(found)
+                    foreign(id(found))
+                    append(found)
+                else:
+                    append(persistent(pid))
             elif op == 0x89:  # NEWFALSE
                 append(False)
             elif op == 0x29:  # EMPTY_TUPLE
