@@ -14,9 +14,10 @@ start fast.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
-from . import errors
+from . import errors, redact
 from .options import TransferOptions, configure, get_defaults
 
 if TYPE_CHECKING:
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     from .manager import CheckpointInfo, CheckpointManager
 
 from ._version import __version__
+
+# Every module logs to "cloudckpt": whatever handlers an application sets up, no record
+# of ours carries a secret (the CLI's -v also filters the SDKs' records: cli/main.py).
+logging.getLogger(__name__).addFilter(redact.RedactingFilter())
 
 __all__ = [
     "CheckpointInfo",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .redact import dataclass_repr
 
 __all__ = ["MiB", "TransferOptions", "configure", "get_defaults", "resolve_options"]
 
@@ -70,6 +71,10 @@ class TransferOptions:
     progress: bool = False
     #: Backend settings: endpoint, credentials, region (see docs/configuration.md).
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """The dataclass repr with secret storage options masked (cloudckpt.redact)."""
+        return dataclass_repr(self)
 
     def __post_init__(self) -> None:
         for name in (

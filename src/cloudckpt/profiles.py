@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, InvalidURLError
+from .redact import dataclass_repr, display_url, redact_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -81,12 +82,18 @@ class Profile:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     transfer: Mapping[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        """The dataclass repr with secret storage options masked (cloudckpt.redact)."""
+        return dataclass_repr(self)
+
     def rewrite(self, url: str) -> str:
         """``profile://NAME/rest`` -> the profile's ``url`` + ``/rest``; other URLs unchanged."""
         if not url.startswith(SCHEME):
             return url
         if self.url is None:
-            raise ConfigError(f"profile {self.name!r} has no url, so {url} names nothing")
+            raise ConfigError(
+                f"profile {self.name!r} has no url, so {display_url(url)} names nothing"
+            )
         rest = url[len(SCHEME) + len(self.name) :].lstrip("/")
         return f"{self.url.rstrip('/')}/{rest}" if rest else self.url
 
@@ -141,7 +148,7 @@ def _parse(name: str, table: Any, path: Path) -> Profile:
     url = table.get("url")
     for prefix in (*match, *([url] if url else [])):
         if not isinstance(prefix, str) or "://" not in prefix or prefix.startswith(SCHEME):
-            raise ConfigError(f"{where}: {prefix!r} is not a store URL")
+            raise ConfigError(f"{where}: {redact_text(repr(prefix))} is not a store URL")
     options = table.get("storage_options", {})
     if not isinstance(options, dict):
         raise ConfigError(f"{where} storage_options must be a table")
@@ -186,7 +193,9 @@ def find_profile(url: str) -> Profile | None:
         name = url[len(SCHEME) :].split("/", 1)[0]
         if name not in profiles:
             known = ", ".join(sorted(profiles)) or "none"
-            raise InvalidURLError(f"{url}: no profile named {name!r} (profiles: {known})")
+            raise InvalidURLError(
+                f"{display_url(url)}: no profile named {name!r} (profiles: {known})"
+            )
         return profiles[name]
     best: tuple[int, Profile] | None = None
     for profile in profiles.values():

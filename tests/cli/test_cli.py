@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -271,6 +272,28 @@ def test_bad_credentials_exit_5_and_never_print_secrets(
     done = cli.run("ls", f"s3://{bucket}/x")
     assert done.returncode == 5, (done.stdout, done.stderr)
     assert "definitely-wrong-secret-value" not in done.stdout + done.stderr
+
+
+def test_verbose_output_never_shows_credentials(moto_server: object, tmp_path: Path) -> None:
+    """``-v`` logs botocore's signing and requests, but no session token, key or signature."""
+    server = moto_server
+    marker = "session-token-marker-7f3c9e"
+    bucket = server.make_bucket(unique_bucket_name("cli-verbose"))  # type: ignore[attr-defined]
+    server.client().put_object(Bucket=bucket, Key="run/x.bin", Body=b"abc")  # type: ignore[attr-defined]
+    env = {**_plain_env(), **server.env(), "AWS_SESSION_TOKEN": marker}  # type: ignore[attr-defined]
+    cli = Cli("moto", f"s3://{bucket}", env, {})
+    secret = server.secret_access_key  # type: ignore[attr-defined]
+    for args in (
+        ("cp", "-v", f"s3://{bucket}/run/x.bin", str(tmp_path / "x.bin")),
+        ("ls", "-v", "-v", f"s3://{bucket}/run"),
+        ("info", "-vv", f"s3://{bucket}/nothing-here.pt"),
+    ):
+        done = cli.run(*args)
+        out = done.stdout + done.stderr
+        assert "DEBUG botocore.auth: CanonicalRequest" in done.stderr, (args, done.stderr[-2000:])
+        assert "x-amz-security-token:***" in done.stderr
+        assert marker not in out and secret not in out, args
+        assert not re.search(r"Signature=[0-9a-f]{64}|Signature:\n[0-9a-f]{64}", out), args
 
 
 def test_bench_reports_and_cleans_up(cli: Cli) -> None:

@@ -30,7 +30,9 @@ def test_split_url(url: str, expected: tuple[str, str, str]) -> None:
 def test_malformed_cloud_urls(url: str) -> None:
     with pytest.raises(InvalidURLError) as info:
         split_url(url)
-    assert url in str(info.value)
+    # Named without its query or fragment, which may hold a SAS (tests/unit/test_secrets.py).
+    shown = url.replace("#", "?").partition("?")[0]
+    assert shown in str(info.value) and (url == shown or url not in str(info.value))
 
 
 def test_unknown_scheme_lists_the_cloud_schemes() -> None:

@@ -29,6 +29,7 @@ from ..manager.marker import (
     root_prefix,
 )
 from ..options import TransferOptions, resolve_options
+from ..redact import display_url
 from ..store import ObjectInfo, Store, join_key, open_target, split_url
 from ..store import Target as Opened
 from ..store.local import LocalStore
@@ -128,6 +129,7 @@ def resolve(url: str, settings: Settings) -> Target:
 
 
 def _not_found(p: Printer, what: str, url: str) -> int:
+    url = display_url(url)
     if p.json_mode:
         p.json({"error": f"{what}: {url}", "exit_code": EXIT_NOT_FOUND})
     p.note(f"cloudckpt: {what}: {url}")

@@ -18,6 +18,7 @@ from ..errors import (
     NotFoundError,
 )
 from ..options import MiB
+from ..redact import RedactingFilter, redact_text
 from .commands import COMMANDS, Settings
 from .output import Printer
 
@@ -91,7 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--region", help="S3 region (else AWS_REGION, default us-east-1)")
     g.add_argument("--profile", help="AWS profile name (else AWS_PROFILE)")
     g.add_argument("--anonymous", action="store_true", help="unsigned requests (public buckets)")
-    g.add_argument("-v", "--verbose", action="store_true", help="log requests and retries")
+    g.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log requests and retries (secrets are masked: docs/configuration.md)",
+    )
 
     parser = argparse.ArgumentParser(
         prog="cloudckpt",
@@ -298,6 +305,17 @@ def _exit_code(exc: BaseException) -> int:
     return 1
 
 
+def _verbose_logging() -> None:
+    """Debug logging on stderr, every SDK's included, through a filter that masks secrets
+    (botocore logs signed headers and canonical requests, Azure SAS query strings)."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG)
+    for handler in root.handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``cloudckpt`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
@@ -309,13 +327,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.verbose:
-        logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+        _verbose_logging()
     printer = Printer(args.json)
     try:
         return COMMANDS[args.command](args, _options(args), printer)
     except (CloudCkptError, OSError, KeyboardInterrupt) as exc:
         code = _exit_code(exc)
-        message = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
+        message = "interrupted" if isinstance(exc, KeyboardInterrupt) else redact_text(str(exc))
         if args.json:
             printer.json({"error": message, "type": type(exc).__name__, "exit_code": code})
         printer.note(f"cloudckpt {args.command}: {message}")

@@ -27,6 +27,7 @@ from ..lightning.fs import register_options
 from ..manager.distributed import on_rank0
 from ..megatron.layout import CONFIG_NAME
 from ..options import TransferOptions
+from ..redact import dataclass_repr
 from ._compat import AppState, AutoResume
 from .paths import (
     CONTEXT,
@@ -114,6 +115,10 @@ class CloudAutoResume(AutoResume):  # type: ignore[misc]
 
     def __post_init__(self) -> None:
         self._register(self.resume_from_directory, self.resume_from_path)
+
+    def __repr__(self) -> str:
+        """NeMo's dataclass repr, with the secrets of ``storage_options`` masked."""
+        return dataclass_repr(self)
 
     def _register(self, *urls: Any) -> None:
         settings = {"storage_options": self.storage_options} if self.storage_options else {}

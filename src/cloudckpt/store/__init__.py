@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import InvalidURLError
 from ..options import TransferOptions, resolve_options
+from ..redact import dataclass_repr, display_url, redact_text
 from .base import (
     MultipartUpload,
     ObjectInfo,
@@ -60,32 +61,33 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str, str]:
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str) or not url:
-        raise InvalidURLError(f"expected a URL or path string, got {url!r}")
+        raise InvalidURLError(f"expected a URL or path string, got {redact_text(repr(url))}")
     if url.startswith(PROFILE_SCHEME):
         url = str(_profile_for(url).rewrite(url))
     if "://" not in url:
         return "file", "", os.path.abspath(os.path.expanduser(url))
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
+    shown = display_url(url)  # messages never echo a query string (a SAS) or a password
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
-            raise InvalidURLError(f"file URLs must be local (file:///path): {url}")
+            raise InvalidURLError(f"file URLs must be local (file:///path): {shown}")
         return "file", "", os.path.abspath(unquote(parts.path))
     if scheme in ("s3", "s3a"):
         if not parts.netloc:
-            raise InvalidURLError(f"missing bucket name in {url} (expected s3://bucket/key)")
+            raise InvalidURLError(f"missing bucket name in {shown} (expected s3://bucket/key)")
         if parts.query or parts.fragment:
-            raise InvalidURLError(f"unexpected query or fragment in {url}")
+            raise _query_error(shown)
         return "s3", parts.netloc, parts.path.lstrip("/")
     if scheme in ("gs", "gcs", "az", "azure", "abfs", "abfss"):
         canonical = {"gcs": "gs", "azure": "az", "abfss": "abfs"}.get(scheme, scheme)
         if not parts.netloc:
             what = "bucket" if canonical == "gs" else "container"
             raise InvalidURLError(
-                f"missing {what} name in {url} (expected {canonical}://{what}/key)"
+                f"missing {what} name in {shown} (expected {canonical}://{what}/key)"
             )
         if parts.query or parts.fragment:
-            raise InvalidURLError(f"unexpected query or fragment in {url}")
+            raise _query_error(shown)
         netloc = parts.netloc
         if canonical == "abfs" and "@" in netloc:
             # abfs://container@account.dfs.core.windows.net/key: keep the account name.
@@ -96,9 +98,18 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str, str]:
         return canonical, netloc, parts.path.lstrip("/")
     if scheme in schemes():  # memory:// and third-party stores: scheme://bucket/key
         if not parts.netloc:
-            raise InvalidURLError(f"missing bucket name in {url} (expected {scheme}://bucket/key)")
+            raise InvalidURLError(
+                f"missing bucket name in {shown} (expected {scheme}://bucket/key)"
+            )
         return scheme, parts.netloc, parts.path.lstrip("/")
     raise unsupported(scheme, url)
+
+
+def _query_error(shown: str) -> InvalidURLError:
+    """A query or fragment in a store URL, named without it (it may hold a SAS token)."""
+    return InvalidURLError(
+        f"unexpected query or fragment in {shown}?... (credentials go in storage_options)"
+    )
 
 
 def _freeze(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -151,6 +162,10 @@ class Target:
     store: Store
     key: str
     options: TransferOptions
+
+    def __repr__(self) -> str:
+        """The dataclass repr with the options' secrets masked (cloudckpt.redact)."""
+        return dataclass_repr(self)
 
 
 def open_target(

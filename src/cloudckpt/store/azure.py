@@ -32,6 +32,7 @@ from ..errors import (
     ThrottledError,
     TransientError,
 )
+from ..redact import redact_text
 from .base import (
     MultipartUpload,
     ObjectInfo,
@@ -159,7 +160,9 @@ class AzureStore(Store):
         try:
             self._service = self._client(opts, account, kwargs)
         except ValueError as exc:  # malformed connection string, key or URL
-            raise ConfigError(f"invalid Azure settings for {self.root_url}: {exc}") from None
+            raise ConfigError(
+                f"invalid Azure settings for {self.root_url}: {redact_text(str(exc))}"
+            ) from None
         self._container = self._service.get_container_client(container)
 
     def _client(

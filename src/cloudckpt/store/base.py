@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import CloudCkptError, ConfigError, InvalidURLError, TransientError
+from ..redact import display_url, redact_text
 from .retry import Cancelled, RetryPolicy
 
 __all__ = [
@@ -90,10 +91,10 @@ class UploadedPart:
 def check_key(key: str, url: str) -> str:
     """Refuse keys that could escape their prefix: absolute, ``..``, empty or NUL parts."""
     if not key or key.startswith("/") or "\\" in key or "\x00" in key:
-        raise InvalidURLError(f"refusing unsafe object key {key!r} under {url}")
+        raise InvalidURLError(f"refusing unsafe object key {key!r} under {display_url(url)}")
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
-        raise InvalidURLError(f"refusing unsafe object key {key!r} under {url}")
+        raise InvalidURLError(f"refusing unsafe object key {key!r} under {display_url(url)}")
     return key
 
 
@@ -133,6 +134,10 @@ class Store(ABC):
         """The user-facing URL of ``key``."""
         return f"{self.root_url.rstrip('/')}/{key}"
 
+    def __repr__(self) -> str:
+        """The class and root URL only: clients, sessions and credentials stay out of it."""
+        return f"{type(self).__name__}({display_url(self.root_url)!r})"
+
     def with_retry(self, policy: RetryPolicy) -> Store:
         """This store (same connections) retrying by ``policy``."""
         if policy == self.retry:
@@ -150,7 +155,7 @@ class Store(ABC):
         """
         if isinstance(exc, (ConnectionError, TimeoutError)):
             where = self.url(key) if key is not None else self.root_url
-            return TransientError(f"{op} {where}: {type(exc).__name__}: {exc}")
+            return TransientError(f"{op} {where}: {type(exc).__name__}: {redact_text(str(exc))}")
         return exc
 
     def _attempt(self, op: str, key: str, fn: Callable[..., T], *args: Any) -> T:

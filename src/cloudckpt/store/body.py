@@ -14,6 +14,7 @@ from typing import Any
 from urllib3.exceptions import HTTPError as URLLib3Error
 
 from ..errors import CorruptCheckpointError, TransientError
+from ..redact import redact_text
 from .base import byte_view
 
 __all__ = ["body_skip", "content_range_total", "read_body_into"]
@@ -61,7 +62,9 @@ def read_body_into(stream: Any, skip: int, buffers: Sequence[memoryview], url: s
         _fill(stream, skip, buffers, url)
     except (http.client.HTTPException, URLLib3Error, ConnectionError, TimeoutError) as exc:
         stream.close()  # the connection is unusable
-        raise TransientError(f"reading {url}: {type(exc).__name__}: {exc}") from None
+        raise TransientError(
+            f"reading {url}: {type(exc).__name__}: {redact_text(str(exc))}"
+        ) from None
 
 
 def _fill(stream: Any, skip: int, buffers: Sequence[memoryview], url: str) -> None:

@@ -36,6 +36,7 @@ from ..errors import (
     StorageError,
     TransientError,
 )
+from ..redact import redact_text
 from .base import (
     Buffer,
     MultipartUpload,
@@ -174,9 +175,12 @@ class GCSStore(Store):
         except (requests.ConnectionError, requests.Timeout, TransportError) as exc:
             raise TransientError(f"{op} {where}: {type(exc).__name__}") from None
         except GoogleAuthError as exc:
-            raise CredentialsError(f"Google credentials failed for {where}: {exc}") from None
+            raise CredentialsError(
+                f"Google credentials failed for {where}: {redact_text(str(exc))}"
+            ) from None
         except requests.RequestException as exc:
-            raise StorageError(f"{op} {where} failed: {type(exc).__name__}: {exc}") from None
+            detail = redact_text(str(exc))
+            raise StorageError(f"{op} {where} failed: {type(exc).__name__}: {detail}") from None
         if resp.status_code < 300:
             return resp
         raise self._status_error(resp, key, op)

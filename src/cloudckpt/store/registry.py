@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import ConfigError, InvalidURLError
 from ..options import TransferOptions
+from ..redact import display_url
 from .base import Store
 
 __all__ = ["ENTRY_POINT_GROUP", "StoreFactory", "register_store", "schemes", "store_factory"]
@@ -141,7 +142,7 @@ def schemes() -> tuple[str, ...]:
 def unsupported(scheme: str, url: str) -> InvalidURLError:
     """The error for a URL whose scheme no store serves."""
     return InvalidURLError(
-        f"unsupported URL scheme {scheme!r} in {url}; supported: "
+        f"unsupported URL scheme {scheme!r} in {display_url(url)}; supported: "
         + ", ".join(f"{s}://" for s in schemes())
         + " and plain paths"
     )

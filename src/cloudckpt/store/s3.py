@@ -41,6 +41,7 @@ from ..errors import (
     ThrottledError,
     TransientError,
 )
+from ..redact import redact_text
 from .base import (
     MultipartUpload,
     ObjectInfo,
@@ -210,9 +211,9 @@ class S3Store(Store):
                 codes=_CODES,
             )
         if isinstance(exc, _TRANSIENT_EXCEPTIONS):
-            return TransientError(f"{op} {url}: {type(exc).__name__}: {exc}")
+            return TransientError(f"{op} {url}: {type(exc).__name__}: {redact_text(str(exc))}")
         if isinstance(exc, BotoCoreError):
-            return StorageError(f"{op} {url} failed: {exc}")
+            return StorageError(f"{op} {url} failed: {redact_text(str(exc))}")
         return exc
 
     def _call(self, op: str, key: str | None, **kwargs: Any) -> Any:
@@ -421,7 +422,9 @@ def _reading(stream: Any, url: str) -> Iterator[Any]:
         yield stream
     except _TRANSIENT_EXCEPTIONS as exc:
         stream.close()
-        raise TransientError(f"reading {url}: {type(exc).__name__}: {exc}") from None
+        raise TransientError(
+            f"reading {url}: {type(exc).__name__}: {redact_text(str(exc))}"
+        ) from None
     except BaseException:
         stream.close()
         raise

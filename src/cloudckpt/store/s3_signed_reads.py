@@ -37,6 +37,7 @@ from urllib3.util import Url, parse_url
 from urllib3.util.retry import Retry
 
 from ..errors import ThrottledError, TransientError
+from ..redact import redact_text
 from .status import TRANSIENT_STATUS
 
 __all__ = ["MAX_MISSES", "REUSE_SECONDS", "SignedReads"]
@@ -126,7 +127,9 @@ class SignedReads:
                 request.stream_output = True
                 answer = self._http.send(request).raw
         except URLLib3Error as exc:
-            raise TransientError(f"reading {where}: {type(exc).__name__}: {exc}") from None
+            raise TransientError(
+                f"reading {where}: {type(exc).__name__}: {redact_text(str(exc))}"
+            ) from None
         status = answer.status
         if status in (200, 206):
             return answer

@@ -21,6 +21,7 @@ from ..errors import (
     ThrottledError,
     TransientError,
 )
+from ..redact import redact_text
 
 __all__ = ["STATUS_ERRORS", "TRANSIENT_STATUS", "error_for"]
 
@@ -74,5 +75,5 @@ def error_for(
         container=container, root_url=root_url, url=url, op=op, detail=code or str(status)
     )
     if kind in _WITH_MESSAGE and message:
-        return kind(f"{text} {message}")
+        return kind(f"{text} {redact_text(message)}")
     return kind(text.rstrip(":"))
