@@ -217,8 +217,9 @@ def _torch_allowed() -> tuple[dict[str, Any], tuple[str, ...]] | None:
     try:
         from torch import _weights_only_unpickler as wo
 
-        allowed = dict(wo._get_allowed_globals())
-        allowed.update(wo._get_user_allowed_globals())
+        # torch looks in its own list first: a user entry under the same name loses
+        allowed = dict(wo._get_user_allowed_globals())
+        allowed.update(wo._get_allowed_globals())
         blocked = tuple(getattr(wo, "_blocklisted_modules", ()))
     except (ImportError, AttributeError):
         return None
