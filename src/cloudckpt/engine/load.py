@@ -35,6 +35,7 @@ from ..errors import (
     NotFoundError,
     UnsafeCheckpointError,
 )
+from ..format.restricted_pickle import validate_sparse
 from ..format.safetensors import is_safetensors_url
 from ..format.tensors import referenced_storages
 from ..format.unpickle import (
@@ -103,6 +104,8 @@ class _Fetched:
     byteorder: str
     refs: dict[str, StorageRef]
     storages: dict[str, torch.UntypedStorage]
+    #: Sparse tensors the structure holds, checked once their bytes are in.
+    sparse: list[Any] = field(default_factory=list)
 
 
 def head_object(store: Store, key: str) -> ObjectInfo:
@@ -215,15 +218,21 @@ def _structure(
             spares[id(found)] = spare
         return found
 
+    sparse: list[Any] = []
     result = unpickle(
-        data_pkl, persistent_load, weights_only=weights_only, url=plan.url, spares=spares
+        data_pkl,
+        persistent_load,
+        weights_only=weights_only,
+        url=plan.url,
+        spares=spares,
+        sparse=sparse,
     )
     if keys is not None:
         result = _select(result, keys, plan.url)
         wanted = referenced_storages(result, {s._cdata: k for k, s in storages.items()})
         for k in set(storages) - wanted:
             del storages[k]
-    return _Fetched(result, data_pkl, order, refs, storages)
+    return _Fetched(result, data_pkl, order, refs, storages, sparse)
 
 
 def _fetch(
@@ -383,6 +392,7 @@ def load(
             fetched = _fetch(plan, where.options, weights_only, keys, advance)
         else:
             fetched = _fetch_shared(plan, where.options, weights_only, keys, advance, group)
+    validate_sparse(fetched.sparse, plan.url)  # the bytes are in now
     return _restore(fetched, map_location, weights_only, plan.url, keys)
 
 

@@ -34,7 +34,7 @@ import pickletools
 import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +50,11 @@ __all__ = [
     "Refused",
     "RestrictedUnpickler",
     "as_text",
+    "check_extent",
     "run_restricted",
     "short",
+    "sparse_queue",
+    "validate_sparse",
 ]
 
 
@@ -155,6 +158,7 @@ class Policy:
 
 
 _SETITEM_TYPES = (dict, OrderedDict, Counter)
+_STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
 _unpack_i = struct.Struct("<i").unpack_from
 _unpack_H = struct.Struct("<H").unpack_from
 _unpack_I = struct.Struct("<I").unpack_from
@@ -191,7 +195,6 @@ class RestrictedUnpickler:
         self._held: list[Any] = []
         self._callables = {id(v) for v in policy.globals.values() if callable(v)}
         self._classes = {id(v) for v in policy.globals.values() if isinstance(v, type)}
-        self.sparse: list[Any] = []
 
     # The globals a pickle names, mapped as torch maps Python 2 names.
     def find_class(self, module: str, name: str) -> Any:
@@ -215,15 +218,15 @@ class RestrictedUnpickler:
             raise Refused(f"{op} of {_describe(func)}, which is not an allowed callable")
         if type(args) is not tuple:
             raise Refused(f"{op} of {_describe(func)} with {type(args).__name__} arguments")
-        if func in _INT_SIZED_CLASSES and any(type(a) is int for a in args):
+        if func in _INT_SIZED_CLASSES and _sizes_only(args):
             raise Refused(f"{op} of {_describe(func)} with a size: allocates what the file asks")
         if func is _rebuild_from_type_v2 and (
             len(args) < 2 or id(args[0]) not in self._callables or id(args[1]) not in self._classes
         ):
             raise Refused("_rebuild_from_type_v2 of a callable or type that is not allowed")
         result = func(*args)
-        if func in _SPARSE_CLASSES:
-            self.sparse.append(result)
+        if func in _SPARSE_CLASSES:  # validated after the load, as torch does
+            sparse_queue().append(result)
         return result
 
     def _newobj(self, cls: Any, args: Any) -> Any:
@@ -235,11 +238,11 @@ class RestrictedUnpickler:
             raise Refused(f"NEWOBJ of {_describe(cls)}, which is not an allowed class")
         if type(args) is not tuple:
             raise Refused(f"NEWOBJ of {_describe(cls)} with {type(args).__name__} arguments")
-        if cls in _INT_SIZED_CLASSES and any(type(a) is int for a in args):
+        if cls in _INT_SIZED_CLASSES and _sizes_only(args):
             raise Refused(f"NEWOBJ of {_describe(cls)} with a size: allocates what the file asks")
         result = cls.__new__(cls, *args)
         if cls in _SPARSE_CLASSES:
-            self.sparse.append(result)
+            sparse_queue().append(result)
         return result
 
     def _build(self, inst: Any, state: Any) -> None:
@@ -250,6 +253,8 @@ class RestrictedUnpickler:
         if kind is torch.Tensor:
             if type(state) is not tuple:
                 raise Refused(f"BUILD of a tensor from {type(state).__name__}")
+            if len(state) == 4 and isinstance(state[0], _STORAGES):
+                check_extent(state[0].nbytes(), *state[1:], inst.element_size())
             inst.set_(*state)  # the legacy tensor format
         elif kind is torch.nn.Parameter:
             inst.__setstate__(state)
@@ -543,29 +548,76 @@ def run_restricted(
     persistent_load: Callable[[Any], Any] | None,
     url: str,
     what: str = "data.pkl",
+    sparse: list[Any] | None = None,
 ) -> Any:
     """Unpickle ``data`` under ``policy``: the result, or a typed error naming ``url``.
 
     Refused content raises :class:`UnsafeCheckpointError`; damage (any other failure,
     whatever its type) :class:`CorruptCheckpointError`; cloudckpt's own errors raised
-    by ``persistent_load`` pass through."""
+    by ``persistent_load`` pass through. Sparse tensors the load built are checked
+    (:func:`validate_sparse`) before this returns; or, where ``sparse`` is a list
+    (their storages are still being read), moved into it for the caller to check."""
     machine = RestrictedUnpickler(data, policy, persistent_load)
     try:
         with paused_gc(kept=True):
             result = machine.load()
-    except UnsafeCheckpointError as exc:  # the policy's refusal (Refused or its own)
-        advice = f". {policy.advice}" if policy.advice else ""
-        raise UnsafeCheckpointError(
-            f"{url}: {what} holds what loading does not allow: {exc}{advice}"
-        ) from None
-    except CloudCkptError:
-        raise
-    except Exception as exc:  # every other failure of a pickle is damage
-        raise CorruptCheckpointError(
+    except BaseException as exc:
+        # torch's _rebuild_sparse_tensor queues what it built in a list of torch's; a
+        # load that stops must not leave it there (the next load would validate it)
+        sparse_queue().clear()
+        if isinstance(exc, UnsafeCheckpointError):  # the policy's (Refused or its own)
+            advice = f". {policy.advice}" if policy.advice else ""
+            raise UnsafeCheckpointError(
+                f"{url}: {what} holds what loading does not allow: {exc}{advice}"
+            ) from None
+        if isinstance(exc, (CloudCkptError, KeyboardInterrupt, SystemExit)):
+            raise
+        if not isinstance(exc, Exception):
+            raise
+        raise CorruptCheckpointError(  # every other failure of a pickle is damage
             f"{url}: {what} is not a valid pickle ({type(exc).__name__}: {short(exc)})"
         ) from None
-    _validate_sparse(machine.sparse, url)
+    built = sparse_queue()
+    if sparse is None:
+        validate_sparse(list(built), url)
+    else:
+        sparse.extend(built)
+    built.clear()
     return result
+
+
+def sparse_queue() -> list[Any]:
+    """torch's process-wide list of sparse tensors to validate after a load."""
+    found = getattr(torch._utils, "_sparse_tensors_to_validate", None)
+    return found if isinstance(found, list) else []
+
+
+def check_extent(nbytes: int, offset: Any, size: Any, stride: Any, itemsize: int) -> None:
+    """Refuse a view (offset, size, stride, in elements of ``itemsize`` bytes) that
+    reaches past a storage of ``nbytes``: ``torch.load``'s storages cannot grow, but a
+    storage cloudckpt made can, and ``set_`` would resize it to what the file asks."""
+    if type(offset) is not int or offset < 0:
+        raise ValueError(f"storage offset {offset!r} is not a non-negative integer")
+    if len(size) != len(stride):
+        raise ValueError(f"size {tuple(size)} and stride {tuple(stride)} differ in length")
+    last = offset
+    empty = False
+    for n, step in zip(size, stride, strict=True):
+        if type(n) is not int or type(step) is not int or n < 0 or step < 0:
+            raise ValueError(f"size {tuple(size)} or stride {tuple(stride)} is not valid")
+        empty = empty or n == 0
+        last += (n - 1) * step
+    if not empty and (last + 1) * itemsize > nbytes:
+        raise ValueError(
+            f"a tensor of size {tuple(size)}, stride {tuple(stride)} at offset {offset} "
+            f"reaches byte {(last + 1) * itemsize} of a storage of {nbytes}"
+        )
+
+
+def _sizes_only(args: tuple[Any, ...]) -> bool:
+    """Arguments of a legacy size constructor (``Tensor(2, 3)``, ``FloatTensor(Size)``,
+    ``bytearray(n)``): sizes only, which allocate what the file asks."""
+    return bool(args) and all(type(a) is int or type(a) is torch.Size for a in args)
 
 
 def short(exc: BaseException) -> str:
@@ -574,14 +626,17 @@ def short(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
-def _validate_sparse(tensors: Iterable[Any], url: str) -> None:
-    """The invariants torch checks on sparse tensors after a load: those legacy sparse
-    classes built, and those torch's ``_rebuild_sparse_tensor`` queued (in a list of
-    torch's that this also empties)."""
+def validate_sparse(tensors: list[Any], url: str) -> None:
+    """torch's check of sparse tensors after a load, where sparse invariant checks are on
+    (``torch.sparse.check_sparse_tensor_invariants``), made on ``tensors``: those
+    ``_rebuild_sparse_tensor`` and the legacy sparse classes built."""
+    if not tensors:
+        return
+    queue = sparse_queue()
+    queue.extend(tensors)
     try:
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
-                torch._validate_sparse_coo_tensor_args(t._indices(), t._values(), t.size())
         torch._utils._validate_loaded_sparse_tensors()
     except Exception as exc:
         raise CorruptCheckpointError(f"{url}: a sparse tensor is malformed: {exc}") from None
+    finally:
+        queue.clear()

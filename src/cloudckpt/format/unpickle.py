@@ -30,7 +30,17 @@ from typing import Any
 import torch
 
 from ..errors import CloudCkptError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
-from .restricted_pickle import TORCH_OPCODES, Policy, Refused, as_text, run_restricted, short
+from .restricted_pickle import (
+    TORCH_OPCODES,
+    Policy,
+    Refused,
+    as_text,
+    check_extent,
+    run_restricted,
+    short,
+    sparse_queue,
+    validate_sparse,
+)
 
 __all__ = [
     "StorageRef",
@@ -180,6 +190,8 @@ def _rebuilder(spares: dict[int, torch.Tensor]) -> Callable[..., torch.Tensor]:
     pop = spares.pop
     typed_class = torch.storage.TypedStorage
     new_empty = torch.empty
+    checked_v2 = _bounded(_torch_rebuild_v2)
+    quantized = _QUANTIZED
 
     def rebuild(
         storage: Any,
@@ -190,16 +202,23 @@ def _rebuilder(spares: dict[int, torch.Tensor]) -> Callable[..., torch.Tensor]:
         backward_hooks: Any,
         metadata: Any = None,
     ) -> torch.Tensor:
+        if type(storage) is not typed_class or storage._untyped_storage.device.type != "cpu":
+            return checked_v2(
+                storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
+            )
+        dtype = storage.dtype
+        if dtype in quantized:
+            return checked_v2(  # refuses it
+                storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
+            )
+        untyped = storage._untyped_storage
+        check_extent(untyped.nbytes(), storage_offset, size, stride, dtype.itemsize)
         spare = pop(id(storage), None)
         if spare is None:  # (a spare is only made for a plain CPU storage)
-            if type(storage) is not typed_class or storage._untyped_storage.device.type != "cpu":
-                return _torch_rebuild_v2(
-                    storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata
-                )
-            spare = new_empty((0,), dtype=storage.dtype)
-        tensor = spare.set_(storage._untyped_storage, storage_offset, size, stride)
-        if requires_grad:
-            tensor.requires_grad = True
+            spare = new_empty((0,), dtype=dtype)
+        tensor = spare.set_(untyped, storage_offset, size, stride)
+        if requires_grad is not False:
+            tensor.requires_grad = requires_grad  # torch's check: a bool
         if metadata:
             torch._utils.set_tensor_metadata(tensor, metadata)
         tensor._backward_hooks = backward_hooks
@@ -209,6 +228,43 @@ def _rebuilder(spares: dict[int, torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 _torch_rebuild_v2 = torch._utils._rebuild_tensor_v2
+_torch_rebuild_qtensor = torch._utils._rebuild_qtensor
+#: Quantized dtypes: a tensor of one without a quantizer crashes what reads it.
+_QUANTIZED = frozenset(
+    getattr(torch, n)
+    for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, n)
+)
+
+
+def _bounded(rebuild: Callable[..., Any], dtype_at: int | None = None) -> Callable[..., Any]:
+    """``rebuild`` (torch's ``(storage, storage_offset, size, stride, ...)``), after a
+    check that the view lies inside the storage (``dtype_at``: the argument holding the
+    dtype, where the storage is untyped)."""
+
+    plain = rebuild is not _torch_rebuild_qtensor
+
+    def checked(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
+        dtype = rest[dtype_at - 4] if dtype_at is not None else storage.dtype
+        if plain and dtype in _QUANTIZED:
+            raise Refused(
+                f"a plain tensor over a {dtype} storage (torch.save writes those "
+                "with _rebuild_qtensor, which gives them their quantizer)"
+            )
+        check_extent(storage.nbytes(), storage_offset, size, stride, dtype.itemsize)
+        return rebuild(storage, storage_offset, size, stride, *rest)
+
+    return checked
+
+
+#: torch's rebuild functions over a storage, by name: the one whose dtype argument says
+#: how to read an untyped storage gives its position.
+_OVER_A_STORAGE = {
+    "torch._utils._rebuild_tensor": None,
+    "torch._utils._rebuild_tensor_v2": None,
+    "torch._utils._rebuild_tensor_v3": 6,
+    "torch._utils._rebuild_qtensor": None,
+}
 
 
 def _torch_allowed() -> tuple[dict[str, Any], tuple[str, ...]] | None:
@@ -236,7 +292,11 @@ def weights_only_policy(spares: dict[int, torch.Tensor] | None = None) -> Policy
     allowed, blocked = found
     for path in [p for p in allowed if p.split(".", 1)[0] in blocked]:
         del allowed[path]
-    if allowed.get("torch._utils._rebuild_tensor_v2") is _torch_rebuild_v2:
+    torchs_v2 = allowed.get("torch._utils._rebuild_tensor_v2") is _torch_rebuild_v2
+    for path, dtype_at in _OVER_A_STORAGE.items():
+        if path in allowed:
+            allowed[path] = _bounded(allowed[path], dtype_at)
+    if torchs_v2:
         from torch._guards import detect_fake_mode
 
         if detect_fake_mode(None) is None:
@@ -290,7 +350,7 @@ def _torch_unpickle(
     unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
     try:
-        result = unpickler.load()
+        return unpickler.load()
     except CloudCkptError:
         raise
     except pickle.UnpicklingError as exc:  # torch's refusal
@@ -299,11 +359,22 @@ def _torch_unpickle(
         raise CorruptCheckpointError(
             f"{url}: data.pkl is not a valid pickle ({type(exc).__name__}: {short(exc)})"
         ) from None
+
+
+def _full_unpickle(
+    data: bytes | bytearray | memoryview, persistent_load: Callable[[Any], Any], url: str
+) -> Any:
+    """Full pickle (``weights_only=False``: the caller trusts the file)."""
+    unpickler = _FullUnpickler(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
     try:
-        torch._utils._validate_loaded_sparse_tensors()
+        return unpickler.load()
+    except CloudCkptError:
+        raise
     except Exception as exc:
-        raise CorruptCheckpointError(f"{url}: a sparse tensor is malformed: {exc}") from None
-    return result
+        raise CorruptCheckpointError(
+            f"{url}: data.pkl cannot be unpickled ({type(exc).__name__}: {short(exc)})"
+        ) from None
 
 
 def unpickle(
@@ -313,27 +384,35 @@ def unpickle(
     weights_only: bool,
     url: str,
     spares: dict[int, torch.Tensor] | None = None,
+    sparse: list[Any] | None = None,
 ) -> Any:
     """Unpickle a torch archive's ``data.pkl``, ``persistent_load`` supplying storages
     (it must return the same object when asked for a storage again).
 
     ``spares``: tensors the first rebuild over a storage may take (see
-    :func:`_rebuilder`); ``persistent_load`` may add to it as it goes."""
-    if not weights_only:
-        unpickler = _FullUnpickler(io.BytesIO(data), encoding="utf-8")
-        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-        try:
-            return unpickler.load()
-        except CloudCkptError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(
-                f"{url}: data.pkl cannot be unpickled ({type(exc).__name__}: {short(exc)})"
-            ) from None
-    policy = weights_only_policy(spares) if unpickler_choice() == "cloudckpt" else None
-    if policy is None:
-        return _torch_unpickle(data, persistent_load, url)
-    return run_restricted(data, policy, persistent_load, url)
+    :func:`_rebuilder`); ``persistent_load`` may add to it as it goes. ``sparse``: where
+    the storages' bytes are still being read, a list that receives the sparse tensors
+    built, for the caller to check with ``validate_sparse`` once the bytes are in (else
+    they are checked before this returns, as ``torch.load`` checks them)."""
+    policy = None
+    if weights_only and unpickler_choice() == "cloudckpt":
+        policy = weights_only_policy(spares)
+    if policy is not None:
+        return run_restricted(data, policy, persistent_load, url, sparse=sparse)
+    queue = sparse_queue()
+    try:
+        if weights_only:
+            result = _torch_unpickle(data, persistent_load, url)
+        else:
+            result = _full_unpickle(data, persistent_load, url)
+        built = list(queue)
+    finally:
+        queue.clear()
+    if sparse is None:
+        validate_sparse(built, url)
+    else:
+        sparse.extend(built)
+    return result
 
 
 def load_torch_bytes(
