@@ -76,7 +76,7 @@ def read_commit(
     doc = None if raw is None else read_document(raw, layout_url)
     expected = doc.get("metadata_crc32") if doc is not None else None
     vouched = type(expected) is int and expected == crc32(payload)
-    metadata = decode_metadata(payload, url)
+    metadata = decode_metadata(payload, url, scan=not vouched)
     save_id = save_id_of(metadata)
     if doc is None or not save_id or doc.get("save_id") != save_id:
         return metadata, None

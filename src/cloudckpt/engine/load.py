@@ -213,7 +213,9 @@ def _structure(
             storage, spare = placed.storage(entry, ref)
         refs[ref.key] = ref
         storages[ref.key] = storage
-        found = typed[ref.key] = typed_storage(storage, ref.dtype)
+        found = typed_storage(storage, ref.dtype)
+        if ref.nbytes:  # as torch.load: an empty storage is made anew at each reference
+            typed[ref.key] = found
         if spare is not None:
             spares[id(found)] = spare
         return found
@@ -440,7 +442,7 @@ def _restore(
 
     def persistent_load(saved_id: Any) -> Any:
         ref = parse_persistent_id(saved_id, url)
-        if ref.key not in restored:
+        if ref.key not in restored or not ref.nbytes:
             storage = storages.get(ref.key)
             if storage is None:  # not selected by keys=: leave it on the meta device
                 storage = torch.UntypedStorage(ref.nbytes, device="meta")

@@ -35,7 +35,7 @@ import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -140,7 +140,10 @@ class Policy:
     importable). ``opcodes``: the opcodes allowed, at least torch's (the machine tests
     only the others). ``refuse_global(module, name)``: the error for a name outside
     ``globals``. ``map_python2_names``: map Python 2 names as torch's unpickler does.
-    ``advice``: what a refusal's message ends with."""
+    ``advice``: what a refusal's message ends with. ``calls``: what runs when the pickle
+    calls one of ``globals`` (by the global's ``id``), where that is not the global
+    itself (a checked or faster version of it); the pickle still gets the global
+    itself wherever it names it as a value."""
 
     globals: Mapping[str, Any]
     opcodes: frozenset[int] = TORCH_OPCODES
@@ -151,6 +154,8 @@ class Policy:
         "If you trust this file, pass weights_only=False; to allow a specific class, use "
         "torch.serialization.add_safe_globals([...])."
     )
+
+    calls: Mapping[int, Callable[..., Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.opcodes >= TORCH_OPCODES:
@@ -194,6 +199,8 @@ class RestrictedUnpickler:
         self._foreign: set[int] = {id(v) for v in policy.globals.values()}
         self._held: list[Any] = []
         self._callables = {id(v) for v in policy.globals.values() if callable(v)}
+        #: What a call of each allowed callable runs (its override, else itself).
+        self._runs = {id(v): policy.calls.get(id(v), v) for v in policy.globals.values()}
         self._classes = {id(v) for v in policy.globals.values() if isinstance(v, type)}
 
     # The globals a pickle names, mapped as torch maps Python 2 names.
@@ -220,11 +227,12 @@ class RestrictedUnpickler:
             raise Refused(f"{op} of {_describe(func)} with {type(args).__name__} arguments")
         if func in _INT_SIZED_CLASSES and _sizes_only(args):
             raise Refused(f"{op} of {_describe(func)} with a size: allocates what the file asks")
-        if func is _rebuild_from_type_v2 and (
-            len(args) < 2 or id(args[0]) not in self._callables or id(args[1]) not in self._classes
-        ):
-            raise Refused("_rebuild_from_type_v2 of a callable or type that is not allowed")
-        result = func(*args)
+        if func is _rebuild_from_type_v2:
+            allowed = self._callables
+            if len(args) < 2 or id(args[0]) not in allowed or id(args[1]) not in self._classes:
+                raise Refused("_rebuild_from_type_v2 of a callable or type that is not allowed")
+            args = (self._runs[id(args[0])], *args[1:])  # it calls args[0]: the checked one
+        result = self._runs[id(func)](*args)
         if func in _SPARSE_CLASSES:  # validated after the load, as torch does
             sparse_queue().append(result)
         return result
@@ -304,7 +312,9 @@ class RestrictedUnpickler:
         data = self.data
         end = len(data)
         extended = self.policy.opcodes
-        plain_calls = self._callables - _SPECIAL_CALLABLE_IDS
+        runs = self._runs
+        plain_calls = {i: runs[i] for i in self._callables - _SPECIAL_CALLABLE_IDS}
+        plain_call = plain_calls.get
         persistent = self._persistent
         load_storage = self.persistent_load
         hold = self._held.append
@@ -350,8 +360,9 @@ class RestrictedUnpickler:
             elif op == 0x52:  # REDUCE
                 args = stack.pop()
                 func = stack[-1]
-                if id(func) in plain_calls and type(args) is tuple:
-                    stack[-1] = func(*args)
+                run = plain_call(id(func))
+                if run is not None and type(args) is tuple:
+                    stack[-1] = run(*args)
                 else:
                     stack[-1] = self._call(func, args, "REDUCE")
             elif op == 0x51:  # BINPERSID
@@ -450,6 +461,8 @@ class RestrictedUnpickler:
             elif op == 0x8F:  # EMPTY_SET
                 append(set())
             elif op == 0x80:  # PROTO
+                if data[pos] > pickle.HIGHEST_PROTOCOL:
+                    raise ValueError(f"unsupported pickle protocol: {data[pos]}")
                 pos += 1
             elif op == 0x2E:  # STOP
                 return stack.pop()

@@ -292,18 +292,16 @@ def weights_only_policy(spares: dict[int, torch.Tensor] | None = None) -> Policy
     allowed, blocked = found
     for path in [p for p in allowed if p.split(".", 1)[0] in blocked]:
         del allowed[path]
-    torchs_v2 = allowed.get("torch._utils._rebuild_tensor_v2") is _torch_rebuild_v2
+    calls: dict[int, Callable[..., Any]] = {}
     for path, dtype_at in _OVER_A_STORAGE.items():
         if path in allowed:
-            allowed[path] = _bounded(allowed[path], dtype_at)
-    if torchs_v2:
+            calls[id(allowed[path])] = _bounded(allowed[path], dtype_at)
+    if allowed.get("torch._utils._rebuild_tensor_v2") is _torch_rebuild_v2:
         from torch._guards import detect_fake_mode
 
         if detect_fake_mode(None) is None:
-            allowed["torch._utils._rebuild_tensor_v2"] = _rebuilder(
-                {} if spares is None else spares
-            )
-    return Policy(globals=allowed, opcodes=TORCH_OPCODES, refuse_global=_unsupported)
+            calls[id(_torch_rebuild_v2)] = _rebuilder({} if spares is None else spares)
+    return Policy(globals=allowed, opcodes=TORCH_OPCODES, refuse_global=_unsupported, calls=calls)
 
 
 # --- the switch -------------------------------------------------------------------------
@@ -464,9 +462,9 @@ def load_torch_bytes(
         if swap:
             storage.byteswap(ref.dtype)
         storage = restore_location(restore, storage, ref.location, map_location, url)
-        found = loaded[ref.key] = torch.storage.TypedStorage(
-            wrap_storage=storage, dtype=ref.dtype, _internal=True
-        )
+        found = torch.storage.TypedStorage(wrap_storage=storage, dtype=ref.dtype, _internal=True)
+        if ref.nbytes:  # as torch.load: an empty storage is made anew at each reference
+            loaded[ref.key] = found
         return found
 
     pkl = record(names[0])

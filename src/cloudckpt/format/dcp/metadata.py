@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import math
 import pathlib
+import pickletools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -138,9 +139,36 @@ _POLICY = Policy(
 )
 
 
-def decode_metadata(payload: bytes, url: str) -> Metadata:
+def _check_frames(payload: bytes, url: str) -> None:
+    """Refuse what Python's unpickler refuses in protocol 4's frames (which the pickle
+    machine does not track): an opcode that runs past the end of its frame, a frame
+    that begins before the last one ended."""
+    frame_end = -1
+    try:
+        ops = list(pickletools.genops(payload))
+    except Exception as exc:  # genops: ValueError on anything malformed
+        raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from None
+    ends = [at for _, _, at in ops[1:]] + [ops[-1][2] + 1 if ops else 0]
+    for (info, arg, at), nxt in zip(ops, ends, strict=True):
+        if at < frame_end < nxt:
+            raise CorruptCheckpointError(f"{url} is not DCP metadata: an opcode spans a frame")
+        if info.name == "FRAME":
+            if at < frame_end:
+                raise CorruptCheckpointError(
+                    f"{url} is not DCP metadata: a frame begins inside another"
+                )
+            frame_end = nxt + arg
+
+
+def decode_metadata(payload: bytes, url: str, *, scan: bool = True) -> Metadata:
     """DCP's ``.metadata`` from its bytes, through the trust boundary
-    (format/restricted_pickle.py) under its own allow-list, then checked field by field."""
+    (format/restricted_pickle.py) under its own allow-list, then checked field by field.
+
+    ``scan=False`` skips the check of protocol 4's frames (:func:`_check_frames`); only for
+    bytes known to be the ones a writer produced (their CRC-32 matched the layout index
+    written with them)."""
+    if scan:
+        _check_frames(payload, url)
     metadata = run_restricted(payload, _POLICY, None, url, what="DCP metadata")
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url} holds {type(metadata).__name__}, not Metadata")
