@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudckpt-installed
 URL    ?=
 
-.PHONY: venv demo test test-compat test-nemo lint bench bench-quick clean
+.PHONY: venv demo test test-compat test-nemo lint bench bench-quick fuzz clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,11 @@ demo: venv
 test: venv
 	$(BIN)/python tests/servers.py install-azurite >/dev/null  # Azure emulator, from npm
 	$(BIN)/python -m pytest -q --durations=15
+
+# Differential fuzzing of the trust boundary against torch's weights-only unpickler
+# (tests/security/fuzz.py; docs/security.md). SEED= and CASES= change the run.
+fuzz: venv
+	$(BIN)/python tests/security/fuzz.py --seed $${SEED:-1} --cases $${CASES:-100000} --jobs 2
 
 # The Lightning tests again against the oldest Lightning we support (2.4), and the
 # Megatron tests against the older megatron-core layout we read and write (0.15).

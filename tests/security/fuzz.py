@@ -1,0 +1,2321 @@
+"""Differential fuzzing of the trust boundary, torch's weights-only unpickler the oracle.
+
+    python tests/security/fuzz.py --seed S --cases N [--jobs J] [--target archive|metadata|all]
+
+Each case is a file built from ``(seed, index)`` alone (so any case can be replayed with
+``--case INDEX``), loaded by cloudckpt and by the oracle:
+
+* ``archive`` cases: a torch.save archive, loaded by ``torch.load(weights_only=True)``
+  and by ``cloudckpt.format.unpickle.load_torch_bytes`` (or, where that entry point is
+  absent or with ``--entry file``, by ``cloudckpt.load`` of a temporary file). Their
+  ``data.pkl`` is a real checkpoint's (of many kinds of state, see :func:`_states`)
+  mutated at opcode boundaries, or a generated opcode sequence aimed at the
+  constructors and mutators torch allows (:class:`Gen`), or both; a few also have
+  their storage records or their zip bytes damaged.
+* ``metadata`` cases: a DCP ``.metadata`` pickle (of torch's and cloudckpt's writers,
+  in protocols 2 to 5) mutated or generated, given to
+  ``cloudckpt.format.dcp.metadata.decode_metadata``. torch's weights-only unpickler
+  does not run the protocol-4 opcodes DCP writes, so the oracle here is Python's own
+  pickle machine restricted to the same allow-list (and refusing any mutation of a
+  global); ``decode_metadata`` checks fields besides, so refusing more is expected.
+
+Properties: the oracle refuses -> cloudckpt raises a ``CloudCkptError`` subclass (never
+another exception, never a result); both accept -> the results are equal
+(:func:`diff`: same types, key order, values, tensors' dtype, shape, strides, offset,
+flags and bytes, the same sharing of objects and storages); the oracle accepts and
+cloudckpt refuses with a ``CloudCkptError`` -> "stricter", counted and listed, not a
+failure. Never a crash, a hang, a changed global (:func:`snapshot` of every allowed
+global, DCP's metadata classes and pathlib's, checked after every batch) or a side
+effect (torch's sparse-validation queue left filled, a module imported, torch's
+defaults changed); never a result holding far more storage than the file. One
+allowance: an archive whose zip bytes were damaged, which torch's zip reader refuses
+over a field cloudckpt does not read (or reads wrong: memory it never filled), is
+"lenient-zip" (counted and listed) when what cloudckpt loaded equals what torch loads
+from the undamaged archive. Memory a
+constructor leaves uninitialized compares equal on both sides: torch's deterministic
+mode fills what torch allocates, glibc's ``M_PERTURB`` fills what malloc hands out.
+
+Cases run in batches, each batch in a fresh process forked from this one (so one
+case's damage cannot leak into another batch), ``--jobs`` at a time. A batch whose
+process dies, hangs or changes a global is run again one case per process, and then
+each side alone, to name the case and the side; its bytes are printed in hex.
+
+The summary line counts cases, both-refused, both-accepted-equal, stricter, failures;
+the exit status is 1 if any case failed. ``--report PATH`` writes it all as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+import math
+import multiprocessing
+import os
+import pickle
+import pickletools
+import random
+import re
+import resource
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import traceback
+import types
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing import connection
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import craft
+import torch
+from craft import ops
+
+import cloudckpt
+from cloudckpt import errors
+
+# --- the two sides ----------------------------------------------------------------------
+
+
+def _load_torch_bytes() -> Callable[..., Any] | None:
+    try:
+        from cloudckpt.format import unpickle
+    except ImportError:
+        return None
+    return getattr(unpickle, "load_torch_bytes", None)
+
+
+LOAD_TORCH_BYTES = _load_torch_bytes()
+#: Whether the boundary's in-memory entry point is there (issue 29).
+HAS_BOUNDARY = LOAD_TORCH_BYTES is not None
+URL = "mem://fuzz/case"
+
+_tmpdir: list[str] = []
+#: Where the processes of a run put their temporary files (removed at the end).
+_TMP_ROOT: list[str] = []
+
+
+def load_ours(data: bytes, entry: str = "bytes") -> Any:
+    """cloudckpt's load of an archive held in ``data``."""
+    if entry == "bytes" and LOAD_TORCH_BYTES is not None:
+        return LOAD_TORCH_BYTES(data, map_location="cpu", weights_only=True, url=URL)
+    if not _tmpdir:
+        _tmpdir.append(tempfile.mkdtemp(prefix="cloudckpt-fuzz-", dir=(_TMP_ROOT or [None])[0]))
+    path = os.path.join(_tmpdir[0], "case.pt")
+    with open(path, "wb") as f:
+        f.write(data)
+    return cloudckpt.load(path, map_location="cpu", weights_only=True)
+
+
+def load_torch(data: bytes) -> Any:
+    """The oracle: ``torch.load(weights_only=True)``."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def decode_ours(payload: bytes) -> Any:
+    from cloudckpt.format.dcp.metadata import decode_metadata
+
+    return decode_metadata(payload, URL + "/.metadata")
+
+
+@functools.cache
+def metadata_globals() -> dict[str, Any]:
+    """What a DCP ``.metadata`` may name: cloudckpt's allow-list where it exposes one,
+    else the same list written out (DCP's metadata classes, dtypes, pathlib...)."""
+    try:
+        from cloudckpt.format.dcp import metadata as md
+
+        policy = getattr(md, "_POLICY", None)
+        if policy is not None:
+            return dict(policy.globals)
+        found = getattr(md, "_GLOBALS", None)
+        if isinstance(found, dict):
+            table = {f"{m}.{n}": o for (m, n), o in found.items()}
+            table.update({f"torch.{n}": v for n, v in vars(torch).items() if _is_dtype(v)})
+            return table
+    except ImportError:
+        pass
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    table: dict[str, Any] = {}
+    for module, names in [
+        (metadata, _DCP_METADATA_NAMES),
+        (planner, ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
+        (filesystem, ("_StorageInfo",)),
+    ]:
+        for name in names:
+            table[f"{module.__name__}.{name}"] = getattr(module, name)
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        table[f"pathlib.{name}"] = getattr(pathlib, name)
+    table["torch.Size"] = torch.Size
+    table["collections.OrderedDict"] = OrderedDict
+    table["torch.serialization._get_layout"] = torch.serialization._get_layout
+    table.update({f"torch.{n}": v for n, v in vars(torch).items() if _is_dtype(v)})
+    return table
+
+
+_DCP_METADATA_NAMES = (
+    "Metadata",
+    "StorageMeta",
+    "MetadataIndex",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+)
+
+
+def _is_dtype(v: Any) -> bool:
+    return isinstance(v, torch.dtype)
+
+
+def _guarded(op: int, at: int) -> Callable[[Any], None]:
+    """Python pickle's handler of ``op``, refusing when its target (``at`` on the stack;
+    -1: below the last mark) is a global."""
+    real = pickle._Unpickler.dispatch[op]  # type: ignore[attr-defined]
+
+    def run(self: Any) -> None:
+        if at == -1:
+            target = self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None
+        else:
+            target = self.stack[at] if len(self.stack) >= -at else None
+        self._no_global(target)
+        real(self)
+
+    return run
+
+
+class _MetadataOracle(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """Python's pickle machine (a dict memo, every protocol) under the ``.metadata``
+    allow-list, refusing BUILD, APPEND(S), SETITEM(S) and ADDITEMS on a global (the
+    oracle must not poison the process it compares in)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    for _op, _at in [
+        (pickle.BUILD[0], -2),
+        (pickle.APPEND[0], -2),
+        (pickle.SETITEM[0], -3),
+        (pickle.APPENDS[0], -1),
+        (pickle.SETITEMS[0], -1),
+        (pickle.ADDITEMS[0], -1),
+    ]:
+        dispatch[_op] = _guarded(_op, _at)
+    del _op, _at
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, fix_imports=False)
+        self._globals = metadata_globals()
+        self._global_ids = {id(v) for v in self._globals.values()}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._globals.get(f"{module}.{name}")
+        if found is None:
+            raise pickle.UnpicklingError(f"global {module}.{name}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent id")
+
+    def _no_global(self, target: Any) -> None:
+        if id(target) in self._global_ids or isinstance(
+            target, type | types.FunctionType | types.BuiltinFunctionType | types.ModuleType
+        ):
+            raise pickle.UnpicklingError("mutation of a global")
+
+
+def decode_oracle(payload: bytes) -> Any:
+    return _MetadataOracle(io.BytesIO(payload)).load()
+
+
+# --- equality ---------------------------------------------------------------------------
+
+_ATOMS = (
+    type(None),
+    bool,
+    int,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.qscheme,
+)
+_IDENTITY = (
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    functools.partial,
+)
+
+
+def _same_float(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return struct.pack("<d", a) == struct.pack("<d", b)  # -0.0 is not 0.0
+
+
+def _probe(fn: Callable[[], Any]) -> Any:
+    try:
+        return ("ok", fn())
+    except Exception as exc:
+        return ("error", type(exc).__name__)
+
+
+def _canon(v: Any) -> str:
+    """A sort key that is the same for equal values in both processes' objects."""
+    t = type(v)
+    if t is float:
+        return "f:nan" if math.isnan(v) else f"f:{v.hex()}"
+    if t in _ATOMS or t is complex:
+        return f"{t.__name__}:{v!r}"
+    if isinstance(v, tuple):
+        return "(" + ",".join(_canon(x) for x in v) + ")"
+    if isinstance(v, torch.Tensor):
+        return f"T:{v.dtype}:{tuple(v.shape)}"
+    return t.__qualname__
+
+
+def _storage_bytes(s: torch.UntypedStorage) -> bytes | None:
+    """A CPU storage's bytes (None where there are none to read safely)."""
+    if s.device.type != "cpu" or s.nbytes() == 0 or s.data_ptr() == 0:
+        return None
+    return bytes(torch.empty(0, dtype=torch.uint8).set_(s).numpy())
+
+
+def _tensor_facts(t: torch.Tensor) -> dict[str, Any]:
+    facts = {
+        "layout": _probe(lambda: t.layout),
+        "dtype": _probe(lambda: t.dtype),
+        "device": _probe(lambda: str(t.device)),
+        "shape": _probe(lambda: tuple(t.shape)),
+        "requires_grad": _probe(lambda: t.requires_grad),
+        "is_leaf": _probe(lambda: t.is_leaf),
+        "grad_fn": _probe(lambda: type(t.grad_fn).__name__),
+        "conj": _probe(lambda: t.is_conj()),
+        "neg": _probe(lambda: t.is_neg()),
+        "quantized": _probe(lambda: t.is_quantized),
+        "nested": _probe(lambda: t.is_nested),
+    }
+    if t.layout == torch.strided and not t.is_nested:
+        facts["stride"] = _probe(lambda: t.stride())
+        facts["offset"] = _probe(lambda: t.storage_offset())
+    if t.is_quantized:
+        q = _probe(t.qscheme)[-1]
+        facts["qscheme"] = q
+        if q in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            facts["scale"] = _probe(lambda: struct.pack("<d", t.q_scale()))
+            facts["zero_point"] = _probe(t.q_zero_point)
+        else:
+            facts["axis"] = _probe(t.q_per_channel_axis)
+    if t.layout == torch.sparse_coo:
+        facts["sparse_dim"] = _probe(t.sparse_dim)
+        facts["dense_dim"] = _probe(t.dense_dim)
+        facts["coalesced"] = _probe(t.is_coalesced)
+    return facts
+
+
+def _tensor_parts(t: torch.Tensor) -> list[tuple[str, Any]]:
+    """The component tensors and objects compared further (never a dense copy of a
+    sparse or nested tensor: its indices may point anywhere)."""
+    parts: list[tuple[str, Any]] = [
+        ("_backward_hooks", _probe(lambda: t._backward_hooks)),
+        ("__dict__", _probe(lambda: dict(t.__dict__))),
+    ]
+    layout = t.layout
+    if layout == torch.sparse_coo:
+        parts += [("indices", _probe(t._indices)), ("values", _probe(t._values))]
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts += [("crow", _probe(t.crow_indices)), ("col", _probe(t.col_indices))]
+        parts += [("values", _probe(t.values))]
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts += [("ccol", _probe(t.ccol_indices)), ("row", _probe(t.row_indices))]
+        parts += [("values", _probe(t.values))]
+    elif t.is_nested:
+        parts += [("sizes", _probe(t._nested_tensor_size))]
+        parts += [("strides", _probe(t._nested_tensor_strides))]
+        parts += [("offsets", _probe(t._nested_tensor_storage_offsets))]
+        parts += [("storage", _probe(t.untyped_storage))]
+    else:
+        parts += [("storage", _probe(t.untyped_storage))]
+        if t.is_quantized and _probe(t.qscheme)[-1] in (
+            torch.per_channel_affine,
+            torch.per_channel_symmetric,
+            torch.per_channel_affine_float_qparams,
+        ):
+            parts += [("scales", _probe(t.q_per_channel_scales))]
+            parts += [("zero_points", _probe(t.q_per_channel_zero_points))]
+    return parts
+
+
+_MAX_STEPS = 200_000
+
+
+def _empty_storage(x: Any) -> bool:
+    if isinstance(x, torch.storage.TypedStorage | torch.UntypedStorage):
+        return _probe(x.nbytes) == ("ok", 0)
+    return False
+
+
+def diff(a: Any, b: Any) -> str | None:
+    """None if ``a`` and ``b`` are the same object graph, else where they first differ.
+
+    Strict: the same Python types everywhere, dicts in the same key order, floats bit
+    for bit (any NaN equals any NaN), tensors by their facts and their storages' bytes,
+    globals by identity, and the same sharing: two places hold one object (one storage)
+    on one side exactly where they do on the other."""
+    pair_a: dict[int, int] = {}
+    pair_b: dict[int, int] = {}
+    storage_a: dict[int, int] = {}
+    storage_b: dict[int, int] = {}
+    keep: list[Any] = []  # ids stay unique while compared
+    work: list[tuple[Any, Any, str]] = [(a, b, "$")]
+    steps = 0
+    while work:
+        x, y, path = work.pop()
+        steps += 1
+        if steps > _MAX_STEPS:
+            return None  # too large to compare; counted equal
+        tx = type(x)
+        if tx is not type(y):
+            return f"{path}: {tx.__qualname__} vs {type(y).__qualname__}"
+        if tx in _ATOMS:
+            if x != y:
+                return f"{path}: {x!r} vs {y!r}"
+            continue
+        if tx is float:
+            if not _same_float(x, y):
+                return f"{path}: {x!r} vs {y!r}"
+            continue
+        if tx is complex:
+            if not (_same_float(x.real, y.real) and _same_float(x.imag, y.imag)):
+                return f"{path}: {x!r} vs {y!r}"
+            continue
+        if isinstance(x, _IDENTITY) or tx.__name__ == "StorageType":
+            if x is not y:
+                return f"{path}: {x!r} is not {y!r}"
+            continue
+        if not isinstance(x, tuple | frozenset) and not _empty_storage(x):
+            # mutable: the sharing must match (torch does not share empty storages)
+            ia, ib = id(x), id(y)
+            if ia in pair_a or ib in pair_b:
+                if pair_a.get(ia) != ib or pair_b.get(ib) != ia:
+                    return f"{path}: shared differently"
+                continue
+            pair_a[ia], pair_b[ib] = ib, ia
+            keep += (x, y)
+        if isinstance(x, torch.Tensor):
+            fx, fy = _tensor_facts(x), _tensor_facts(y)
+            if fx != fy:
+                bad = [k for k in fx if fx.get(k) != fy.get(k)]
+                return f"{path}: tensor {bad[0]} {fx.get(bad[0])} vs {fy.get(bad[0])}"
+            for (name, px), (_, py) in zip(_tensor_parts(x), _tensor_parts(y), strict=True):
+                if px[0] != py[0]:
+                    return f"{path}.{name}: {px} vs {py}"
+                if px[0] == "ok":
+                    work.append((px[1], py[1], f"{path}.{name}"))
+            continue
+        if isinstance(x, torch.storage.TypedStorage):
+            dx, dy = _probe(lambda x=x: x.dtype), _probe(lambda y=y: y.dtype)
+            if dx != dy:
+                return f"{path}: storage dtype {dx[1]} vs {dy[1]}"
+            ux, uy = _probe(lambda x=x: x._untyped_storage), _probe(lambda y=y: y._untyped_storage)
+            if ux[0] != uy[0]:
+                return f"{path}: storage {ux} vs {uy}"
+            if ux[0] == "ok":
+                work.append((ux[1], uy[1], f"{path}._untyped_storage"))
+            continue
+        if isinstance(x, torch.UntypedStorage):
+            if (x.nbytes(), x.device) != (y.nbytes(), y.device):
+                return f"{path}: storage {x.nbytes()}@{x.device} vs {y.nbytes()}@{y.device}"
+            if x.nbytes():
+                ca, cb = x._cdata, y._cdata
+                if (ca in storage_a or cb in storage_b) and (
+                    storage_a.get(ca) != cb or storage_b.get(cb) != ca
+                ):
+                    return f"{path}: storage shared differently"
+                storage_a[ca], storage_b[cb] = cb, ca
+            if _storage_bytes(x) != _storage_bytes(y):
+                return f"{path}: storage bytes differ"
+            continue
+        if isinstance(x, tuple | list):
+            if len(x) != len(y):
+                return f"{path}: length {len(x)} vs {len(y)}"
+            work += [(p, q, f"{path}[{i}]") for i, (p, q) in enumerate(zip(x, y, strict=True))]
+            if hasattr(x, "__dict__"):
+                work.append((vars(x), vars(y), f"{path}.__dict__"))
+            continue
+        if isinstance(x, dict):
+            if len(x) != len(y):
+                return f"{path}: {len(x)} keys vs {len(y)}"
+            for n, ((ka, va), (kb, vb)) in enumerate(zip(x.items(), y.items(), strict=True)):
+                work.append((va, vb, f"{path}[{ka!r}]" if type(ka) in _ATOMS else f"{path}[{n}]"))
+                work.append((ka, kb, f"{path}.key{n}"))
+            if tx is not dict and hasattr(x, "__dict__"):
+                work.append((vars(x), vars(y), f"{path}.__dict__"))
+            continue
+        if isinstance(x, set | frozenset):
+            if len(x) != len(y):
+                return f"{path}: {len(x)} items vs {len(y)}"
+            sx, sy = sorted(x, key=_canon), sorted(y, key=_canon)
+            work += [(p, q, f"{path}{{{i}}}") for i, (p, q) in enumerate(zip(sx, sy, strict=True))]
+            continue
+        if isinstance(x, bytearray):
+            if x != y:
+                return f"{path}: {bytes(x)[:40]!r} vs {bytes(y)[:40]!r}"
+            continue
+        state_x, state_y = _probe(lambda x=x: vars(x)), _probe(lambda y=y: vars(y))
+        slots = [s for k in tx.__mro__ for s in getattr(k, "__slots__", ()) if s != "__dict__"]
+        if state_x[0] == "ok" or slots:
+            if state_x[0] != state_y[0]:
+                return f"{path}: __dict__ {state_x[0]} vs {state_y[0]}"
+            if state_x[0] == "ok":
+                work.append((state_x[1], state_y[1], f"{path}.__dict__"))
+            for s in slots:
+                work.append(
+                    (
+                        _probe(lambda s=s, x=x: getattr(x, s)),
+                        _probe(lambda s=s, y=y: getattr(y, s)),
+                        f"{path}.{s}",
+                    )
+                )
+            continue
+        eq = _probe(lambda x=x, y=y: bool(x == y))
+        if eq != ("ok", True):
+            return f"{path}: {tx.__qualname__} not equal ({eq})"
+    return None
+
+
+def footprint(obj: Any) -> int:
+    """Bytes of distinct CPU storages (and bytearrays) reachable from ``obj``."""
+    seen: set[int] = set()
+    cdatas: set[int] = set()
+    total = 0
+    work = [obj]
+    keep = []
+    steps = 0
+    while work and steps < _MAX_STEPS:
+        steps += 1
+        x = work.pop()
+        if id(x) in seen or type(x) in _ATOMS or isinstance(x, _IDENTITY):
+            continue
+        seen.add(id(x))
+        keep.append(x)
+        if isinstance(x, torch.Tensor):
+            parts = _tensor_parts(x)
+            work += [p[1] for _, p in parts if p[0] == "ok"]
+        elif isinstance(x, torch.storage.TypedStorage):
+            found = _probe(lambda x=x: x._untyped_storage)
+            if found[0] == "ok":
+                work.append(found[1])
+        elif isinstance(x, torch.UntypedStorage):
+            if x._cdata not in cdatas and x.device.type == "cpu" and x.data_ptr():
+                cdatas.add(x._cdata)
+                total += x.nbytes()
+        elif isinstance(x, bytearray):
+            total += len(x)
+        elif isinstance(x, tuple | list | set | frozenset):
+            work += list(x)
+        elif isinstance(x, dict):
+            work += list(x.keys()) + list(x.values())
+        elif hasattr(x, "__dict__"):
+            with contextlib.suppress(Exception):
+                work.append(vars(x))
+    return total
+
+
+# --- globals and side effects -----------------------------------------------------------
+
+
+def canary_objects() -> dict[str, Any]:
+    """Every object a pickle can name and so might change: torch's allowed globals (and
+    their types), DCP's metadata classes, pathlib's classes, cloudckpt's boundary module."""
+    import pathlib
+
+    from torch import _weights_only_unpickler as wo
+
+    found: dict[str, Any] = {}
+    for name, value in wo._get_allowed_globals().items():
+        found[name] = value
+        found[f"type({name})"] = type(value)
+    for name, value in metadata_globals().items():
+        found[f"dcp:{name}"] = value
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    for module in (metadata, planner):
+        for name, value in vars(module).items():
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                found[f"{module.__name__}.{name}"] = value
+    found["torch.distributed.checkpoint.filesystem._StorageInfo"] = filesystem._StorageInfo
+    for module in (torch, getattr(torch, "cuda", None)):  # the storage classes themselves
+        for name in dir(module):
+            value = getattr(module, name, None)
+            if name.endswith("Storage") and isinstance(value, type):
+                found[f"class {module.__name__}.{name}"] = value
+    for name in ("PurePath", "Path", "PurePosixPath", "PosixPath", "PureWindowsPath"):
+        found[f"pathlib.{name}"] = getattr(pathlib, name)
+    found["pathlib.WindowsPath"] = pathlib.WindowsPath
+    try:
+        from cloudckpt.format import unpickle
+
+        found["module cloudckpt.format.unpickle"] = unpickle
+    except ImportError:
+        pass
+    found["module torch._utils"] = torch._utils
+    found["module copyreg"] = sys.modules["copyreg"]
+    return found
+
+
+def _contents(v: Any) -> list[int] | None:
+    """The identities of a container's contents (a change in place shows)."""
+    if type(v) in (list, set, bytearray):
+        return [id(x) for x in v] if type(v) is not bytearray else list(v)
+    if type(v) is dict:
+        return [id(x) for kv in v.items() for x in kv]
+    return None
+
+
+def snapshot(objects: dict[str, Any]) -> dict[str, Any]:
+    """Each object's ``__dict__`` (keys, values, and the contents of container values),
+    ``__defaults__``, ``__kwdefaults__``, ``__code__``, ``__class__`` and ``__bases__``.
+    The snapshot holds the values, so identities stay meaningful."""
+    snap: dict[str, Any] = {}
+    for name, obj in objects.items():
+        state: dict[str, Any] = {}
+        d = _probe(lambda obj=obj: obj.__dict__)
+        if d[0] == "ok" and d[1] is not None:
+            items = [(k, v) for k, v in list(d[1].items()) if k != "__warningregistry__"]
+            values = [v for _, v in items]
+            nested = {k: c for k, v in items if (c := _contents(v)) is not None}
+            state["__dict__"] = ([k for k, _ in items], values, list(map(id, values)), nested)
+        for attr in ("__defaults__", "__kwdefaults__", "__code__", "__class__", "__bases__"):
+            v = _probe(lambda obj=obj, attr=attr: getattr(obj, attr))
+            if v[0] == "ok":
+                state[attr] = (v[1], id(v[1]), _contents(v[1]))
+        snap[name] = state
+    return snap
+
+
+def snapshot_diff(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What changed between two snapshots of the same objects."""
+    changed = []
+    for name, state in before.items():
+        now = after.get(name, {})
+        for attr, value in state.items():
+            new = now.get(attr)
+            if attr == "__dict__":
+                if new is None or value[0] != new[0] or value[2] != new[2] or value[3] != new[3]:
+                    keys = set(value[0]) ^ set(new[0] if new else ())
+                    if new is not None:
+                        old_map = dict(zip(value[0], value[2], strict=True))
+                        new_map = dict(zip(new[0], new[2], strict=True))
+                        keys |= {k for k in old_map if new_map.get(k, -1) != old_map[k]}
+                        keys |= {k for k in value[3] if value[3][k] != new[3].get(k)}
+                        keys |= set(new[3]) - set(value[3])
+                    changed += [f"{name}.{k}" for k in sorted(keys, key=str)] or [
+                        f"{name}.__dict__"
+                    ]
+            elif new is None or value[1:] != new[1:]:
+                changed.append(f"{name}.{attr}")
+        changed += [f"{name}.{attr}" for attr in set(now) - set(state)]
+    return sorted(changed)
+
+
+def side_state() -> tuple[Any, ...]:
+    import copyreg
+
+    return (
+        len(sys.modules),
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        len(torch.serialization.get_safe_globals()),
+        len(copyreg._extension_registry),  # type: ignore[attr-defined]
+        os.getcwd(),
+    )
+
+
+def side_effects(before: tuple[Any, ...], modules: set[str]) -> list[str]:
+    found = []
+    if torch._utils._sparse_tensors_to_validate:
+        found.append("torch._utils._sparse_tensors_to_validate left filled")
+        torch._utils._sparse_tensors_to_validate.clear()
+    now = side_state()
+    if now[0] != before[0]:
+        new = sorted(
+            m for m in set(sys.modules) - modules if not m.startswith(("encodings.", "torch."))
+        )
+        if new:
+            found.append(f"imported {new[:5]}")
+        modules.update(sys.modules)
+    names = ["", "default dtype", "grad mode", "safe globals", "copyreg extensions", "cwd"]
+    found += [f"{names[i]} changed" for i in range(1, len(now)) if now[i] != before[i]]
+    return found
+
+
+# --- the corpus -------------------------------------------------------------------------
+
+
+def _states() -> dict[str, Any]:
+    """Real checkpoints of many kinds (the seeds of the mutations)."""
+    torch.manual_seed(1234)
+    g = torch.Generator().manual_seed(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.BatchNorm1d(3)
+    )  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 4, generator=g)).sum().backward()
+    opt.step()
+    base = torch.randn(4, 6, generator=g)
+    tagged = torch.randn(3, generator=g)
+    tagged.note = "tagged"  # type: ignore[attr-defined]
+    states: dict[str, Any] = {
+        "state_dict": model.state_dict(),
+        "adamw": opt.state_dict(),
+        "parameters": {
+            "p": torch.nn.Parameter(torch.randn(3, generator=g)),
+            "frozen": torch.nn.Parameter(torch.randn(2, generator=g), requires_grad=False),
+        },
+        "objects": {
+            "int": 3,
+            "neg": -70000,
+            "big": 2**70,
+            "float": 1.5,
+            "nan": float("nan"),
+            "inf": float("-inf"),
+            "bool": True,
+            "none": None,
+            "str": "s\u00e9",
+            "bytes": b"\x00\xff",
+            "bytearray": bytearray(b"ab"),
+            "complex": 1 + 2j,
+            "tuple": (1, "x", (2.0,)),
+            "list": [1, [2, [3]]],
+            "set": {1, 2, 3},  # ints: the same order in every process
+            "ordered": OrderedDict(b=1, a=2),
+            "counter": Counter("aab"),
+            "size": torch.Size([2, 3]),
+            "device": torch.device("cpu"),
+            "dtypes": [torch.bfloat16, torch.int8, torch.bool, torch.complex64],
+        },
+        "views": {
+            "base": base,
+            "row": base[1],
+            "column": base[:, 2],
+            "transposed": base.t(),
+            "strided": base.view(-1)[1::3],
+            "offset": base.view(-1)[5:9],
+            "again": base,
+        },
+        "requires_grad": {"x": torch.randn(3, generator=g, requires_grad=True)},
+        "empty": {"e": torch.empty(0), "e2": torch.empty(0, 4), "scalar": torch.tensor(1.5)},
+        "dtypes": {
+            str(d): torch.arange(6).to(d)
+            for d in (
+                torch.float64,
+                torch.float16,
+                torch.bfloat16,
+                torch.int8,
+                torch.uint8,
+                torch.int16,
+                torch.int32,
+                torch.int64,
+                torch.bool,
+                torch.complex64,
+                torch.complex128,
+                torch.float8_e4m3fn,
+                torch.uint16,
+            )
+        },
+        "quantized": {
+            "q": torch.quantize_per_tensor(torch.randn(4, generator=g), 0.1, 3, torch.quint8),
+            "qc": torch.quantize_per_channel(
+                torch.randn(2, 3, generator=g),
+                torch.tensor([0.1, 0.2], dtype=torch.float64),
+                torch.tensor([0, 1]),
+                0,
+                torch.qint8,
+            ),
+        },
+        "sparse": {
+            "coo": torch.randn(4, 4, generator=g).relu().to_sparse(),
+            "csr": torch.randn(3, 3, generator=g).relu().to_sparse_csr(),
+        },
+        "conj_neg": {
+            "conj": torch.randn(3, dtype=torch.complex64, generator=g).conj(),
+            "neg": torch.randn(3, dtype=torch.complex64, generator=g).conj().imag,
+        },
+        "tensor_attribute": {"t": tagged},
+        "meta": {"m": torch.empty(2, 3, device="meta")},
+        "nested": {"a": [{"b": (torch.ones(2), {"c": [torch.zeros(1)]})}], "n": 1},
+        "list_top": [torch.arange(3), 1, "x"],
+        "tensor_top": torch.arange(4.0),
+        "nested_tensor": torch.nested.nested_tensor(
+            [torch.randn(2, generator=g), torch.randn(3, generator=g)]
+        ),
+    }
+    return states
+
+
+@dataclass
+class Corpus:
+    archives: list[tuple[str, bytes, dict[str, bytes]]] = field(default_factory=list)
+    metadata: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+def build_corpus() -> Corpus:
+    corpus = Corpus()
+    for name, state in _states().items():
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        found = craft.read_archive(buf.getvalue())
+        data = craft.torch_archive(found.pkl, found.storages)
+        try:
+            load_torch(data)
+        except Exception:  # torch cannot read it back: not a seed
+            continue
+        corpus.archives.append((name, found.pkl, found.storages))
+    corpus.metadata = _metadata_seeds()
+    return corpus
+
+
+def _metadata_seeds() -> list[tuple[str, bytes]]:
+    """DCP ``.metadata`` of torch's writer and cloudckpt's, re-pickled in protocols 2-5."""
+    import torch.distributed.checkpoint as dcp
+
+    states = {
+        "tensors": {"w": torch.ones(2, 3), "b": torch.zeros(3, dtype=torch.bfloat16)},
+        "mixed": {"w": torch.ones(4), "extra": {"note": "x", "step": 3}, "i": torch.tensor(2)},
+    }
+    seeds: list[tuple[str, bytes]] = []
+    root = tempfile.mkdtemp(prefix="cloudckpt-fuzz-dcp-")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name, state in states.items():
+                writers: list[tuple[str, Any]] = [
+                    ("torch", dcp.FileSystemWriter(os.path.join(root, f"t-{name}")))
+                ]
+                with contextlib.suppress(ImportError):
+                    from cloudckpt.dcp import CloudStorageWriter
+
+                    writers.append(("cloudckpt", CloudStorageWriter(os.path.join(root, name))))
+                for who, writer in writers:
+                    try:
+                        dcp.save(state, storage_writer=writer, no_dist=True)
+                    except Exception:
+                        continue
+                    path = getattr(writer, "path", None) or os.path.join(root, name)
+                    with open(os.path.join(str(path), ".metadata"), "rb") as f:
+                        raw = f.read()
+                    seeds.append((f"{who}-{name}", raw))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out = []
+    for name, raw in seeds:
+        obj = pickle.loads(raw)  # our own writers' output, in this process
+        meta = getattr(obj, "storage_meta", None)
+        if meta is not None:  # a random save id and a temporary path: made fixed
+            for attr in ("save_id", "checkpoint_id"):
+                if hasattr(meta, attr):
+                    setattr(meta, attr, f"fixed-{attr}")
+        for proto in (2, 3, 4, 5):
+            out.append((f"{name}-p{proto}", pickle.dumps(obj, protocol=proto)))
+    return out
+
+
+# --- mutation ---------------------------------------------------------------------------
+
+INTS = [0, 1, 2, 3, 4, 7, 8, 16, 255, 256, 65535, 65536, -1, -2, 2**31 - 1, -(2**31)]
+BIG_INTS = [2**32 - 1, 2**32, 2**63 - 1, -(2**63), 2**64, 10**30]
+FLOATS = [0.0, -0.0, 1.0, 0.5, float("nan"), float("inf"), float("-inf"), 1e308, 5e-324]
+STRINGS = [
+    "0", "1", "2", "3", "9", "", "storage", "cpu", "cuda", "meta", "cuda:0", "cpu:0",
+    "latin1", "utf-8", "ascii", "x", "_metadata", "__dict__", "__defaults__", "_dtype",
+    "dtype", "_untyped_storage", "step", "params", "weight", "\u00e9\u00e9",
+    "torch.sparse_coo", "torch.sparse_csr", "torch.strided", "a" * 300, "0/../0", "../x",
+]  # fmt: skip
+
+
+def _allowed_names() -> list[tuple[str, str]]:
+    from torch import _weights_only_unpickler as wo
+
+    # sorted: torch builds its list from sets, in an order that changes between processes
+    return [tuple(k.rsplit(".", 1)) for k in sorted(wo._get_allowed_globals())]  # type: ignore[misc]
+
+
+ALLOWED = _allowed_names()
+#: Globals a pickle may name that no policy allows (harmless if called by mistake).
+OTHER_GLOBALS = [
+    ("builtins", "getattr"), ("builtins", "setattr"), ("builtins", "len"),
+    ("builtins", "dict"), ("builtins", "list"), ("builtins", "type"), ("builtins", "object"),
+    ("builtins", "frozenset"), ("__builtin__", "set"), ("__builtin__", "bytearray"),
+    ("__builtin__", "getattr"), ("copy_reg", "_reconstructor"), ("copyreg", "_reconstructor"),
+    ("collections", "defaultdict"), ("functools", "partial"), ("torch", "ones"),
+    ("torch.nn", "Module"), ("torch.nn.modules.linear", "Linear"), ("pathlib", "PosixPath"),
+    ("torch.distributed.checkpoint.metadata", "Metadata"), ("torch.tensor", "Tensor"),
+    ("torch.nested._internal.nested_tensor", "NestedTensor"),
+    ("torch.distributed.tensor", "DTensor"), ("torch._dynamo.decorators", "_DimRange"),
+    ("torch.serialization", "StorageType"), ("torch._utils", "_rebuild_xla_tensor"),
+    ("numpy.core.multiarray", "_reconstruct"), ("torch", "layout"),
+]  # fmt: skip
+NOARG_OPS = [
+    b"(", b"0", b"1", b"2", b"N", b"\x88", b"\x89", b")", b"t", b"\x85", b"\x86", b"\x87",
+    b"]", b"l", b"a", b"e", b"}", b"d", b"s", b"u", b"\x8f", b"\x90", b"\x91", b"\x93",
+    b"R", b"b", b"o", b"\x81", b"\x92", b"Q", b"\x94", b"\x97", b"\x98", b".",
+]  # fmt: skip
+#: Opcodes that take the same stack shape, swapped for one another.
+OP_FAMILIES = [
+    [b"N", b"\x88", b"\x89", b")", b"]", b"}", b"\x8f"],
+    [b"a", b"s", b"b", b"R", b"\x81", b"\x86", b"\x92", b"\x93"],
+    [b"t", b"e", b"u", b"\x90", b"\x91", b"d", b"l", b"o", b"1"],
+    [b"\x85", b"Q", b"\x94", b"2", b"0"],
+]
+
+
+def _segments(pkl: bytes) -> list[tuple[int, int, str, Any]] | None:
+    """``(start, end, opcode name, argument)`` of each opcode up to STOP (the bytes
+    after STOP are left alone), or None if the pickle does not parse."""
+    try:
+        found = [(pos, op.name, arg) for op, arg, pos in pickletools.genops(pkl)]
+    except Exception:
+        return None
+    if not found:
+        return None
+    out = []
+    for i, (pos, name, arg) in enumerate(found):
+        end = found[i + 1][0] if i + 1 < len(found) else pos + 1
+        out.append((pos, end, name, arg))
+    return out
+
+
+def _memo_indices(segments: list[tuple[int, int, str, Any]]) -> list[int]:
+    found = [arg for _, _, name, arg in segments if name in ("BINPUT", "LONG_BINPUT")]
+    count = sum(1 for _, _, name, _ in segments if name == "MEMOIZE")
+    return sorted(set(found) | set(range(count))) or [0]
+
+
+class Mutator:
+    """Opcode-aware mutations of a pickle (and a few blind ones)."""
+
+    def __init__(self, rng: random.Random, gen: Gen) -> None:
+        self.rng = rng
+        self.gen = gen
+
+    def mutate(self, pkl: bytes, others: list[bytes], rounds: int) -> tuple[bytes, list[str]]:
+        done = []
+        for _ in range(rounds):
+            segments = _segments(pkl)
+            name = self.rng.choice(
+                ["flip", "flip", "truncate"]
+                if segments is None
+                else ["flip", "delete", "dup", "swap", "insert", "insert", "insert",
+                      "replace_arg", "replace_arg", "replace_op", "splice", "truncate"]
+            )  # fmt: skip
+            pkl = getattr(self, f"m_{name}")(pkl, segments, others)
+            done.append(name)
+        return pkl, done
+
+    def _at(self, segments: list[tuple[int, int, str, Any]]) -> int:
+        return self.rng.randrange(len(segments))
+
+    def m_flip(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        if not pkl:
+            return bytes([self.rng.randrange(256)])
+        buf = bytearray(pkl)
+        i = self.rng.randrange(len(buf))
+        if self.rng.random() < 0.5:
+            buf[i] ^= 1 << self.rng.randrange(8)
+        else:
+            buf[i] = self.rng.randrange(256)
+        return bytes(buf)
+
+    def m_truncate(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        return pkl[: self.rng.randrange(len(pkl) + 1)]
+
+    def m_delete(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        s, e, _, _ = segments[self._at(segments)]
+        return pkl[:s] + pkl[e:]
+
+    def m_dup(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        s, e, _, _ = segments[self._at(segments)]
+        return pkl[:e] + pkl[s:e] + pkl[e:]
+
+    def m_swap(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        if len(segments) < 3:
+            return self.m_flip(pkl, segments, others)
+        i = self.rng.randrange(1, len(segments) - 1)
+        j = i + 1 if self.rng.random() < 0.6 else self.rng.randrange(1, len(segments) - 1)
+        i, j = min(i, j), max(i, j)
+        if i == j:
+            return pkl
+        (s1, e1, _, _), (s2, e2, _, _) = segments[i], segments[j]
+        return pkl[:s1] + pkl[s2:e2] + pkl[e1:s2] + pkl[s1:e1] + pkl[e2:]
+
+    def m_insert(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        s = segments[self.rng.randrange(1, len(segments))][0] if len(segments) > 1 else 0
+        self.gen.refs = [(i, "memo") for i in _memo_indices(segments)]
+        self.gen.next_memo = max(i for i, _ in self.gen.refs) + 1
+        return pkl[:s] + self.gen.snippet() + pkl[s:]
+
+    def m_replace_arg(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        with_arg = [seg for seg in segments if seg[3] is not None]
+        if not with_arg:
+            return self.m_replace_op(pkl, segments, others)
+        s, e, name, arg = self.rng.choice(with_arg)
+        rng = self.rng
+        new: bytes
+        if name in ("BININT1", "BININT2", "BININT", "LONG1", "LONG4", "INT", "LONG"):
+            n = rng.choice(INTS + BIG_INTS) if rng.random() < 0.5 else arg + rng.choice([-1, 1])
+            new = ops.int_(n) if rng.random() < 0.7 else ops.LONG1(n)
+        elif name in ("BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "SHORT_BINSTRING"):
+            new = self.gen.str_code(rng.choice(STRINGS))
+            if name == "SHORT_BINUNICODE" and rng.random() < 0.5:
+                new = ops.SHORT_BINUNICODE(rng.choice(STRINGS)[:255])
+        elif name in ("GLOBAL", "INST"):
+            module, attr = self.gen.global_name()
+            new = ops.GLOBAL(module, attr) if name == "GLOBAL" else ops.INST(module, attr)
+        elif name in ("BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"):
+            i = rng.choice([*_memo_indices(segments), 255, 256, 2**31 - 1, 2**32 - 1])
+            short = name.startswith("BIN") and i < 256
+            get = "GET" in name
+            new = (
+                (ops.BINGET if get else ops.BINPUT)(i)
+                if short
+                else (ops.LONG_BINGET if get else ops.LONG_BINPUT)(i)
+            )
+        elif name == "BINFLOAT":
+            new = ops.BINFLOAT(rng.choice(FLOATS))
+        elif name == "PROTO":
+            new = ops.PROTO(rng.choice([0, 1, 2, 3, 4, 5, 255]))
+        elif name == "FRAME":
+            new = ops.FRAME(rng.choice([0, 1, arg + 1, max(arg - 1, 0), 2**63]))
+        elif name in ("SHORT_BINBYTES", "BINBYTES", "BINBYTES8"):
+            new = ops.SHORT_BINBYTES(rng.randbytes(rng.randrange(8)))
+        else:
+            return self.m_flip(pkl, segments, others)
+        return pkl[:s] + new + pkl[e:]
+
+    def m_replace_op(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        plain = [seg for seg in segments if seg[1] - seg[0] == 1 and seg[2] != "STOP"]
+        if not plain:
+            return self.m_flip(pkl, segments, others)
+        s, e, _, _ = self.rng.choice(plain)
+        op = pkl[s:e]
+        family = next((f for f in OP_FAMILIES if op in f), NOARG_OPS)
+        if self.rng.random() < 0.2:
+            family = NOARG_OPS
+        return pkl[:s] + self.rng.choice(family) + pkl[e:]
+
+    def m_splice(self, pkl: bytes, segments: Any, others: Any) -> bytes:
+        other = self.rng.choice(others)
+        theirs = _segments(other)
+        if not theirs:
+            return self.m_flip(pkl, segments, others)
+        cut = segments[self.rng.randrange(len(segments))][0]
+        start = theirs[self.rng.randrange(len(theirs))][0]
+        return pkl[:cut] + other[start:]
+
+
+# --- generation -------------------------------------------------------------------------
+
+
+def _storage_table() -> dict[str, tuple[str, int]]:
+    """Storage class names a persistent id may hold -> (module, element size)."""
+    from torch import _weights_only_unpickler as wo
+
+    table: dict[str, tuple[str, int]] = {}
+    for key, value in sorted(wo._get_allowed_globals().items()):
+        module, name = key.rsplit(".", 1)
+        if name.endswith("Storage") and "cuda" not in module:
+            dtype = getattr(value, "_dtype", None) or getattr(value, "dtype", torch.uint8)
+            size = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+            table[name] = (module, size)
+    return table
+
+
+STORAGE_TABLE = _storage_table()
+#: Allowed globals that can be called (REDUCE) or instantiated (NEWOBJ).
+CALLABLE = [
+    tuple(k.rsplit(".", 1))
+    for k, v in sorted(__import__("torch")._weights_only_unpickler._get_allowed_globals().items())
+    if callable(v) and "cuda" not in k
+]
+REBUILDS = [
+    "_rebuild_tensor_v2", "_rebuild_tensor_v2", "_rebuild_tensor_v2", "_rebuild_tensor",
+    "_rebuild_tensor_v3", "_rebuild_parameter", "_rebuild_parameter_with_state",
+    "_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_meta_tensor_no_storage",
+    "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_cpu_tensor",
+    "_rebuild_device_tensor_from_numpy", "_rebuild_nested_tensor", "_rebuild_from_type_v2",
+]  # fmt: skip
+DTYPE_NAMES = [
+    "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64",
+    "bool", "complex64", "complex128", "qint8", "quint8", "qint32", "float8_e4m3fn", "uint16",
+]  # fmt: skip
+LAYOUTS = ["torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc", "torch.strided", "x"]
+
+
+class Gen:
+    """Opcode sequences: statements that each push one value and memoize it, some
+    building values (constants, containers, storages from persistent ids, tensors by
+    each rebuild function, calls of allowed callables with random arguments), some
+    mutating earlier ones (BUILD, APPEND(S), SETITEM(S), REDUCE, NEWOBJ on globals,
+    containers, tensors, storages); then a tuple of the memoized values."""
+
+    def __init__(self, rng: random.Random, storages: dict[str, bytes], target: str) -> None:
+        self.rng = rng
+        self.storages = storages
+        self.target = target
+        self.refs: list[tuple[int, str]] = []
+        self.next_memo = 0
+        self.used: dict[str, str] = {}  # storage key -> the class first named with it
+        self.elements: dict[int, int] = {}  # memoized storage -> its element count
+        self._elements = 0
+        self.constructive = False  # this program builds values only (no mutations)
+
+    # -- small values
+    def chance(self, p: float) -> bool:
+        return self.rng.random() < p
+
+    def small_int(self) -> int:
+        r = self.rng.random()
+        if r < 0.75:
+            return self.rng.randint(0, 8)
+        if r < 0.92:
+            return self.rng.randint(-3, 300)
+        if r < 0.98:
+            return self.rng.choice(INTS)
+        return self.rng.choice(BIG_INTS)
+
+    def int_code(self, n: int | None = None) -> bytes:
+        n = self.small_int() if n is None else n
+        if self.chance(0.1):
+            return ops.LONG1(n)
+        if self.chance(0.05) and -(2**31) <= n < 2**31:
+            return ops.BININT(n)
+        return ops.int_(n)
+
+    def str_code(self, s: str | None = None) -> bytes:
+        s = self.rng.choice(STRINGS) if s is None else s
+        if self.target == "metadata" and self.chance(0.5):
+            return ops.SHORT_BINUNICODE(s.encode()[:255])
+        if self.chance(0.15) and len(s.encode()) < 256:
+            return ops.SHORT_BINSTRING(s)
+        return ops.BINUNICODE(s)
+
+    def global_name(self) -> tuple[str, str]:
+        if self.target == "metadata" and self.chance(0.8):
+            return tuple(self.rng.choice(sorted(metadata_globals())).rsplit(".", 1))  # type: ignore[return-value]
+        if self.chance(0.8):
+            return self.rng.choice(ALLOWED)
+        return self.rng.choice(OTHER_GLOBALS)
+
+    def global_code(self, module: str | None = None, name: str | None = None) -> bytes:
+        if module is None or name is None:
+            module, name = self.global_name()
+        if self.target == "metadata" and self.chance(0.5):
+            return ops.SHORT_BINUNICODE(module) + ops.SHORT_BINUNICODE(name) + ops.STACK_GLOBAL
+        return ops.GLOBAL(module, name)
+
+    def const(self) -> tuple[bytes, str]:
+        r = self.rng.randrange(12)
+        if r == 0:
+            return ops.NONE, "none"
+        if r == 1:
+            return ops.bool_(self.chance(0.5)), "bool"
+        if r in (2, 3, 4):
+            return self.int_code(), "int"
+        if r == 5:
+            return ops.BINFLOAT(self.rng.choice([*FLOATS, self.rng.random()])), "float"
+        if r in (6, 7):
+            return self.str_code(), "str"
+        if r == 8:
+            return ops.call("_codecs", "encode", self.str_code(), ops.str_("latin1")), "bytes"
+        if r == 9 and self.target == "metadata":
+            return ops.SHORT_BINBYTES(self.rng.randbytes(self.rng.randrange(6))), "bytes"
+        return self.rng.choice([ops.EMPTY_TUPLE, ops.EMPTY_LIST, ops.EMPTY_DICT]), "empty"
+
+    def ref(self, kinds: tuple[str, ...] = ()) -> bytes | None:
+        if not self.refs:
+            return None
+        pool = [r for r in self.refs if r[1] in kinds] if kinds else []
+        i, _ = self.rng.choice(pool or self.refs)
+        return ops.BINGET(i) if i < 256 else ops.LONG_BINGET(i)
+
+    def value(self, depth: int = 0, kinds: tuple[str, ...] = ()) -> bytes:
+        r = self.rng.random()
+        if r < 0.35 and self.refs:
+            found = self.ref(kinds)
+            if found is not None:
+                return found
+        if r < 0.7 or depth > 2:
+            return self.const()[0]
+        if r < 0.85:
+            return self.container(depth + 1)[0]
+        return self.rng.choice([self.size, self.dtype, self.storage, self.tensor])(depth + 1)[0]  # type: ignore[operator]
+
+    def values(self, n: int, depth: int = 0) -> list[bytes]:
+        return [self.value(depth) for _ in range(n)]
+
+    def args(self, depth: int = 0) -> bytes:
+        if self.chance(0.05):
+            return self.value(depth)  # not a tuple
+        return ops.tuple_(*self.values(self.rng.randrange(4), depth))
+
+    # -- shaped values
+    def size(self, depth: int = 0, numel: int | None = None) -> tuple[bytes, str]:
+        dims = self.rng.randrange(4)
+        if numel is not None and self.chance(0.8):
+            sizes = self._split(numel, dims)
+        else:
+            sizes = [self.small_int() for _ in range(dims)]
+        code = ops.tuple_(*(self.int_code(s) for s in sizes))
+        if self.chance(0.1):
+            code = ops.call("torch", "Size", code)
+        elif self.chance(0.05):
+            code = ops.list_(*(self.int_code(s) for s in sizes))
+        return code, "size"
+
+    def _split(self, numel: int, dims: int) -> list[int]:
+        """``dims`` sizes whose product is at most ``numel`` (mostly all of it)."""
+        sizes = []
+        left = max(numel, 0)
+        for i in range(dims):
+            last = i == dims - 1 and self.chance(0.7)
+            d = left if last else self.rng.randint(0, min(left, 8))
+            sizes.append(d)
+            left = left // d if d else 0
+        return sizes
+
+    def stride(self, sizes: list[int]) -> bytes:
+        if self.chance(0.8):
+            out, acc = [], 1
+            for s in reversed(sizes):
+                out.append(acc)
+                acc *= max(s, 1)
+            return ops.ints(reversed(out))
+        return ops.tuple_(*(self.int_code(self.rng.choice([0, 1, 2, -1, 3])) for _ in sizes))
+
+    def dtype(self, depth: int = 0) -> tuple[bytes, str]:
+        return self.global_code("torch", self.rng.choice(DTYPE_NAMES)), "dtype"
+
+    def storage(self, depth: int = 0, cls: str | None = None) -> tuple[bytes, str]:
+        return self._pid(cls)[0], "storage"
+
+    def _pid(self, cls: str | None = None) -> tuple[bytes, int]:
+        """A persistent id naming a storage record (mostly a real one, of its size), and
+        the elements it holds (torch keeps the first storage loaded for a key)."""
+        keys = list(self.storages)
+        key = self.rng.choice(keys) if keys and self.chance(0.9) else self.rng.choice(STRINGS)
+        if key in self.used and self.chance(0.85):
+            cls = self.used[key]
+        if cls is None:
+            cls = self.rng.choice(list(STORAGE_TABLE))
+        self.used.setdefault(key, cls)
+        module, size = STORAGE_TABLE.get(cls, ("torch", 4))
+        numel = len(self.storages.get(key, b"")) // size
+        if self.chance(0.1):
+            numel = self.small_int()
+        if self.chance(0.05):
+            storage_type = self.rng.choice(
+                [ops.GLOBAL("torch", "Tensor") + ops.EMPTY_TUPLE + ops.NEWOBJ, self.dtype()[0]]
+                + [self.global_code(*n) for n in OTHER_GLOBALS[:3]]
+            )
+        else:
+            storage_type = ops.GLOBAL(module, cls)
+        location = "cpu" if self.chance(0.9) else self.rng.choice(["cuda", "meta", "cpu:0", ""])
+        parts = [self.str_code("storage"), storage_type, self.str_code(key)]
+        parts += [self.str_code(location), self.int_code(numel)]
+        if self.chance(0.03):
+            parts = parts[: self.rng.randrange(len(parts))]
+        first = STORAGE_TABLE.get(self.used[key], ("", 1))[1]
+        self._elements = len(self.storages.get(key, b"")) // first
+        return ops.MARK + b"".join(parts) + ops.TUPLE + ops.BINPERSID, self._elements
+
+    def _storage_arg(self, cls: str | None = None) -> tuple[bytes, int]:
+        """A storage for a rebuild (a memoized one or a new id) and its element count."""
+        if cls is None and self.elements and self.chance(0.3):
+            i = self.rng.choice(list(self.elements))
+            return (ops.BINGET(i) if i < 256 else ops.LONG_BINGET(i)), self.elements[i]
+        return self._pid(cls)
+
+    def tensor(self, depth: int = 0) -> tuple[bytes, str]:
+        which = self.rng.choice(REBUILDS)
+        if depth > 2:
+            which = "_rebuild_tensor_v2"
+        code = getattr(self, f"t{which}")(depth)
+        return code, "param" if "parameter" in which else "tensor"
+
+    def _geometry(self, numel: int) -> tuple[bytes, bytes, bytes]:
+        offset = 0 if self.chance(0.8) else self.small_int()
+        sizes = self._split(max(numel - offset, 0), self.rng.randrange(4))
+        if self.chance(0.1):
+            sizes = [self.small_int() for _ in sizes]
+        return (
+            self.int_code(offset),
+            ops.tuple_(*(self.int_code(s) for s in sizes)),
+            self.stride(sizes),
+        )
+
+    def _rg(self) -> bytes:
+        if self.chance(0.85):
+            return ops.NEWFALSE
+        return self.rng.choice([ops.NEWTRUE, ops.NONE, ops.int_(2), ops.int_(0)])
+
+    def _hooks(self) -> bytes:
+        if self.chance(0.85):
+            return ops.ordered_dict()
+        return self.rng.choice([ops.EMPTY_DICT, ops.NONE, ops.list_(ops.int_(1))])
+
+    def _tensor_value(self, depth: int) -> bytes:
+        found = self.ref(("tensor", "param")) if self.chance(0.4) else None
+        return found or self.t_rebuild_tensor_v2(depth + 1)
+
+    def _call(self, name: str, *args: bytes, module: str = "torch._utils") -> bytes:
+        return ops.call(module, name, *args)
+
+    def t_rebuild_tensor_v2(self, depth: int) -> bytes:
+        storage, numel = self._storage_arg()
+        offset, size, stride = self._geometry(numel)
+        args = [storage, offset, size, stride, self._rg(), self._hooks()]
+        if self.chance(0.1):
+            args.append(
+                self.rng.choice(
+                    [ops.EMPTY_DICT, ops.NONE, ops.dict_((ops.str_("conj"), ops.NEWTRUE))]
+                )
+            )
+        return self._call("_rebuild_tensor_v2", *args)
+
+    def t_rebuild_tensor(self, depth: int) -> bytes:
+        storage, numel = self._storage_arg()
+        return self._call("_rebuild_tensor", storage, *self._geometry(numel))
+
+    def t_rebuild_tensor_v3(self, depth: int) -> bytes:
+        storage, numel = self._storage_arg("UntypedStorage" if self.chance(0.7) else None)
+        dtype = self.dtype()[0]
+        offset, size, stride = self._geometry(numel // 4)
+        return self._call(
+            "_rebuild_tensor_v3", storage, offset, size, stride, self._rg(), self._hooks(), dtype
+        )
+
+    def t_rebuild_parameter(self, depth: int) -> bytes:
+        return self._call(
+            "_rebuild_parameter", self._tensor_value(depth), self._rg(), self._hooks()
+        )
+
+    def t_rebuild_parameter_with_state(self, depth: int) -> bytes:
+        state = self.rng.choice(
+            [ops.EMPTY_DICT, ops.dict_((self.str_code(), self.value(depth + 1)))]
+        )
+        return self._call(
+            "_rebuild_parameter_with_state",
+            self._tensor_value(depth),
+            self._rg(),
+            self._hooks(),
+            state,
+        )
+
+    def t_rebuild_qtensor(self, depth: int) -> bytes:
+        cls = self.rng.choice(
+            ["QInt8Storage", "QUInt8Storage", "QInt32Storage", "QUInt4x2Storage", "FloatStorage"]
+        )
+        storage, numel = self._storage_arg(cls)
+        offset, size, stride = self._geometry(numel)
+        if self.chance(0.6):
+            params = ops.tuple_(
+                self.global_code("torch", "per_tensor_affine"),
+                ops.BINFLOAT(self.rng.choice([0.1, 1.0, 0.0, float("nan")])),
+                self.int_code(),
+            )
+        else:
+            params = (
+                ops.MARK
+                + self.global_code(
+                    "torch",
+                    self.rng.choice(
+                        [
+                            "per_channel_affine",
+                            "per_channel_affine_float_qparams",
+                            "per_tensor_symmetric",
+                        ]
+                    ),
+                )
+                + self._tensor_value(depth)
+                + self._tensor_value(depth)
+                + self.int_code()
+                + ops.TUPLE
+            )
+        return self._call(
+            "_rebuild_qtensor", storage, offset, size, stride, params, self._rg(), self._hooks()
+        )
+
+    def t_rebuild_sparse_tensor(self, depth: int) -> bytes:
+        layout = self._call(
+            "_get_layout", self.str_code(self.rng.choice(LAYOUTS)), module="torch.serialization"
+        )
+        parts = [self._tensor_value(depth) for _ in range(self.rng.choice([2, 3]))]
+        parts.append(self.size(depth, None)[0])
+        if self.chance(0.5):
+            parts.append(self.rng.choice([ops.NEWTRUE, ops.NEWFALSE, ops.NONE]))
+        return self._call("_rebuild_sparse_tensor", layout, ops.MARK + b"".join(parts) + ops.TUPLE)
+
+    def t_rebuild_meta_tensor_no_storage(self, depth: int) -> bytes:
+        sizes = [self.small_int() for _ in range(self.rng.randrange(4))]
+        return self._call(
+            "_rebuild_meta_tensor_no_storage",
+            self.dtype()[0],
+            ops.tuple_(*(self.int_code(s) for s in sizes)),
+            self.stride(sizes),
+            self._rg(),
+        )
+
+    def t_rebuild_wrapper_subclass(self, depth: int) -> bytes:
+        cls = self.global_code(
+            *self.rng.choice(
+                [
+                    ("torch", "Tensor"),
+                    ("torch.nn.parameter", "Parameter"),
+                    ("collections", "OrderedDict"),
+                ]
+            )
+        )
+        sizes = [self.small_int() for _ in range(self.rng.randrange(3))]
+        layout = self._call(
+            "_get_layout", self.str_code("torch.strided"), module="torch.serialization"
+        )
+        device = self.str_code(self.rng.choice(["meta", "cpu", "cuda"]))
+        return self._call(
+            "_rebuild_wrapper_subclass",
+            cls,
+            self.dtype()[0],
+            ops.tuple_(*(self.int_code(s) for s in sizes)),
+            self.stride(sizes),
+            self.int_code(0),
+            layout,
+            device,
+            self._rg(),
+        )
+
+    def t_rebuild_device_tensor_from_cpu_tensor(self, depth: int) -> bytes:
+        device = self.str_code(self.rng.choice(["cpu", "meta", "cuda"]))
+        return self._call(
+            "_rebuild_device_tensor_from_cpu_tensor",
+            self._tensor_value(depth),
+            self.dtype()[0],
+            device,
+            self._rg(),
+        )
+
+    def t_rebuild_device_tensor_from_numpy(self, depth: int) -> bytes:
+        return self._call(
+            "_rebuild_device_tensor_from_numpy",
+            self.value(depth),
+            self.dtype()[0],
+            self.str_code("cpu"),
+            self._rg(),
+        )
+
+    def t_rebuild_nested_tensor(self, depth: int) -> bytes:
+        return self._call("_rebuild_nested_tensor", *(self._tensor_value(depth) for _ in range(4)))
+
+    def t_rebuild_from_type_v2(self, depth: int) -> bytes:
+        func = self.global_code(
+            "torch._utils",
+            self.rng.choice(["_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_tensor"]),
+        )
+        new_type = self.global_code(
+            *self.rng.choice(
+                [
+                    ("torch", "Tensor"),
+                    ("torch.nn.parameter", "Parameter"),
+                    ("collections", "OrderedDict"),
+                    ("torch", "Size"),
+                ]
+            )
+        )
+        storage, numel = self._storage_arg()
+        offset, size, stride = self._geometry(numel)
+        args = ops.MARK + storage + offset + size + stride + self._rg() + self._hooks() + ops.TUPLE
+        if self.chance(0.3):
+            args = self.args(depth + 1)
+        state = self.rng.choice(
+            [
+                ops.EMPTY_DICT,
+                ops.NONE,
+                ops.dict_((self.str_code(), self.value(depth + 1))),
+                ops.tuple_(ops.EMPTY_DICT, ops.dict_((self.str_code(), self.value(depth + 1)))),
+            ]
+        )
+        return (
+            ops.GLOBAL("torch._tensor", "_rebuild_from_type_v2")
+            + ops.tuple_(func, new_type, args, state)
+            + ops.REDUCE
+        )
+
+    def container(self, depth: int = 0) -> tuple[bytes, str]:
+        r = self.rng.randrange(9)
+        items = self.values(self.rng.randrange(4), depth + 1)
+        if r == 0:
+            return ops.tuple_(*items), "tuple"
+        if r in (1, 2):
+            return ops.list_(*items), "list"
+        if r in (3, 4):
+            pairs = [(self.key(depth), v) for v in items]
+            return ops.dict_(*pairs), "dict"
+        if r == 5:
+            return ops.call("builtins", "set", ops.list_(*items)), "set"
+        if r == 6:
+            pairs = [ops.tuple_(self.str_code(), v) for v in items]
+            return ops.call("collections", "OrderedDict", ops.list_(*pairs)), "od"
+        if r == 7:
+            return ops.call(
+                "collections", "Counter", ops.dict_(*[(self.str_code(), v) for v in items])
+            ), "counter"
+        return ops.EMPTY_SET, "set"
+
+    def call(self, depth: int = 0) -> tuple[bytes, str]:
+        """A constructor of an allowed class or callable (or another), random arguments."""
+        module, name = self.rng.choice(CALLABLE) if self.chance(0.8) else self.global_name()
+        if self.target == "metadata" and self.chance(0.8):
+            module, name = self.global_name()
+        target = self.global_code(module, name)
+        args = self._typed_args(name, depth) if self.chance(0.6) else self.args(depth)
+        op = ops.NEWOBJ if self.chance(0.3) else ops.REDUCE
+        if self.chance(0.03):
+            op = self.rng.choice([ops.NEWOBJ_EX, ops.OBJ])
+            if op == ops.NEWOBJ_EX:
+                args += ops.dict_((self.str_code("x"), self.value(depth)))
+        return target + args + op, "obj"
+
+    def _typed_args(self, name: str, depth: int) -> bytes:
+        if name in ("Size",):
+            return ops.tuple_(self.size()[0])
+        if name == "device":
+            return ops.tuple_(
+                self.str_code(self.rng.choice(["cpu", "meta", "cuda", "x"])),
+                *([self.int_code()] if self.chance(0.3) else []),
+            )
+        if name in ("OrderedDict", "Counter", "set", "bytearray"):
+            return ops.tuple_(self.container(depth + 1)[0])
+        if name == "complex":
+            return ops.tuple_(ops.BINFLOAT(1.0), ops.BINFLOAT(self.rng.choice(FLOATS)))
+        if name == "encode":
+            return ops.tuple_(
+                self.str_code(),
+                self.str_code(self.rng.choice(["latin1", "utf-8", "ascii", "hex", "rot13"])),
+            )
+        if name == "Parameter":
+            return ops.tuple_(self._tensor_value(depth), self._rg())
+        if name.endswith("Tensor") or name.endswith("Storage"):
+            return ops.tuple_(
+                self.rng.choice(
+                    [
+                        self.size()[0],
+                        self._tensor_value(depth),
+                        self._storage_arg()[0],
+                        ops.list_(ops.BINFLOAT(1.0)),
+                        self.int_code(self.rng.randint(0, 4)),
+                    ]
+                )
+            )
+        return self.args(depth)
+
+    def mutation(self, depth: int = 0) -> tuple[bytes, str]:
+        """A memoized value (or a fresh global) mutated by BUILD, APPEND(S), SETITEM(S),
+        REDUCE or NEWOBJ."""
+        r = self.rng.randrange(10)
+        kinds = (
+            ("tensor", "param", "od", "counter", "obj") if r < 4
+            else ("list",) if r < 6
+            else ("dict", "od", "counter") if r < 8
+            else ("global",)
+        )  # fmt: skip
+        target = self.ref(kinds) if self.chance(0.85) else self.ref()
+        if target is None or self.chance(0.1):
+            target = self.global_code()
+        if r < 4:
+            return target + self._state(depth) + ops.BUILD, "obj"
+        if r == 4:
+            return target + self.value(depth) + ops.APPEND, "list"
+        if r == 5:
+            items = b"".join(self.values(self.rng.randrange(3), depth))
+            return target + ops.MARK + items + ops.APPENDS, "list"
+        if r == 6:
+            return target + self.key(depth) + self.value(depth) + ops.SETITEM, "dict"
+        if r == 7:
+            n = self.rng.randrange(3)
+            items = b"".join(self.key(depth) + self.value(depth) for _ in range(n))
+            if self.chance(0.1):
+                items += self.value(depth)
+            return target + ops.MARK + items + ops.SETITEMS, "dict"
+        if r == 8:
+            return target + self.args(depth) + ops.REDUCE, "obj"
+        return target + self.args(depth) + ops.NEWOBJ, "obj"
+
+    def key(self, depth: int = 0) -> bytes:
+        r = self.rng.random()
+        if r < 0.6:
+            return self.str_code()
+        if r < 0.85:
+            return self.int_code()
+        return self.value(depth + 1)
+
+    def _state(self, depth: int) -> bytes:
+        name = self.rng.choice(
+            [
+                "__defaults__",
+                "_dtype",
+                "dtype",
+                "x",
+                "_untyped_storage",
+                "__class__",
+                "__dict__",
+                "requires_grad",
+                "data",
+                "_metadata",
+                "cloudckpt_poisoned",
+            ]
+        )
+        entry = ops.dict_((self.str_code(name), self.value(depth + 1)))
+        r = self.rng.randrange(8)
+        if r == 0:
+            return entry
+        if r == 1:
+            return ops.tuple_(ops.NONE, entry)
+        if r == 2:
+            return ops.tuple_(entry, entry)
+        if r == 3:  # a tensor's legacy state: set_(storage, offset, size, stride)
+            storage, numel = self._storage_arg()
+            return ops.tuple_(storage, *self._geometry(numel))
+        if r == 4:
+            return ops.tuple_(ops.NEWFALSE, ops.NONE, ops.NONE)
+        if r == 5:  # a Parameter's state
+            return ops.tuple_(self._rg(), ops.NONE, self._hooks())
+        if r == 6:
+            return ops.MARK + b"".join(self.values(5, depth + 1)) + ops.TUPLE
+        return self.value(depth + 1)
+
+    def noise(self) -> bytes:
+        if self.chance(0.5):
+            return self.rng.choice(NOARG_OPS)
+        return self.rng.choice(
+            [
+                ops.EXT1(1),
+                ops.FRAME(4),
+                ops.MEMOIZE,
+                ops.POP,
+                ops.DUP,
+                ops.SHORT_BINBYTES(b"ab"),
+                ops.BINBYTES(b"x"),
+                ops.LONG_BINPUT(2**32 - 1),
+                ops.INT(5),
+                ops.STRING("s"),
+                ops.PERSID("0"),
+            ]
+        )
+
+    def memoize(self, kind: str) -> bytes:
+        i = self.next_memo
+        self.next_memo += 1
+        self.refs.append((i, kind))
+        if kind == "storage":
+            self.elements[i] = self._elements
+        if self.target == "metadata" and self.chance(0.3):
+            return ops.MEMOIZE if i == len(self.refs) - 1 else ops.BINPUT(i & 0xFF)
+        return ops.BINPUT(i) if i < 256 else ops.LONG_BINPUT(i)
+
+    def statement(self) -> bytes:
+        r = self.rng.random()
+        if self.constructive:  # values only: what torch accepts, mostly
+            r = r * 0.58 if r > 0.22 or self.chance(0.5) else 0.1 + r  # no globals, mostly
+        if r < 0.1:
+            code, kind = self.const()
+        elif r < 0.22:
+            code, kind = self.global_code(), "global"
+        elif r < 0.32:
+            code, kind = self.container()
+        elif r < 0.4:
+            code, kind = self.storage()
+        elif r < 0.58:
+            code, kind = self.tensor()
+        elif r < 0.72:
+            code, kind = self.call()
+        elif r < 0.97:
+            code, kind = self.mutation()
+        else:
+            return self.noise()
+        return code + self.memoize(kind)
+
+    def snippet(self) -> bytes:
+        """A few opcodes to insert into a real pickle (memo indices as it has them)."""
+        r = self.rng.random()
+        if r < 0.3:
+            return self.noise()
+        if r < 0.5:
+            found = self.ref()
+            return (
+                found
+                + self.rng.choice([ops.BUILD, ops.APPEND, ops.REDUCE, ops.NEWOBJ, ops.SETITEM, b""])
+                if found
+                else self.noise()
+            )
+        if r < 0.7:
+            return self.mutation()[0]
+        return self.statement()
+
+    def program(self) -> bytes:
+        parts = [ops.PROTO(4 if self.target == "metadata" and self.chance(0.5) else 2)]
+        if self.chance(0.03):
+            parts = [self.rng.choice([b"", ops.PROTO(5), ops.PROTO(0)])]
+        self.constructive = self.chance(0.4)
+        for _ in range(self.rng.randint(1, 6)):
+            parts.append(self.statement())
+        if self.refs and self.chance(0.85):
+            chosen = self.rng.sample(self.refs, min(len(self.refs), self.rng.randint(1, 8)))
+            parts.append(
+                ops.MARK
+                + b"".join(ops.BINGET(i) if i < 256 else ops.LONG_BINGET(i) for i, _ in chosen)
+                + ops.TUPLE
+            )
+        parts.append(ops.STOP)
+        if self.chance(0.02):
+            parts.append(self.noise())
+        return b"".join(parts)
+
+
+# --- cases ------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    index: int
+    target: str  # "archive" | "metadata"
+    source: str
+    data: bytes  # the whole archive, or the .metadata pickle
+    pkl: bytes
+    undamaged: bytes | None = None  # the archive before its zip bytes were damaged
+
+
+def make_case(corpus: Corpus, seed: int, index: int, target: str) -> Case:
+    """Case ``index`` of run ``seed``: a function of those alone (and the corpus)."""
+    rng = random.Random(f"cloudckpt-fuzz/{seed}/{index}")
+    if target == "all":
+        target = "archive" if rng.random() < 0.8 else "metadata"
+    if target == "metadata":
+        return _metadata_case(corpus, rng, index)
+    r = rng.random()
+    if r < 0.5:
+        name, pkl, storages = rng.choice(corpus.archives)
+        storages = dict(storages)
+        gen = Gen(rng, storages, "archive")
+        pkl, done = Mutator(rng, gen).mutate(pkl, [p for _, p, _ in corpus.archives], _rounds(rng))
+        source = f"mutate({name}):{'+'.join(done)}"
+    else:
+        storages = {
+            "0": rng.randbytes(64),
+            "1": rng.randbytes(16),
+            "2": b"",
+            "3": rng.randbytes(8),
+        }
+        gen = Gen(rng, storages, "archive")
+        pkl = gen.program()
+        source = "generate"
+        if r > 0.9:
+            pkl, done = Mutator(rng, Gen(rng, storages, "archive")).mutate(pkl, [pkl], 1)
+            source += f"+mutate:{'+'.join(done)}"
+    if rng.random() < 0.04:
+        storages, what = _damage_storages(rng, storages)
+        source += f"+storages:{what}"
+    data = undamaged = craft.torch_archive(pkl, storages)
+    if rng.random() < 0.03:
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            buf[rng.randrange(len(buf))] = rng.randrange(256)
+        data = bytes(buf)
+        source += "+zip"
+    return Case(index, "archive", source, data, pkl, undamaged if data != undamaged else None)
+
+
+def _rounds(rng: random.Random) -> int:
+    r = rng.random()
+    return 1 if r < 0.5 else 2 if r < 0.8 else rng.randint(3, 5)
+
+
+def _damage_storages(
+    rng: random.Random, storages: dict[str, bytes]
+) -> tuple[dict[str, bytes], str]:
+    storages = dict(storages)
+    if not storages:
+        storages["0"] = rng.randbytes(8)
+        return storages, "added"
+    key = rng.choice(list(storages))
+    what = rng.choice(["drop", "short", "long", "rename", "extra"])
+    if what == "drop":
+        del storages[key]
+    elif what == "short":
+        storages[key] = storages[key][: max(len(storages[key]) - rng.randint(1, 8), 0)]
+    elif what == "long":
+        storages[key] += rng.randbytes(rng.randint(1, 8))
+    elif what == "rename":
+        storages[rng.choice(["99", "../0", "0/x", key + "0"])] = storages.pop(key)
+    else:
+        storages[str(len(storages) + 10)] = rng.randbytes(4)
+    return storages, what
+
+
+def _metadata_case(corpus: Corpus, rng: random.Random, index: int) -> Case:
+    gen = Gen(rng, {}, "metadata")
+    if rng.random() < 0.7 and corpus.metadata:
+        name, pkl = rng.choice(corpus.metadata)
+        pkl, done = Mutator(rng, gen).mutate(pkl, [p for _, p in corpus.metadata], _rounds(rng))
+        source = f"metadata-mutate({name}):{'+'.join(done)}"
+    else:
+        pkl = gen.program()
+        source = "metadata-generate"
+    return Case(index, "metadata", source, pkl, pkl)
+
+
+# --- running one case ---------------------------------------------------------------------
+
+VERDICTS = ("both-refused", "both-accepted-equal", "stricter", "failure")
+
+
+@dataclass
+class Options:
+    seed: int
+    target: str
+    entry: str
+    ours: bool = True
+    theirs: bool = True
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    try:
+        return True, fn()
+    except RecursionError as exc:
+        return False, exc
+    except Exception as exc:
+        return False, exc
+    except BaseException as exc:  # a pickle must not be able to raise these
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return False, exc
+
+
+_FILE_URL = re.compile(r"(file://)?/\S*?/case\.pt")
+
+
+def _err(exc: BaseException) -> str:
+    text = str(exc).replace(URL + "/.metadata", "<url>").replace(URL, "<url>")
+    text = _FILE_URL.sub("<url>", text)
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def _reason(exc: BaseException) -> str:
+    """A refusal's message, shortened and with numbers blanked (to group them)."""
+    text = str(exc).replace(URL + "/.metadata", "").replace(URL, "")
+    text = _FILE_URL.sub("", text).lstrip(": ")
+    text = re.sub(r"0x[0-9a-f]+|\d+", "N", text.split("\n")[0])
+    return f"{type(exc).__name__}: {text[:90]}"
+
+
+def _memory_limit() -> None:
+    """At most 3 GiB more address space than now: an oracle that allocates what a file
+    asks fails instead of taking the machine."""
+    with contextlib.suppress(Exception), open("/proc/self/status") as f:
+        size = int(re.search(r"VmSize:\s+(\d+)", f.read()).group(1)) * 1024  # type: ignore[union-attr]
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (size + (3 << 30), hard))
+
+
+def run_case(case: Case, opts: Options, modules: set[str]) -> dict[str, Any]:
+    """Load one case both ways and judge it; a dict with ``verdict`` and details."""
+    out: dict[str, Any] = {"index": case.index, "source": case.source, "target": case.target}
+    torch._utils._sparse_tensors_to_validate.clear()
+    ok_ours, ours = True, None
+    if opts.ours:
+        before = side_state()
+        if case.target == "archive":
+            ok_ours, ours = _attempt(lambda: load_ours(case.data, opts.entry))
+        else:
+            ok_ours, ours = _attempt(lambda: decode_ours(case.data))
+        effects = side_effects(before, modules)
+        if effects:
+            return _fail(out, "side-effect", "; ".join(effects))
+    if not opts.theirs:
+        out["verdict"] = "ours-only"
+        if ok_ours:
+            footprint(ours)  # touches every storage of the result: a bad one crashes here
+            out["ours"] = "accepted"
+        elif isinstance(ours, errors.CloudCkptError):
+            out["ours"] = f"refused ({_err(ours)})"
+        else:
+            out["ours"] = f"wrong error ({_err(ours)})"
+        return out
+    torch._utils._sparse_tensors_to_validate.clear()
+    if case.target == "archive":
+        ok_theirs, theirs = _attempt(lambda: load_torch(case.data))
+    else:
+        ok_theirs, theirs = _attempt(lambda: decode_oracle(case.data))
+    torch._utils._sparse_tensors_to_validate.clear()
+    if not opts.ours:
+        out["verdict"] = "theirs-only"
+        return out
+    return judge(out, case, ok_ours, ours, ok_theirs, theirs)
+
+
+def judge(
+    out: dict[str, Any], case: Case, ok_ours: bool, ours: Any, ok_theirs: bool, theirs: Any
+) -> dict[str, Any]:
+    if not ok_ours and not isinstance(ours, errors.CloudCkptError):
+        detail = _err(ours)
+        if not ok_theirs:
+            detail += f" (the oracle: {_err(theirs)})"
+        return _fail(out, "wrong-error", detail)
+    oracle = "torch" if case.target == "archive" else "restricted pickle"
+    if not ok_theirs:
+        if ok_ours and case.undamaged is not None:
+            # torch's zip reader refuses a field cloudckpt does not read (a flag, a name's
+            # encoding): allowed if what cloudckpt loaded is exactly what torch loads from
+            # the undamaged archive.
+            ok_clean, clean = _attempt(lambda: load_torch(case.undamaged or b""))
+            if ok_clean and diff(ours, clean) is None:
+                out["verdict"] = "lenient-zip"
+                out["reason"] = _reason(theirs)
+                return out
+        if ok_ours:
+            return _fail(out, "looser", f"{oracle} refused ({_err(theirs)}), cloudckpt accepted")
+        out["verdict"] = "both-refused"
+        return out
+    if not ok_ours:
+        out["verdict"] = "stricter"
+        out["reason"] = _reason(ours)
+        return out
+    if case.target == "metadata":
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        if not isinstance(ours, Metadata):
+            return _fail(out, "wrong-result", f"decode_metadata returned {type(ours).__name__}")
+    size = footprint(ours)
+    if size > 16 * len(case.data) + (1 << 20):
+        return _fail(
+            out, "allocation", f"{size} bytes of storage from a {len(case.data)}-byte file"
+        )
+    found = _attempt(lambda: diff(ours, theirs))
+    if not found[0]:
+        return _fail(out, "harness", f"comparing: {_err(found[1])}")
+    if found[1] is not None and case.undamaged is not None:
+        # torch's zip reader, given a damaged directory, can return what the records do
+        # not hold (memory it never filled): what counts is that cloudckpt read the
+        # archive's true content, that of the undamaged archive.
+        ok_clean, clean = _attempt(lambda: load_torch(case.undamaged or b""))
+        if ok_clean and diff(ours, clean) is None:
+            out["verdict"] = "lenient-zip"
+            out["reason"] = f"torch read the damaged zip differently ({found[1][:60]})"
+            return out
+    if found[1] is not None:
+        return _fail(out, "result-differs", found[1])
+    out["verdict"] = "both-accepted-equal"
+    return out
+
+
+def _fail(out: dict[str, Any], kind: str, detail: str) -> dict[str, Any]:
+    out.update(verdict="failure", kind=kind, detail=detail)
+    return out
+
+
+# --- processes --------------------------------------------------------------------------
+
+_CORPUS: list[Corpus] = []
+
+
+def _malloc_perturb() -> None:
+    """glibc fills every allocation not made by calloc with one byte value (``mallopt``
+    ``M_PERTURB``), so what both sides leave uninitialized compares equal."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(Exception):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-6, 0x5A)  # M_PERTURB
+
+
+def _setup_process() -> None:
+    _malloc_perturb()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)  # uninitialized memory is filled: comparable
+    warnings.simplefilter("ignore")
+    sys.setrecursionlimit(10_000)
+
+
+def _child(conn: Any, job: tuple[str, list[int]], opts: Options) -> None:
+    """Runs the cases of ``job`` in this (forked) process; sends the results back."""
+    _memory_limit()
+    _, indices = job
+    if _file_mode(opts):  # its lazy state, before the snapshot
+        _, pkl, storages = _CORPUS[0].archives[0]
+        with contextlib.suppress(Exception):
+            load_ours(craft.torch_archive(pkl, storages), opts.entry)
+    objects = canary_objects()
+    baseline = snapshot(objects)
+    modules = set(sys.modules)
+    results = []
+    corpus = _CORPUS[0]
+    for index in indices:
+        case = make_case(corpus, opts.seed, index, opts.target)
+        try:
+            results.append(run_case(case, opts, modules))
+        except Exception as exc:  # the harness's own fault: reported, not hidden
+            results.append(
+                _fail(
+                    {"index": index, "source": case.source, "target": case.target},
+                    "harness",
+                    traceback.format_exc(limit=3)[-600:] or _err(exc),
+                )
+            )
+    changed = snapshot_diff(baseline, snapshot(objects))
+    conn.send({"results": results, "canary": changed})
+    conn.close()
+    if _tmpdir:
+        shutil.rmtree(_tmpdir[0], ignore_errors=True)
+    os._exit(0)
+
+
+@dataclass
+class Job:
+    kind: str  # "batch", "single", "ours", "theirs"
+    indices: list[int]
+    why: str = ""
+
+
+@dataclass
+class Tally:
+    counts: Counter[str] = field(default_factory=Counter)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    stricter: Counter[str] = field(default_factory=Counter)
+    stricter_examples: dict[str, int] = field(default_factory=dict)
+    lenient: Counter[str] = field(default_factory=Counter)
+    cases: int = 0
+
+
+def run_jobs(
+    opts: Options,
+    cases: int,
+    jobs: int,
+    batch: int,
+    case_timeout: float,
+    log: Callable[[str], None],
+) -> Tally:
+    ctx = multiprocessing.get_context("fork")
+    tally = Tally()
+    pending: list[Job] = [
+        Job("batch", list(range(s, min(s + batch, cases)))) for s in range(0, cases, batch)
+    ]
+    pending.reverse()
+    running: dict[Any, tuple[Any, Job, float]] = {}
+    attribution: dict[int, dict[str, Any]] = {}  # single cases being attributed
+
+    def start(job: Job) -> None:
+        job_opts = Options(
+            opts.seed, opts.target, opts.entry, job.kind != "theirs", job.kind != "ours"
+        )
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(w, (job.kind, job.indices), job_opts), daemon=True)
+        p.start()
+        w.close()
+        running[r] = (p, job, time.monotonic())
+
+    def limit(job: Job) -> float:
+        return 30.0 + 0.5 * len(job.indices) if job.kind == "batch" else case_timeout
+
+    def broken(job: Job, why: str) -> None:
+        if job.kind == "batch" and len(job.indices) > 10:  # tenths first, then one by one
+            log(f"batch {job.indices[0]}-{job.indices[-1]}: {why}; running it again in parts")
+            step = -(-len(job.indices) // 10)
+            parts = [job.indices[i : i + step] for i in range(0, len(job.indices), step)]
+            pending.extend(Job("batch", part, why) for part in reversed(parts))
+            return
+        if job.kind == "batch":
+            log(f"cases {job.indices[0]}-{job.indices[-1]}: {why}; running them one by one")
+            pending.extend(Job("single", [i], why) for i in reversed(job.indices))
+            return
+        index = job.indices[0]
+        if job.kind == "single":
+            attribution[index] = {"why": why}
+            pending.append(Job("ours", [index], why))
+            pending.append(Job("theirs", [index], why))
+            return
+        attribution.setdefault(index, {"why": why})[job.kind] = why
+        _attribute(index)
+
+    def _attribute(index: int) -> None:
+        info = attribution[index]
+        if "ours" not in info or "theirs" not in info:
+            return
+        ours_bad, theirs_bad = info["ours"], info["theirs"]
+        case = make_case(_CORPUS[0], opts.seed, index, opts.target)
+        record = {
+            "index": index,
+            "source": case.source,
+            "target": case.target,
+            "verdict": "failure",
+        }
+        if ours_bad:
+            record.update(kind=_kind(ours_bad), detail=f"cloudckpt: {ours_bad}")
+        elif theirs_bad:
+            verdict = info.get("ours_result", "")
+            if verdict == "accepted":
+                record.update(kind="looser", detail=f"the oracle {theirs_bad}; cloudckpt accepted")
+            else:
+                tally.counts["both-refused"] += 1
+                tally.counts["oracle-broke"] += 1
+                tally.cases += 1
+                log(f"case {index}: the oracle {theirs_bad}; cloudckpt refused it ({verdict})")
+                return
+        else:
+            record.update(kind=_kind(info["why"]), detail=f"{info['why']} (not reproduced alone)")
+        record["hex"] = case.pkl.hex()
+        tally.failures.append(record)
+        tally.counts["failure"] += 1
+        tally.cases += 1
+
+    def finished(job: Job, msg: dict[str, Any]) -> None:
+        if msg["canary"]:
+            broken(job, f"changed globals {msg['canary'][:6]}")
+            return
+        if job.kind in ("ours", "theirs"):
+            index = job.indices[0]
+            info = attribution.setdefault(index, {})
+            info[job.kind] = ""
+            if job.kind == "ours" and msg["results"]:
+                info["ours_result"] = msg["results"][0].get("ours", "")
+            _attribute(index)
+            return
+        for result in msg["results"]:
+            tally.cases += 1
+            verdict = result["verdict"]
+            tally.counts[verdict] += 1
+            if verdict == "lenient-zip":
+                tally.lenient[result["reason"]] += 1
+            elif verdict == "stricter":
+                tally.stricter[result["reason"]] += 1
+                tally.stricter_examples.setdefault(result["reason"], result["index"])
+            elif verdict == "failure":
+                case = make_case(_CORPUS[0], opts.seed, result["index"], opts.target)
+                result["hex"] = case.pkl.hex()
+                tally.failures.append(result)
+
+    while pending or running:
+        while pending and len(running) < jobs:
+            start(pending.pop())
+        ready = connection.wait(list(running), timeout=0.5)
+        for conn in ready:
+            p, job, _ = running.pop(conn)
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            conn.close()
+            p.join(5)
+            if msg is None:
+                code = p.exitcode
+                why = (
+                    f"died by signal {-code}" if code is not None and code < 0 else f"exited {code}"
+                )
+                broken(job, why)
+            else:
+                finished(job, msg)
+        now = time.monotonic()
+        for conn, (p, job, t0) in list(running.items()):
+            if now - t0 > limit(job):
+                p.kill()
+                p.join(5)
+                running.pop(conn)
+                conn.close()
+                broken(job, f"hung (over {limit(job):.0f} s)")
+    return tally
+
+
+def _kind(why: str) -> str:
+    if why.startswith("died"):
+        return "crash"
+    if why.startswith("hung"):
+        return "hang"
+    if why.startswith("changed globals"):
+        return "global-changed"
+    return "died"
+
+
+def _file_mode(opts: Options) -> bool:
+    """cloudckpt's side goes through cloudckpt.load of a file (which starts an I/O
+    thread: never in the process the batches are forked from)."""
+    return opts.entry == "file" or not HAS_BOUNDARY
+
+
+def warm_up(corpus: Corpus, opts: Options) -> None:
+    """Load every seed both ways once (and a few cases), so the lazy state of both
+    loaders is made before any snapshot is compared."""
+    modules = set(sys.modules)
+    file_mode = _file_mode(opts)
+    for name, pkl, storages in corpus.archives:
+        case = Case(-1, "archive", name, craft.torch_archive(pkl, storages), pkl)
+        run_case(case, Options(opts.seed, "archive", opts.entry, not file_mode), modules)
+    for name, pkl in corpus.metadata:
+        run_case(Case(-1, "metadata", name, pkl, pkl), opts, modules)
+    for i in range(40):
+        case = make_case(corpus, opts.seed + 10**6, i, opts.target)
+        ours = case.target == "metadata" or not file_mode
+        with contextlib.suppress(Exception):
+            run_case(case, Options(opts.seed, opts.target, opts.entry, ours), modules)
+    torch._utils._sparse_tensors_to_validate.clear()
+
+
+# --- main -------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cases", type=int, default=1000)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--target", choices=["archive", "metadata", "all"], default="all")
+    p.add_argument(
+        "--entry",
+        choices=["bytes", "file"],
+        default="bytes",
+        help="cloudckpt's side: load_torch_bytes (bytes; cloudckpt.load of a file where "
+        "it is absent) or cloudckpt.load of a temporary file",
+    )
+    p.add_argument("--batch", type=int, default=100, help="cases per process")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds a case may take")
+    p.add_argument("--case", type=int, help="run this one case here and print it")
+    p.add_argument("--report", help="write the results as JSON here")
+    p.add_argument("--show", type=int, default=10, help="failures printed in full")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_process()
+    t0 = time.monotonic()
+    corpus = build_corpus()
+    _CORPUS[:] = [corpus]
+    opts = Options(args.seed, args.target, args.entry)
+    if args.case is not None:
+        return _replay(corpus, opts, args.case)
+    warm_up(corpus, opts)
+    ready = time.monotonic()
+    _TMP_ROOT[:] = [tempfile.mkdtemp(prefix="cloudckpt-fuzz-run-")]
+    try:
+        tally = run_jobs(
+            opts,
+            args.cases,
+            max(1, args.jobs),
+            max(1, args.batch),
+            args.timeout,
+            lambda s: print(s, flush=True),
+        )
+    finally:
+        shutil.rmtree(_TMP_ROOT[0], ignore_errors=True)
+    elapsed = time.monotonic() - ready
+    tally.failures.sort(key=lambda r: r["index"])
+    for record in tally.failures[: args.show]:
+        print(_describe(record, args.seed, args.target, args.entry))
+    if len(tally.failures) > args.show:
+        print(f"... {len(tally.failures) - args.show} more failures (--report for all)")
+    kinds = Counter(f"{r['kind']}" for r in tally.failures)
+    if tally.stricter:
+        print("stricter than the oracle (allowed), most common reasons:")
+        for reason, n in tally.stricter.most_common(8):
+            print(f"  {n:6d}  {reason}  (e.g. case {tally.stricter_examples[reason]})")
+    if tally.lenient:
+        print(
+            f"damaged zips torch's reader refuses and cloudckpt reads right "
+            f"(allowed): {sum(tally.lenient.values())}: {dict(tally.lenient.most_common(3))}"
+        )
+    c = tally.counts
+    entry = args.entry if HAS_BOUNDARY else "file"
+    rate = tally.cases / max(elapsed, 1e-9)
+    summary = (
+        f"fuzz seed={args.seed} target={args.target} entry={entry}: "
+        f"cases={tally.cases} both-refused={c['both-refused']} "
+        f"both-accepted-equal={c['both-accepted-equal']} stricter={c['stricter']} "
+        f"failures={c['failure']}"
+        + (f" ({', '.join(f'{k}={n}' for k, n in kinds.most_common())})" if kinds else "")
+        + f" in {elapsed:.1f} s ({rate:.0f} cases/s; setup {ready - t0:.1f} s)"
+    )
+    print(summary, flush=True)
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(
+                {
+                    "seed": args.seed,
+                    "target": args.target,
+                    "entry": args.entry,
+                    "has_boundary": HAS_BOUNDARY,
+                    "cases": tally.cases,
+                    "counts": dict(c),
+                    "failures": tally.failures,
+                    "failure_kinds": dict(kinds),
+                    "stricter": dict(tally.stricter),
+                    "lenient_zip": dict(tally.lenient),
+                    "seconds": elapsed,
+                    "setup_seconds": ready - t0,
+                },
+                f,
+                indent=1,
+            )
+    if tally.cases != args.cases:
+        print(f"error: {args.cases - tally.cases} cases not accounted for", flush=True)
+        return 2
+    return 1 if c["failure"] else 0
+
+
+def _describe(record: dict[str, Any], seed: int, target: str, entry: str) -> str:
+    hexed = record.get("hex", "")
+    shown = hexed if len(hexed) <= 1200 else hexed[:1200] + f"... ({len(hexed) // 2} bytes)"
+    return (
+        f"FAILURE {record['kind']} case {record['index']} (seed {seed}, target {target}, "
+        f"{record['source']}): {record['detail']}\n"
+        f"  replay: python -X faulthandler tests/security/fuzz.py --seed {seed} "
+        f"--target {target} --entry {entry} --case {record['index']}\n  pickle hex: {shown}"
+    )
+
+
+def _replay(corpus: Corpus, opts: Options, index: int) -> int:
+    warm_up(corpus, Options(opts.seed, opts.target, "bytes"))  # as the batches' parent
+    if _file_mode(opts):  # as a batch's process does (format/unpickle's lazy state)
+        _, pkl, storages = corpus.archives[0]
+        load_ours(craft.torch_archive(pkl, storages), opts.entry)
+    case = make_case(corpus, opts.seed, index, opts.target)
+    print(f"case {index} ({case.target}, {case.source}), {len(case.data)} bytes")
+    print(f"pickle hex: {case.pkl.hex()}")
+    with contextlib.suppress(Exception):
+        pickletools.dis(case.pkl, out=sys.stdout)
+    objects = canary_objects()
+    before = snapshot(objects)
+    result = run_case(case, opts, set(sys.modules))
+    changed = snapshot_diff(before, snapshot(objects))
+    if changed:
+        result = _fail(result, "global-changed", str(changed[:10]))
+    print(json.dumps(result, indent=1, default=str))
+    return 1 if result.get("verdict") == "failure" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The differential fuzzer (fuzz.py) in the suite: a fixed seed, a share of the cases
+``make fuzz`` runs, zero failures (issue 29).
+
+Two runs, each a fresh interpreter (the fuzzer forks its batches from it): archives and
+DCP metadata through the in-memory entry point, then archives through ``cloudckpt.load``
+of a file (the record-by-record path, with its own tensor rebuild). Together they take
+about 50 s on two cores (measured with the boundary of c86bdce, whose failures make the
+fuzzer re-run batches to name them; less once it passes). Where a run fails, its
+failures are in the assertion message with the command that replays each one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fuzz
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+#: Failures are expected only while the boundary (issue 29) has not landed.
+_before_boundary = pytest.mark.xfail(
+    not fuzz.HAS_BOUNDARY, strict=False, reason="issue 29: boundary not landed"
+)
+
+
+def _fuzz(tmp_path: Path, *args: str, timeout: float = 300) -> dict:
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "fuzz.py"), "--jobs", "2", "--report", str(report), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    tail = f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+    assert report.exists(), f"the fuzzer did not finish (exit {proc.returncode}):\n{tail}"
+    found = json.loads(report.read_text())
+    found["output"] = proc.stdout
+    found["returncode"] = proc.returncode
+    return found
+
+
+def _check(found: dict, cases: int) -> None:
+    assert found["cases"] == cases, found["output"][-4000:]
+    counts = found["counts"]
+    assert counts.get("both-accepted-equal", 0) > cases // 20, "too few accepted cases compared"
+    assert counts.get("both-refused", 0) > cases // 2
+    assert found["counts"].get("failure", 0) == 0, found["output"][-8000:]
+    assert found["returncode"] == 0, found["output"][-4000:]
+
+
+@_before_boundary
+def test_the_boundary_agrees_with_torch_on_mutated_and_generated_files(tmp_path):
+    cases = 12_000 if fuzz.HAS_BOUNDARY else 300  # before it, a short run fails soon enough
+    _check(_fuzz(tmp_path, "--seed", "1", "--cases", str(cases), "--target", "all"), cases)
+
+
+@_before_boundary
+def test_cloudckpt_load_of_a_file_agrees_with_torch(tmp_path):
+    cases = 1_500 if fuzz.HAS_BOUNDARY else 200
+    found = _fuzz(
+        tmp_path, "--seed", "2", "--cases", str(cases), "--target", "archive", "--entry", "file"
+    )
+    _check(found, cases)
