@@ -326,6 +326,10 @@ def _read_whole(plan: _Plan, map_location: Any, weights_only: bool) -> Any:
         ) from exc
 
 
+#: Names torch's rebuilds that copy a tensor to a device (``.to`` at unpickling time).
+_DEVICE_REBUILD = b"_rebuild_device_tensor_from"
+
+
 def _select(result: Any, keys: Sequence[str], url: str) -> dict[str, Any]:
     if not isinstance(result, dict):
         raise ConfigError(
@@ -435,7 +439,9 @@ def _restore(
         for k, storage in storages.items():
             storage.byteswap(refs[k].dtype)
     on_cpu = map_location in (None, "cpu") or map_location == torch.device("cpu")
-    if on_cpu and all(r.location == "cpu" for r in refs.values()):
+    # torch's device rebuilds copy their tensor where they run: only after the bytes are in
+    moves = _DEVICE_REBUILD in fetched.data_pkl
+    if on_cpu and not moves and all(r.location == "cpu" for r in refs.values()):
         return fetched.result
     restore = torch.serialization._get_restore_location(map_location)
     restored: dict[str, torch.storage.TypedStorage] = {}
@@ -453,5 +459,11 @@ def _restore(
             )
         return restored[ref.key]
 
-    result = unpickle(fetched.data_pkl, persistent_load, weights_only=weights_only, url=url)
+    result = unpickle(
+        fetched.data_pkl,
+        persistent_load,
+        weights_only=weights_only,
+        url=url,
+        map_location=map_location,
+    )
     return _select(result, keys, url) if keys is not None else result

@@ -383,6 +383,7 @@ def unpickle(
     url: str,
     spares: dict[int, torch.Tensor] | None = None,
     sparse: list[Any] | None = None,
+    map_location: Any = None,
 ) -> Any:
     """Unpickle a torch archive's ``data.pkl``, ``persistent_load`` supplying storages
     (it must return the same object when asked for a storage again).
@@ -391,7 +392,28 @@ def unpickle(
     :func:`_rebuilder`); ``persistent_load`` may add to it as it goes. ``sparse``: where
     the storages' bytes are still being read, a list that receives the sparse tensors
     built, for the caller to check with ``validate_sparse`` once the bytes are in (else
-    they are checked before this returns, as ``torch.load`` checks them)."""
+    they are checked before this returns, as ``torch.load`` checks them).
+    ``map_location``: the load's, for torch's rebuilds that place a tensor on a device
+    themselves (``torch.load`` hands it to them the same way, in its thread state)."""
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    if tls is None or map_location is None:
+        return _unpickle(data, persistent_load, weights_only, url, spares, sparse)
+    before = getattr(tls, "map_location", None)
+    tls.map_location = map_location
+    try:
+        return _unpickle(data, persistent_load, weights_only, url, spares, sparse)
+    finally:
+        tls.map_location = before
+
+
+def _unpickle(
+    data: bytes | bytearray | memoryview,
+    persistent_load: Callable[[Any], Any],
+    weights_only: bool,
+    url: str,
+    spares: dict[int, torch.Tensor] | None,
+    sparse: list[Any] | None,
+) -> Any:
     policy = None
     if weights_only and unpickler_choice() == "cloudckpt":
         policy = weights_only_policy(spares)
@@ -469,7 +491,9 @@ def load_torch_bytes(
 
     pkl = record(names[0])
     assert pkl is not None
-    return unpickle(pkl, persistent_load, weights_only=weights_only, url=url)
+    return unpickle(
+        pkl, persistent_load, weights_only=weights_only, url=url, map_location=map_location
+    )
 
 
 def inflate(stored: memoryview, size: int) -> bytes:

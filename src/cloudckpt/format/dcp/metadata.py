@@ -148,8 +148,9 @@ def _check_frames(payload: bytes, url: str) -> None:
         ops = list(pickletools.genops(payload))
     except Exception as exc:  # genops: ValueError on anything malformed
         raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from None
-    ends = [at for _, _, at in ops[1:]] + [ops[-1][2] + 1 if ops else 0]
-    for (info, arg, at), nxt in zip(ops, ends, strict=True):
+    starts = [at or 0 for _, _, at in ops]  # genops gives positions for bytes
+    ends = starts[1:] + [starts[-1] + 1 if starts else 0]
+    for (info, arg, _), at, nxt in zip(ops, starts, ends, strict=True):
         if at < frame_end < nxt:
             raise CorruptCheckpointError(f"{url} is not DCP metadata: an opcode spans a frame")
         if info.name == "FRAME":
@@ -157,7 +158,7 @@ def _check_frames(payload: bytes, url: str) -> None:
                 raise CorruptCheckpointError(
                     f"{url} is not DCP metadata: a frame begins inside another"
                 )
-            frame_end = nxt + arg
+            frame_end = nxt + int(arg)
 
 
 def decode_metadata(payload: bytes, url: str, *, scan: bool = True) -> Metadata:
