@@ -149,7 +149,7 @@ def _check_frames(payload: bytes, url: str) -> None:
     except Exception as exc:  # genops: ValueError on anything malformed
         raise CorruptCheckpointError(f"{url} is not DCP metadata: {exc}") from None
     starts = [at or 0 for _, _, at in ops]  # genops gives positions for bytes
-    ends = starts[1:] + [starts[-1] + 1 if starts else 0]
+    ends = [*starts[1:], starts[-1] + 1 if starts else 0]
     for (info, arg, _), at, nxt in zip(ops, starts, ends, strict=True):
         if at < frame_end < nxt:
             raise CorruptCheckpointError(f"{url} is not DCP metadata: an opcode spans a frame")
@@ -158,7 +158,7 @@ def _check_frames(payload: bytes, url: str) -> None:
                 raise CorruptCheckpointError(
                     f"{url} is not DCP metadata: a frame begins inside another"
                 )
-            frame_end = nxt + int(arg)
+            frame_end = nxt + (arg if isinstance(arg, int) else 0)
 
 
 def decode_metadata(payload: bytes, url: str, *, scan: bool = True) -> Metadata:
