@@ -356,3 +356,26 @@ def test_a_sparse_tensor_with_indices_out_of_range_is_refused_as_torch_refuses_i
     assert not torch._utils._sparse_tensors_to_validate
     ours, theirs = cloudckpt.load(str(path)), torch.load(path, weights_only=True)
     assert torch.equal(ours["s"]._indices(), theirs["s"]._indices())
+
+
+@pytest.mark.parametrize("through", ["file", "bytes"])
+def test_a_device_rebuild_gets_the_bytes_and_the_map_location_torch_gives_it(tmp_path, through):
+    """``_rebuild_device_tensor_from_cpu_tensor(t, uint8, 'meta', False)`` copies ``t``
+    when it runs, to the device ``map_location`` maps 'meta' to: after the record's bytes
+    are in, and to 'cpu' under map_location='cpu', as in torch.load."""
+    pkl = (
+        b"\x80\x02ctorch._utils\n_rebuild_device_tensor_from_cpu_tensor\n("
+        b"ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\n"
+        b"BFloat16Storage\nX\x01\x00\x00\x003X\x03\x00\x00\x00cpuK\x04tQK\x00K\x04\x85"
+        b"K\x01\x85\x89ccollections\nOrderedDict\n)RtRctorch\nuint8\n"
+        b"X\x04\x00\x00\x00meta\x89tR."
+    )
+    record = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16).view(torch.uint8)
+    path = _archive(pkl, tmp_path / "device.pt", {"3": bytes(record.tolist())})
+    theirs = torch.load(path, weights_only=True, map_location="cpu")
+    if through == "file":
+        ours = cloudckpt.load(str(path), map_location="cpu")
+    else:
+        ours = boundary.load_torch_bytes(path.read_bytes(), map_location="cpu")
+    assert ours.device == theirs.device == torch.device("cpu")
+    assert torch.equal(ours, theirs) and theirs.abs().sum() > 0

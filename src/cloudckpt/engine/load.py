@@ -440,7 +440,7 @@ def _restore(
             storage.byteswap(refs[k].dtype)
     on_cpu = map_location in (None, "cpu") or map_location == torch.device("cpu")
     # torch's device rebuilds copy their tensor where they run: only after the bytes are in
-    moves = _DEVICE_REBUILD in fetched.data_pkl
+    moves = _DEVICE_REBUILD in bytes(fetched.data_pkl)
     if on_cpu and not moves and all(r.location == "cpu" for r in refs.values()):
         return fetched.result
     restore = torch.serialization._get_restore_location(map_location)
