@@ -358,8 +358,11 @@ def test_a_sparse_tensor_with_indices_out_of_range_is_refused_as_torch_refuses_i
     assert torch.equal(ours["s"]._indices(), theirs["s"]._indices())
 
 
+@pytest.mark.parametrize("device", [b"meta", b"cuda"])
 @pytest.mark.parametrize("through", ["file", "bytes"])
-def test_a_device_rebuild_gets_the_bytes_and_the_map_location_torch_gives_it(tmp_path, through):
+def test_a_device_rebuild_gets_the_bytes_and_the_map_location_torch_gives_it(
+    tmp_path, through, device
+):
     """``_rebuild_device_tensor_from_cpu_tensor(t, uint8, 'meta', False)`` copies ``t``
     when it runs, to the device ``map_location`` maps 'meta' to: after the record's bytes
     are in, and to 'cpu' under map_location='cpu', as in torch.load."""
@@ -368,7 +371,7 @@ def test_a_device_rebuild_gets_the_bytes_and_the_map_location_torch_gives_it(tmp
         b"ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\n"
         b"BFloat16Storage\nX\x01\x00\x00\x003X\x03\x00\x00\x00cpuK\x04tQK\x00K\x04\x85"
         b"K\x01\x85\x89ccollections\nOrderedDict\n)RtRctorch\nuint8\n"
-        b"X\x04\x00\x00\x00meta\x89tR."
+        b"X\x04\x00\x00\x00" + device + b"\x89tR."
     )
     record = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16).view(torch.uint8)
     path = _archive(pkl, tmp_path / "device.pt", {"3": bytes(record.tolist())})

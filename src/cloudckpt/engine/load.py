@@ -42,6 +42,7 @@ from ..format.unpickle import (
     StorageRef,
     load_torch_bytes,
     parse_persistent_id,
+    rebuilds_mapped,
     restore_location,
     typed_storage,
     unpickle,
@@ -393,7 +394,11 @@ def load(
         return _select(result, keys, plan.url) if keys is not None else result
     total = sum(e.local_header_size + e.size for e in plan.records.values())
     name = f"load {where.key.rsplit('/', 1)[-1]}"
-    with progress_bar(name, total, where.options.progress) as advance:
+    # rebuilds_mapped: a device rebuild runs in the first pass too
+    with (
+        progress_bar(name, total, where.options.progress) as advance,
+        rebuilds_mapped(map_location),
+    ):
         if group is None:
             fetched = _fetch(plan, where.options, weights_only, keys, advance)
         else:

@@ -20,11 +20,12 @@ once per load instead); everything else goes through torch's own rebuild functio
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "StorageStandIn",
     "load_torch_bytes",
     "parse_persistent_id",
+    "rebuilds_mapped",
     "set_unpickler",
     "typed_storage",
     "unpickle",
@@ -395,13 +397,23 @@ def unpickle(
     they are checked before this returns, as ``torch.load`` checks them).
     ``map_location``: the load's, for torch's rebuilds that place a tensor on a device
     themselves (``torch.load`` hands it to them the same way, in its thread state)."""
+    with rebuilds_mapped(map_location):
+        return _unpickle(data, persistent_load, weights_only, url, spares, sparse)
+
+
+@contextlib.contextmanager
+def rebuilds_mapped(map_location: Any) -> Iterator[None]:
+    """While it lasts, torch's rebuilds that place a tensor on a device themselves
+    (``_rebuild_device_tensor_from_cpu_tensor``...) map it by ``map_location``, as under
+    ``torch.load``, which hands it to them in its thread state. None: left as it is."""
     tls = getattr(torch.serialization, "_serialization_tls", None)
     if tls is None or map_location is None:
-        return _unpickle(data, persistent_load, weights_only, url, spares, sparse)
+        yield
+        return
     before = getattr(tls, "map_location", None)
     tls.map_location = map_location
     try:
-        return _unpickle(data, persistent_load, weights_only, url, spares, sparse)
+        yield
     finally:
         tls.map_location = before
 
