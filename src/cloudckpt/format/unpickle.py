@@ -456,7 +456,8 @@ def load_torch_bytes(
 ) -> Any:
     """Load a whole ``torch.save`` archive held in memory (a DCP byte item, a test's
     file) through the boundary: every record checked by its CRC-32 first."""
-    from .zipdir import check_records
+    from .memview import writable_view
+    from .zipdir import check_records, inflate
 
     view = memoryview(data)
     directory = check_records(view, url)
@@ -490,9 +491,8 @@ def load_torch_bytes(
                 f"{url}: storage record data/{ref.key} is missing or not {ref.nbytes} bytes"
             )
         storage = torch.UntypedStorage(ref.nbytes)
-        if ref.nbytes:
-            target = torch.empty(0, dtype=torch.uint8).set_(storage)
-            target.copy_(torch.frombuffer(raw, dtype=torch.uint8))
+        if ref.nbytes:  # (the record may be read-only: copied, never wrapped)
+            writable_view(storage.data_ptr(), ref.nbytes)[:] = raw
         if swap:
             storage.byteswap(ref.dtype)
         storage = restore_location(restore, storage, ref.location, map_location, url)
@@ -506,14 +506,6 @@ def load_torch_bytes(
     return unpickle(
         pkl, persistent_load, weights_only=weights_only, url=url, map_location=map_location
     )
-
-
-def inflate(stored: memoryview, size: int) -> bytes:
-    """A deflated zip record's bytes, never more than ``size`` of them."""
-    import zlib
-
-    out = zlib.decompressobj(-15).decompress(stored, size)
-    return out
 
 
 def restore_location(

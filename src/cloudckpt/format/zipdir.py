@@ -226,6 +226,11 @@ def local_header_size(header: bytes) -> int:
     return LOCAL_HEADER_SIZE + name_len + extra_len
 
 
+def inflate(stored: bytes | bytearray | memoryview, limit: int) -> bytes:
+    """A deflated zip record's bytes, never more than ``limit`` of them."""
+    return zlib.decompressobj(-15).decompress(stored, limit)
+
+
 def check_records(data: bytes | bytearray | memoryview, where: str) -> Directory:
     """Check every record of a ``torch.save`` archive held in memory by its zip CRC-32.
 
@@ -258,9 +263,8 @@ def check_records(data: bytes | bytearray | memoryview, where: str) -> Directory
         if e.method == 0:
             crc = crc32(stored)
         elif e.method == 8:
-            inflate = zlib.decompressobj(-15)
             try:
-                crc = crc32(inflate.decompress(stored, e.size + 1))
+                crc = crc32(inflate(stored, e.size + 1))
             except zlib.error as exc:
                 raise CorruptCheckpointError(f"{where}: record {e.name!r}: {exc}") from None
         else:
