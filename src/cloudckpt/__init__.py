@@ -23,11 +23,11 @@ from .options import TransferOptions, configure, get_defaults
 if TYPE_CHECKING:
     from .dcp.export import ExportResult, export_safetensors
     from .engine.async_save import SaveHandle, async_save, wait_all
-    from .engine.buffers import release_buffers
     from .engine.load import load
     from .engine.safetensors import load_safetensors, save_safetensors
     from .engine.save import SaveResult, save
-    from .format.unpickle import set_unpickler
+    from .format.torch.unpickle import set_unpickler
+    from .io.buffers import release_buffers
     from .manager import CheckpointInfo, CheckpointManager
 
 from ._version import __version__
@@ -69,10 +69,10 @@ _LAZY = {
     "load": ".engine.load",
     "load_safetensors": ".engine.safetensors",
     "save_safetensors": ".engine.safetensors",
-    "release_buffers": ".engine.buffers",
+    "release_buffers": ".io.buffers",
     "SaveResult": ".engine.save",
     "save": ".engine.save",
-    "set_unpickler": ".format.unpickle",
+    "set_unpickler": ".format.torch.unpickle",
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt.cli.copy import PARTIAL_SUFFIX, copy_object
+from cloudckpt.engine.copy import PARTIAL_SUFFIX, copy_object
 from cloudckpt.errors import StorageError
 from cloudckpt.options import MiB, resolve_options
 from cloudckpt.store import open_url

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from cloudckpt.cli import main
-from cloudckpt.cli.copy import PARTIAL_SUFFIX, DestinationIsSymlinkError, copy_object
+from cloudckpt.engine.copy import PARTIAL_SUFFIX, DestinationIsSymlinkError, copy_object
 from cloudckpt.errors import StorageError
 from cloudckpt.options import MiB, TransferOptions, resolve_options
 from cloudckpt.store import Store, open_url

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.errors import ChecksumError, CorruptCheckpointError, UnsafeCheckpointError
 from cloudckpt.format.dcp.checks import MAX_BLOCK, block_size_for
-from cloudckpt.format.zipdir import parse_directory
+from cloudckpt.format.torch.zipdir import parse_directory
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 import cloudckpt.dcp.reader as reader_module
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.dcp.reader import SharedRead
-from cloudckpt.engine import groups
+from cloudckpt.dist import groups
 from cloudckpt.errors import CorruptCheckpointError, DistributedLoadError
 from cloudckpt.testing.fault_proxy import FaultProxy
 from ranks import run_ranks

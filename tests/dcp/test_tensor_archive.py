@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cloudckpt._runtime.memview import writable_view
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.dcp import writer as writer_module
 from cloudckpt.errors import ChecksumError, CorruptCheckpointError
@@ -34,7 +35,6 @@ from cloudckpt.format.dcp.tensor_archive import (
     archive_builder_on,
     tensor_archive,
 )
-from cloudckpt.format.memview import writable_view
 from dtypes import DTYPES
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -239,7 +239,7 @@ def test_unpicklable_state_gives_back_its_slabs(tmp_path):
 
 def test_what_a_snapshot_records_is_not_walked_by_the_next_young_collections() -> None:
     """The snapshot's per-tensor records go to the oldest generation when the collector
-    resumes (format/gcpause.py): the caller's next allocations do not start a young
+    resumes (_runtime/gcpause.py): the caller's next allocations do not start a young
     collection over them, while training waits."""
     import gc
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from cloudckpt._runtime.memview import buffer_address
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
-from cloudckpt.engine.buffers import get_cache
-from cloudckpt.engine.sink import BorrowingSink
 from cloudckpt.errors import NotFoundError
-from cloudckpt.format.memview import buffer_address
+from cloudckpt.io.buffers import get_cache
+from cloudckpt.io.sink import BorrowingSink
 from cloudckpt.options import MiB, resolve_options
 from cloudckpt.store import open_url
 from cloudckpt.store.s3 import S3Store

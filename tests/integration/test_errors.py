@@ -10,7 +10,7 @@ import torch
 
 import cloudckpt
 from cloudckpt import errors
-from cloudckpt.format.zipdir import parse_directory
+from cloudckpt.format.torch.zipdir import parse_directory
 from cloudckpt.options import MiB, resolve_options
 from cloudckpt.store import open_url
 
@@ -183,7 +183,7 @@ def test_weights_only_refuses_arbitrary_classes(tmp_path):
 
 
 def test_part_size_grows_past_ten_thousand_parts():
-    from cloudckpt.engine.sink import choose_part_size
+    from cloudckpt.io.sink import choose_part_size
     from cloudckpt.options import MAX_PARTS
 
     assert choose_part_size(100 * MiB, 5 * MiB) == 5 * MiB

@@ -106,7 +106,7 @@ def test_cp_and_lightning_keep_the_profiles_transfer_settings(config, moto_serve
     import math
 
     from cloudckpt.cli import main as cli_main
-    from cloudckpt.engine.sink import choose_part_size
+    from cloudckpt.io.sink import choose_part_size
     from cloudckpt.lightning import CloudCheckpointIO
 
     bucket = moto_server.make_bucket("profile-cp")

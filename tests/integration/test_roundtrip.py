@@ -136,7 +136,7 @@ def test_partial_load_fetches_only_the_requested_keys(store_url, monkeypatch):
     opts = {"storage_options": store_url.storage_options}
     cloudckpt.save(state, url, **opts)
 
-    from cloudckpt.engine.ranges import RangeReader
+    from cloudckpt.io.ranges import RangeReader
 
     fetched: list[int] = []
     real_submit = RangeReader._submit

@@ -83,7 +83,7 @@ def test_corrupt_archives_fail_cleanly_or_load_exactly(tmp_path, ops):
 
 
 def test_every_single_byte_flip_in_tensor_data_is_caught(tmp_path):
-    from cloudckpt.format.zipdir import parse_directory
+    from cloudckpt.format.torch.zipdir import parse_directory
 
     directory = parse_directory(ARCHIVE, 0, len(ARCHIVE), "mem")
     path = tmp_path / "flip.pt"

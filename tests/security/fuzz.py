@@ -6,7 +6,7 @@ Each case is a file built from ``(seed, index)`` alone (so any case can be repla
 ``--case INDEX``), loaded by cloudckpt and by the oracle:
 
 * ``archive`` cases: a torch.save archive, loaded by ``torch.load(weights_only=True)``
-  and by ``cloudckpt.format.unpickle.load_torch_bytes`` (or, where that entry point is
+  and by ``cloudckpt.format.torch.unpickle.load_torch_bytes`` (or, where that entry point is
   absent or with ``--entry file``, by ``cloudckpt.load`` of a temporary file). Their
   ``data.pkl`` is a real checkpoint's (of many kinds of state, see :func:`_states`)
   mutated at opcode boundaries, or a generated opcode sequence aimed at the
@@ -87,7 +87,7 @@ from cloudckpt import errors
 
 def _load_torch_bytes() -> Callable[..., Any] | None:
     try:
-        from cloudckpt.format import unpickle
+        from cloudckpt.format.torch import unpickle
     except ImportError:
         return None
     return getattr(unpickle, "load_torch_bytes", None)
@@ -569,9 +569,9 @@ def canary_objects() -> dict[str, Any]:
         found[f"pathlib.{name}"] = getattr(pathlib, name)
     found["pathlib.WindowsPath"] = pathlib.WindowsPath
     try:
-        from cloudckpt.format import unpickle
+        from cloudckpt.format.torch import unpickle
 
-        found["module cloudckpt.format.unpickle"] = unpickle
+        found["module cloudckpt.format.torch.unpickle"] = unpickle
     except ImportError:
         pass
     found["module torch._utils"] = torch._utils
@@ -2299,7 +2299,7 @@ def _describe(record: dict[str, Any], seed: int, target: str, entry: str) -> str
 
 def _replay(corpus: Corpus, opts: Options, index: int) -> int:
     warm_up(corpus, Options(opts.seed, opts.target, "bytes"))  # as the batches' parent
-    if _file_mode(opts):  # as a batch's process does (format/unpickle's lazy state)
+    if _file_mode(opts):  # as a batch's process does (format/torch/unpickle's lazy state)
         _, pkl, storages = corpus.archives[0]
         load_ours(craft.torch_archive(pkl, storages), opts.entry)
     case = make_case(corpus, opts.seed, index, opts.target)

@@ -1,4 +1,4 @@
-"""The archive builder (``format/archive_writer.py``) writes ``torch.save``'s bytes.
+"""The archive builder (``format/torch/archive_writer.py``) writes ``torch.save``'s bytes.
 
 Every case compares the built archive with ``torch.save`` of the same object, byte for
 byte, so ``torch.load`` and every other reader of torch archives read it as before;
@@ -18,9 +18,9 @@ import torch
 import cloudckpt
 from cloudckpt.engine import save as save_mod
 from cloudckpt.errors import UnpicklableError
-from cloudckpt.format import archive_writer
-from cloudckpt.format.archive_writer import plan_archive, writer_on
-from cloudckpt.format.torchzip import torch_save
+from cloudckpt.format.torch import archive_writer
+from cloudckpt.format.torch.archive_writer import plan_archive, writer_on
+from cloudckpt.format.torch.ziprecords import torch_save
 from dtypes import DTYPES
 
 

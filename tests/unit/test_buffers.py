@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 import cloudckpt
-from cloudckpt.engine.buffers import PartBufferCache, SaveBuffers, get_cache
-from cloudckpt.engine.sink import BORROW_MIN, MIN_SHRUNK_PART, choose_part_size
 from cloudckpt.engine.staging import get_pool
-from cloudckpt.format import archive_writer
-from cloudckpt.format.archive_writer import ChunkPool, get_chunk_pool
+from cloudckpt.format.torch import archive_writer
+from cloudckpt.format.torch.archive_writer import ChunkPool, get_chunk_pool
+from cloudckpt.io.buffers import PartBufferCache, SaveBuffers, get_cache
+from cloudckpt.io.sink import BORROW_MIN, MIN_SHRUNK_PART, choose_part_size
 from cloudckpt.options import MiB
 
 

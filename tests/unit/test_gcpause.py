@@ -1,12 +1,12 @@
 """The collector paused around bulk building, and what is kept moved to the oldest
-generation at once (format/gcpause.py)."""
+generation at once (_runtime/gcpause.py)."""
 
 from __future__ import annotations
 
 import gc
 
-from cloudckpt.format import gcpause
-from cloudckpt.format.gcpause import paused_gc
+from cloudckpt._runtime import gcpause
+from cloudckpt._runtime.gcpause import paused_gc
 
 
 class _Node:

@@ -1,7 +1,7 @@
 """The per-tensor copies of a snapshot and of the archive builder, and the page faulting
 of a DCP load, keep the GIL: another Python thread (a data loader, a logger) must not
 get it at every tensor, or the caller waits up to the switch interval each time to get
-it back (format/memview.py ``copy_memory``, engine/pages.py). Whether a thread gets the
+it back (_runtime/memview.py ``copy_memory``, _runtime/pages.py). Whether a thread gets the
 GIL in a short release depends on the scheduler, so these tests check how the calls are
 made (ctypes' flag for a call that keeps the GIL) and what they do, not the timing."""
 
@@ -12,9 +12,10 @@ import ctypes
 import pytest
 import torch
 
-from cloudckpt.engine import pages, staging
-from cloudckpt.format import archive_writer
-from cloudckpt.format.memview import copy_memory
+from cloudckpt._runtime import pages
+from cloudckpt._runtime.memview import copy_memory
+from cloudckpt.engine import staging
+from cloudckpt.format.torch import archive_writer
 
 
 def _keeps_gil(fn: object) -> bool:

@@ -16,7 +16,7 @@ import cloudckpt
 from cloudckpt.engine import load as load_mod
 from cloudckpt.engine.records import SMALL_RECORD
 from cloudckpt.errors import StorageError, UnsafeCheckpointError
-from cloudckpt.format.unpickle import typed_storage
+from cloudckpt.format.torch.unpickle import typed_storage
 from cloudckpt.store.local import LocalStore
 from dtypes import DTYPES
 from faults import FaultyStore

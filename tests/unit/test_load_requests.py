@@ -54,7 +54,7 @@ def test_read_gap_joins_ranges_across_records_that_are_not_needed(tmp_path, coun
 
 
 def test_verify_reads_small_records_together_and_streams_large_ones(tmp_path):
-    from cloudckpt.cli.archive import verify_archive
+    from cloudckpt.engine.verify import verify_archive
     from cloudckpt.errors import ChecksumError
     from cloudckpt.options import resolve_options
 

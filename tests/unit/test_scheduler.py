@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from cloudckpt.engine.scheduler import ByteBudget, Cancelled, TransferGroup
 from cloudckpt.errors import AccessDeniedError, RetriesExhaustedError, TransientError
+from cloudckpt.io.scheduler import ByteBudget, Cancelled, TransferGroup
 from cloudckpt.options import TransferOptions
 from cloudckpt.store.retry import RetryPolicy
 

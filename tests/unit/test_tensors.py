@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cloudckpt.format.tensors import scan_storages
+from cloudckpt.format.torch.tensors import scan_storages
 
 
 def test_shared_storages_count_once_and_small_or_meta_ones_are_not_borrowed():

@@ -1,4 +1,4 @@
-"""The trust boundary (format/unpickle.py) on every path that turns stored bytes into
+"""The trust boundary (format/torch/unpickle.py) on every path that turns stored bytes into
 objects, each case checked against ``torch.load(weights_only=True)`` where torch reads
 the same bytes. Hostile archives are built here, opcode by opcode."""
 
@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import cloudckpt
 from cloudckpt import errors
-from cloudckpt.format import unpickle as boundary
 from cloudckpt.format.dcp.metadata import decode_metadata
+from cloudckpt.format.torch import unpickle as boundary
 
 
 def _archive(pkl: bytes, path: Path, records: dict[str, bytes] | None = None) -> Path:
@@ -139,7 +139,7 @@ def test_a_storage_type_that_is_a_tensor_leaves_no_cache_behind(tmp_path):
     )
     with pytest.raises(errors.CloudCkptError):
         cloudckpt.load(str(path))
-    from cloudckpt.format import restricted_pickle
+    from cloudckpt.format.torch import restricted_pickle
 
     module_state = [
         v for m in (boundary, restricted_pickle) for v in vars(m).values() if isinstance(v, dict)

@@ -1,4 +1,4 @@
-"""The weights-only load: torch's allow-list over the C unpickler (format/unpickle.py).
+"""The weights-only load: torch's allow-list over the C unpickler (format/torch/unpickle.py).
 
 Every case is checked against ``torch.load(weights_only=True)`` of the same file: what
 torch loads, cloudckpt loads equal (types, values, views, flags); what torch refuses,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cloudckpt.errors import CorruptCheckpointError
-from cloudckpt.format.zipdir import NeedMoreBytes, check_local_header, parse_directory
+from cloudckpt.format.torch.zipdir import NeedMoreBytes, check_local_header, parse_directory
 
 
 def _torch_archive() -> bytes:

@@ -8,18 +8,18 @@ print for people goes through :class:`~cloudckpt.cli.output.Printer`, and with
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import posixpath
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.scheduler import TransferGroup
+from ..engine.bench import run_bench
+from ..engine.copy import PARTIAL_SUFFIX, copy_object
+from ..engine.verify import dcp_tensor_slices, describe, verify_archive, verify_archive_bytes
 from ..errors import CloudCkptError, ConfigError, NotFoundError
-from ..manager.gc import collect_garbage, delete_prefix
+from ..manager.gc import collect_garbage, delete_prefix, delete_tree
 from ..manager.marker import (
     MARKER_NAME,
     CheckpointInfo,
@@ -28,16 +28,14 @@ from ..manager.marker import (
     read_marker,
     root_prefix,
 )
-from ..options import TransferOptions, resolve_options
+from ..options import TransferOptions
 from ..redact import display_url
-from ..store import ObjectInfo, Store, join_key, open_target, split_url
+from ..store import ObjectInfo, Store
 from ..store import Target as Opened
 from ..store.local import LocalStore
-from .archive import describe, verify_archive, verify_archive_bytes
-from .bench import run_bench
-from .copy import PARTIAL_SUFFIX, copy_object
 from .export import cmd_export
 from .output import Printer, human_bytes, human_time, progress
+from .settings import Settings
 
 __all__ = ["COMMANDS", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_VERIFY_FAILED", "Settings"]
 
@@ -68,24 +66,6 @@ class Target:
     @property
     def dir_url(self) -> str:
         return self.store.url(root_prefix(self.key))
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The command line's transfer settings, resolved for each URL a command opens (so
-    the profile a URL selects applies beneath them)."""
-
-    overrides: Mapping[str, Any]
-
-    def __post_init__(self) -> None:
-        resolve_options(None, **self.overrides)  # a bad flag fails before any request
-
-    def open(self, url: str) -> Opened:
-        """The store, key and options for ``url``; S3 flags never reach a local path."""
-        overrides = dict(self.overrides)
-        if overrides.get("storage_options") and split_url(url)[0] == "file":
-            del overrides["storage_options"]
-        return open_target(url, **overrides)
 
 
 def resolve(url: str, settings: Settings) -> Target:
@@ -344,7 +324,7 @@ def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
                 archive = f.name.endswith((".pt", ".pth", ".ckpt", ".bin"))
                 jobs.append((prefix + f.name, f.size, f.etag, archive))
             if any(f.name == ".metadata" for f in c.files):
-                dcp_slices.update(_dcp_tensor_slices(t.store, prefix))
+                dcp_slices.update(dcp_tensor_slices(t.store, prefix))
     results: list[dict[str, Any]] = []
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
     with progress("verify", enabled and not p.json_mode) as (advance, _set_total):
@@ -381,23 +361,6 @@ def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     return EXIT_OK if ok else EXIT_VERIFY_FAILED
 
 
-def _dcp_tensor_slices(store: Store, prefix: str) -> dict[str, list[tuple[int, int]]]:
-    """Where each tensor's ``torch.save`` archive sits in a DCP checkpoint's data objects."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from ..format.dcp.metadata import decode_metadata
-
-    key = prefix + ".metadata"
-    url = store.url(key)
-    metadata = decode_metadata(store.get(key), url)
-    slices: dict[str, list[tuple[int, int]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
-            target = join_key(prefix.rstrip("/"), str(info.relative_path), url)
-            slices.setdefault(target, []).append((int(info.offset), int(info.length)))
-    return slices
-
-
 class _Mismatch(CloudCkptError):
     pass
 
@@ -430,16 +393,8 @@ def cmd_rm(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
                 "pass --recursive (-r) to delete all of them"
             )
         # Markers first, so no checkpoint looks committed while its files go.
-        for c in t.checkpoints:
-            step_prefix = c.url[len(t.store.url("")) :]
-            mine = [o for o in t.objects if o.key.startswith(step_prefix)]
-            delete_prefix(t.store, step_prefix, t.options, mine)
-        done = {c.url[len(t.store.url("")) :] for c in t.checkpoints}
-        rest = [o for o in t.objects if not any(o.key.startswith(d) for d in done)]
-        group = TransferGroup(t.options, t.options.write_concurrency)
-        for o in rest:
-            group.submit(functools.partial(t.store.delete, o.key), f"delete {t.store.url(o.key)}")
-        group.wait()
+        base = t.store.url("")
+        delete_tree(t.store, t.objects, t.options, [c.url[len(base) :] for c in t.checkpoints])
         removed += [t.store.url(o.key) for o in t.objects]
     if p.json_mode:
         p.json({"removed": removed})

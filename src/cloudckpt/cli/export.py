@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from .output import Printer, human_bytes
 
 if TYPE_CHECKING:
-    from .commands import Settings
+    from .settings import Settings
 
 __all__ = ["cmd_export", "parse_rename"]
 

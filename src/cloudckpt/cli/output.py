@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..engine.progress import progress_bar
+from ..io.progress import progress_bar
 
 __all__ = ["Printer", "human_bytes", "human_time", "progress"]
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..engine.scheduler import TransferGroup
 from ..errors import BucketNotFoundError, ChecksumError, CorruptCheckpointError, NotFoundError
 from ..format.checksum import crc32
 from ..format.dcp.index import LayoutIndex, parse_index, read_document
 from ..format.dcp.layout import layout_name, metadata_name
 from ..format.dcp.metadata import decode_metadata
+from ..io.scheduler import TransferGroup
 from .location import CheckpointLocation
 
 __all__ = ["adopt", "layout_document", "read_commit", "save_id_of"]

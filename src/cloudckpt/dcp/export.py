@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..engine.progress import progress_bar
+from .._runtime.gcpause import paused_gc
 from ..engine.safetensors import (
     file_names,
     header_metadata,
@@ -52,7 +52,6 @@ from ..engine.safetensors import (
 )
 from ..errors import ConfigError, MissingKeyError, NotFoundError
 from ..format.dcp.layout import metadata_name
-from ..format.gcpause import paused_gc
 from ..format.safetensors import (
     INDEX_SUFFIX,
     encode_header,
@@ -61,6 +60,7 @@ from ..format.safetensors import (
     plan_shards,
     shard_names,
 )
+from ..io.progress import progress_bar
 from ..options import MiB, TransferOptions
 from ..store import Store, join_key, open_target, split_url
 from .commit_read import save_id_of
@@ -253,7 +253,7 @@ def _load(reader: CloudStorageReader, state: dict[str, torch.Tensor]) -> None:
     process group exists (an export from a training rank takes no collective)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        with paused_gc():  # DCP's planners: a few objects per item (format/gcpause.py)
+        with paused_gc():  # DCP's planners: a few objects per item (_runtime/gcpause.py)
             dcp.load(
                 state,
                 storage_reader=reader,

@@ -2,7 +2,7 @@
 
 A DCP reader names data objects by their path inside the checkpoint (``__0_0.distcp``,
 ``d03/__1_0.distcp``); :class:`RangeFetcher` maps each to its store key and hands the
-request to :class:`~cloudckpt.engine.ranges.RangeReader`, the planner every read
+request to :class:`~cloudckpt.io.ranges.RangeReader`, the planner every read
 shares (neighbours joined across ``read_gap``, large requests split at
 ``read_chunk_size``, ``read_concurrency`` reads at once, ``on_done`` checks in the
 reading thread, streaming while the caller plans).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..engine.ranges import RangeReader
+from ..io.ranges import RangeReader
 from .location import CheckpointLocation
 
 __all__ = ["RangeFetcher"]

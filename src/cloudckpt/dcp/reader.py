@@ -10,7 +10,7 @@ DCP calls it in this order (from ``dcp.load``)::
     4) coordinator  prepare_global_plan(plans)
     5) all ranks    read_data(plan, planner)      a plan marked SharedRead: first every
                                                   rank makes the gloo groups of the
-                                                  partition (engine/groups.py), then each
+                                                  partition (dist/groups.py), then each
                                                   part reads once and shares
 
 ``read_data`` reads only the bytes this rank needs, in two rounds of coalesced,
@@ -38,8 +38,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..engine.groups import group_ranks
-from ..engine.share import (
+from .._runtime.gcpause import paused_gc
+from .._runtime.memview import writable_view
+from ..dist.groups import group_ranks
+from ..dist.share import (
     broadcast_views,
     group_rank,
     part_group,
@@ -54,8 +56,6 @@ from ..format.dcp.index import LayoutIndex, parse_index
 from ..format.dcp.layout import layout_name
 from ..format.dcp.metadata import ChunkIndex
 from ..format.dcp.sharing import share_in_load_plan
-from ..format.gcpause import paused_gc
-from ..format.memview import writable_view
 from ..options import TransferOptions
 from .commit_read import adopt, layout_document, read_commit, save_id_of
 from .destinations import Destinations
@@ -78,7 +78,7 @@ class SharedRead:
     replicas of one model-parallel shard; the whole world in a DDP resume) and read them
     once between them; a part of one rank reads alone. Every rank's plan carries the
     whole partition, not only its own part, because every rank makes every part's group
-    (:func:`cloudckpt.engine.groups.partition_group`): ``new_group`` is a collective on
+    (:func:`cloudckpt.dist.groups.partition_group`): ``new_group`` is a collective on
     the world. A few bytes a rank in each plan sent (3 to 5 KiB a plan at 1,024 ranks).
     """
 
@@ -112,7 +112,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
     ``read_chunk_size``, ``storage_options``...).
 
     Non-tensor items (DCP's byte items): with ``weights_only=True`` (the default) each
-    is loaded through cloudckpt's trust boundary (format/unpickle.py), which refuses,
+    is loaded through cloudckpt's trust boundary (format/torch/unpickle.py), which refuses,
     with :class:`~cloudckpt.errors.UnsafeCheckpointError`, whatever
     ``torch.load(weights_only=True)`` refuses; torch's ``DefaultLoadPlanner`` is given
     the loaded object (its own ``torch.load(weights_only=False)`` never runs), another
@@ -274,7 +274,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         mark = plan.storage_data
         group = part_group(mark.parts) if isinstance(mark, SharedRead) else None
         self.last_shared_with = group_ranks(group) if group is not None else ()
-        with paused_gc():  # a few objects per item, nothing cyclic (format/gcpause.py)
+        with paused_gc():  # a few objects per item, nothing cyclic (_runtime/gcpause.py)
             if group is not None:
                 self._read_shared(plan, planner, group)
             else:
@@ -287,7 +287,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         """Each of the N ranks of ``group`` reads the tensor items of about 1/N of the
         data (whole archives, contiguous in the checkpoint), byte items all; every rank
         of the group raises if any rank's reads failed (``settle``); then every tensor
-        goes from the rank that read and checked it to the others (engine/share.py).
+        goes from the rank that read and checked it to the others (dist/share.py).
         Ranks outside the group take no part: they read their own items, and DCP's
         gather of every rank's outcome after read_data fails the load everywhere."""
         me, ranks = group_rank(group)

@@ -5,7 +5,7 @@
 (straight into the destination where it can, widened to checksum blocks), the check of
 every chunk read whole, and hands what was read to DCP's planner (tensor archives of
 the usual shape parsed where they lie, anything else through the trust boundary of
-format/unpickle.py). Every refusal is a typed error naming the object, the bytes and
+format/torch/unpickle.py). Every refusal is a typed error naming the object, the bytes and
 the item.
 """
 
@@ -22,15 +22,15 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ..engine.pages import populate
+from .._runtime.memview import writable_view
+from .._runtime.pages import populate
 from ..errors import CloudCkptError, CorruptCheckpointError
 from ..format.checksum import crc32
 from ..format.dcp.archive import ArchiveParses, SavedTensor, parse_archive
 from ..format.dcp.checks import BlockCheck, check_chunk, check_zip_records, one_block
 from ..format.dcp.layout import WHOLE_LIMIT
 from ..format.dcp.metadata import ChunkIndex
-from ..format.memview import writable_view
-from ..format.unpickle import load_torch_bytes
+from ..format.torch.unpickle import load_torch_bytes
 from .destinations import Destinations
 from .fetch import RangeFetcher
 from .location import CheckpointLocation
@@ -255,7 +255,7 @@ class SliceReader:
         """Hand a byte item to the planner, after the trust boundary accepted it.
 
         With ``weights_only`` (the default) the bytes are loaded through the boundary
-        (format/unpickle.py); torch's ``DefaultLoadPlanner`` is given that object as its
+        (format/torch/unpickle.py); torch's ``DefaultLoadPlanner`` is given that object as its
         ``load_bytes`` would set it, so its ``torch.load(weights_only=False)`` never
         runs; any other planner gets the accepted bytes. ``weights_only=False`` hands
         the bytes to the planner as they are (an explicit opt-in)."""

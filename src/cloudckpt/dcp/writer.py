@@ -10,7 +10,7 @@ DCP calls it in this order (from ``dcp.save`` / ``dcp.async_save``)::
     5) coordinator  finish(metadata, results)     writes .metadata, only after every
                                                   rank's write_data returned its results
 
-Each data object is streamed with :class:`~cloudckpt.engine.sink.BorrowingSink` (large
+Each data object is streamed with :class:`~cloudckpt.io.sink.BorrowingSink` (large
 tensor records sent from the tensors' memory, not copied into part buffers): its
 parts go through the I/O scheduler (bounded write concurrency and bytes in flight),
 and it becomes visible only when complete. A rank that fails aborts its uploads and
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..engine.scheduler import Cancelled
-from ..engine.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
+from .._runtime.gcpause import paused_gc
+from .._runtime.memview import writable_view
 from ..errors import AlreadyExistsError, ConfigError
 from ..format.checksum import crc32
 from ..format.dcp.archive import SavedTensor
@@ -57,8 +57,8 @@ from ..format.dcp.layout import (
 )
 from ..format.dcp.sharing import share_in_metadata, share_in_save_plan
 from ..format.dcp.tensor_archive import TensorArchive, archive_builder_on, tensor_archive
-from ..format.gcpause import paused_gc
-from ..format.memview import writable_view
+from ..io.scheduler import Cancelled
+from ..io.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
 from ..options import TransferOptions
 from ..store import byte_view
 from .location import CheckpointLocation, LocatedCheckpoint

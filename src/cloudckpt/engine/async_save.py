@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..format.picklability import PICKLE_ERRORS, raise_if_unpicklable
+from ..format.torch.picklability import PICKLE_ERRORS, raise_if_unpicklable
 from ..options import TransferOptions
 from ..store import open_target
 from .save import SaveResult, write_object

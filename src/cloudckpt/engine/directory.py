@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError
-from ..format.zipdir import (
+from ..format.torch.zipdir import (
     LOCAL_HEADER_SIZE,
     TAIL_PROBE,
     Directory,

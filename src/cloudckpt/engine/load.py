@@ -5,7 +5,7 @@
   record by record (legacy format, compressed records) is read whole by ``torch.load``.
 - **fetch** (:func:`_fetch`): place every storage record from the directory and send
   all their reads (engine/records.py: large records into storages of their own, runs of
-  small ones into shared blocks; engine/ranges.py joins neighbours and splits large
+  small ones into shared blocks; io/ranges.py joins neighbours and splits large
   reads), then read ``data.pkl`` (from the tail when it is there) and unpickle it while
   the records arrive, each storage built over the memory its record lands in. Each
   record's local header and CRC-32 are checked in the thread that read it. With
@@ -26,35 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import (
-    BucketNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-    MissingKeyError,
-    NotAnObjectError,
-    NotFoundError,
-    UnsafeCheckpointError,
-)
-from ..format.restricted_pickle import validate_sparse
-from ..format.safetensors import is_safetensors_url
-from ..format.tensors import referenced_storages
-from ..format.unpickle import (
-    StorageRef,
-    load_torch_bytes,
-    parse_persistent_id,
-    rebuilds_mapped,
-    restore_location,
-    typed_storage,
-    unpickle,
-)
-from ..format.zipdir import Entry
-from ..options import TransferOptions
-from ..store import ObjectInfo, Store, open_target
-from .directory import read_directory
-from .progress import progress_bar
-from .ranges import RangeReader
-from .records import PlacedRecords, RecordReads, check_record, read_record, storage_view
-from .share import (
+from ..dist.share import (
     agree,
     broadcast_views,
     from_first,
@@ -64,8 +36,34 @@ from .share import (
     share_group,
     split_even,
 )
+from ..errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    MissingKeyError,
+    UnsafeCheckpointError,
+)
+from ..format.safetensors import is_safetensors_url
+from ..format.torch.restricted_pickle import validate_sparse
+from ..format.torch.tensors import referenced_storages
+from ..format.torch.unpickle import (
+    StorageRef,
+    load_torch_bytes,
+    parse_persistent_id,
+    rebuilds_mapped,
+    restore_location,
+    typed_storage,
+    unpickle,
+)
+from ..format.torch.zipdir import Entry
+from ..io.progress import progress_bar
+from ..io.ranges import RangeReader
+from ..options import TransferOptions
+from ..store import Store, open_target
+from ..store.paths import head_object
+from .directory import read_directory
+from .records import PlacedRecords, RecordReads, check_record, read_record, storage_view
 
-__all__ = ["head_object", "load"]
+__all__ = ["load"]
 
 
 @dataclass
@@ -107,28 +105,6 @@ class _Fetched:
     storages: dict[str, torch.UntypedStorage]
     #: Sparse tensors the structure holds, checked once their bytes are in.
     sparse: list[Any] = field(default_factory=list)
-
-
-def head_object(store: Store, key: str) -> ObjectInfo:
-    """``Store.head``, with errors that say a bucket is missing or a URL is a prefix."""
-    url = store.url(key)
-    try:
-        return store.head(key)
-    except BucketNotFoundError:
-        raise BucketNotFoundError(f"bucket does not exist: {store.root_url} (for {url})") from None
-    except NotFoundError:
-        # An object store has no directories: say so if the URL is really a prefix.
-        try:
-            first = next(iter(store.list(key.rstrip("/") + "/")), None)
-        except BucketNotFoundError:
-            raise BucketNotFoundError(
-                f"bucket does not exist: {store.root_url} (for {url})"
-            ) from None
-        if first is not None:
-            raise NotAnObjectError(
-                f"{url} is a prefix holding other objects, not a checkpoint object"
-            ) from None
-        raise
 
 
 def _plan(store: Store, key: str) -> _Plan:
@@ -273,7 +249,7 @@ def _fetch_shared(
     group: Any,
 ) -> _Fetched:
     """:func:`_fetch` with every rank of ``group``: each reads and checks about 1/N of
-    the records (contiguous in the object), then they exchange them (engine/share.py)."""
+    the records (contiguous in the object), then they exchange them (dist/share.py)."""
     me, ranks = group_rank(group)
     error: BaseException | None = None
     fetched: _Fetched | None = None
@@ -305,7 +281,7 @@ def _fetch_shared(
 
 def _read_whole(plan: _Plan, map_location: Any, weights_only: bool) -> Any:
     """Archives we cannot read record by record: a zip with compressed records goes
-    through the boundary whole (format/unpickle.load_torch_bytes); torch's legacy
+    through the boundary whole (format/torch/unpickle.load_torch_bytes); torch's legacy
     (pre-zip) format through ``torch.load`` itself, whose weights-only unpickler is the
     reference our boundary follows (docs/security.md)."""
     data = plan.store.get_range(plan.key, 0, plan.size)
@@ -367,7 +343,7 @@ def load(
     ``share=True``: every rank of ``process_group`` (default: the world) calls ``load``
     at once, as a DDP resume does, and the object's bytes are read once in all: each
     rank reads and checks a share of the records and the ranks exchange them over a
-    gloo group (engine/share.py). Ranks naming different objects each load their own;
+    gloo group (dist/share.py). Ranks naming different objects each load their own;
     a rank that fails makes every rank raise. Without an initialized process group, or
     alone in it, it is a plain load.
 

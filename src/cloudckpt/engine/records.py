@@ -25,11 +25,11 @@ from collections.abc import Iterable
 
 import torch
 
+from .._runtime.memview import writable_view
 from ..format.checksum import crc32
-from ..format.memview import writable_view
-from ..format.unpickle import StorageRef
-from ..format.zipdir import Entry, check_local_header, check_record_crc
-from .ranges import RangeReader
+from ..format.torch.unpickle import StorageRef
+from ..format.torch.zipdir import Entry, check_local_header, check_record_crc
+from ..io.ranges import RangeReader
 
 __all__ = [
     "BATCH_BYTES",

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .._runtime.memview import writable_view
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -47,7 +48,6 @@ from ..errors import (
     SerializationError,
     UnsupportedFormatError,
 )
-from ..format.memview import writable_view
 from ..format.safetensors import (
     HEADER_PROBE,
     INDEX_SUFFIX,
@@ -67,14 +67,14 @@ from ..format.safetensors import (
     plan_shards,
     shard_names,
 )
+from ..io.progress import progress_bar
+from ..io.ranges import RangeReader
+from ..io.scheduler import TransferGroup
+from ..io.sink import BORROW_MIN, BorrowingSink
 from ..options import TransferOptions
 from ..store import Store, join_key, open_target
-from .load import head_object
-from .progress import progress_bar
-from .ranges import RangeReader
+from ..store.paths import head_object
 from .save import SaveResult
-from .scheduler import TransferGroup
-from .sink import BORROW_MIN, BorrowingSink
 
 __all__ = ["load_safetensors", "save_safetensors"]
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from ..format.archive_writer import ArchivePlan, plan_archive
-from ..format.picklability import raise_if_unpicklable
-from ..format.tensors import scan_storages
+from ..format.torch.archive_writer import ArchivePlan, plan_archive
+from ..format.torch.picklability import raise_if_unpicklable
+from ..format.torch.tensors import scan_storages
+from ..io.progress import progress_bar
+from ..io.sink import BORROW_MIN, BorrowingSink, BorrowingWriter, ObjectSink
 from ..options import TransferOptions
 from ..store import Store, open_target
-from .progress import progress_bar
-from .sink import BORROW_MIN, BorrowingSink, BorrowingWriter, ObjectSink
 
 __all__ = ["SaveResult", "save", "write_object"]
 
@@ -48,7 +48,7 @@ def write_object(
     if plan is not None:
         size = _write_plan(plan, store, key, opts, size_hint or plan.size_hint)
         return SaveResult(url=target, size=size, seconds=time.perf_counter() - started)
-    # torch.save writes what the archive builder does not (format/archive_writer.py).
+    # torch.save writes what the archive builder does not (format/torch/archive_writer.py).
     # Large CPU storages are sent from their own memory (no copy, no part buffers); the
     # caller keeps them unchanged until this returns, as a sync save always required.
     payload, storages = scan_storages(obj, BORROW_MIN)

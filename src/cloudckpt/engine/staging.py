@@ -38,9 +38,10 @@ from typing import Any
 
 import torch
 
-from ..format.gcpause import paused_gc
-from ..format.memview import copy_memory
-from ..format.tensors import plain_strided
+from .._runtime.gcpause import paused_gc
+from .._runtime.memview import copy_memory
+from ..format.torch.tensors import plain_strided
+from ..io.buffers import register_pool
 
 __all__ = ["SLAB_BYTES", "SMALL_MAX", "Snapshot", "StagingPool", "get_pool", "snapshot"]
 
@@ -91,6 +92,15 @@ class StagingPool:
 
 
 _pool = StagingPool()
+
+
+def _release_staging() -> int:
+    released = _pool.idle_bytes
+    _pool.clear()
+    return released
+
+
+register_pool(_release_staging)
 
 
 def get_pool() -> StagingPool:

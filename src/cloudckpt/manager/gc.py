@@ -7,17 +7,16 @@ and (2) a multipart upload under the root opened longer ago than the grace perio
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..engine.scheduler import TransferGroup
+from ..io.bulk import delete_keys
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store
 from .marker import MARKER_NAME, parse_step, root_prefix
 
-__all__ = ["GcReport", "collect_garbage", "delete_prefix"]
+__all__ = ["GcReport", "collect_garbage", "delete_prefix", "delete_tree"]
 
 #: Default grace period: a save that has not touched its prefix for an hour is dead.
 DEFAULT_GRACE_SECONDS = 3600.0
@@ -43,11 +42,26 @@ def delete_prefix(
     if marker in keys:
         store.delete(marker)
         keys.remove(marker)
-    group = TransferGroup(options, options.write_concurrency)
-    for key in keys:
-        group.submit(functools.partial(store.delete, key), f"delete {store.url(key)}")
-    group.wait()
+    delete_keys(store, keys, options)
     return total
+
+
+def delete_tree(
+    store: Store,
+    objects: list[ObjectInfo],
+    options: TransferOptions,
+    checkpoints: Iterable[str] = (),
+) -> None:
+    """Delete ``objects``: each committed checkpoint's prefix (in ``checkpoints``, keys
+    ending in ``/``) marker first, so none looks committed while its files go; then
+    the rest."""
+    done = list(checkpoints)
+    for step_prefix in done:
+        delete_prefix(
+            store, step_prefix, options, [o for o in objects if o.key.startswith(step_prefix)]
+        )
+    rest = [o.key for o in objects if not any(o.key.startswith(d) for d in done)]
+    delete_keys(store, rest, options)
 
 
 @dataclass

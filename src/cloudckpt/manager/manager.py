@@ -28,11 +28,11 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ..engine.groups import checkpoint_group
+from ..dist.collectives import barrier, is_distributed, on_rank0, rank
+from ..dist.groups import checkpoint_group
 from ..errors import AlreadyExistsError, ConfigError, DistributedSaveError, NotFoundError
 from ..options import TransferOptions
 from ..store import Store, open_target
-from .distributed import barrier, is_distributed, on_rank0, rank
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
 from .marker import (
     MARKER_NAME,

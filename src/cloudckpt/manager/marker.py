@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.scheduler import TransferGroup
 from ..errors import CorruptCheckpointError, InvalidURLError, NotFoundError
+from ..io.scheduler import TransferGroup
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, check_key
 

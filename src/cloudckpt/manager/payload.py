@@ -11,12 +11,12 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from .._runtime.gcpause import paused_gc
+from ..dist.collectives import on_rank0
 from ..engine.load import load
 from ..engine.save import save
 from ..errors import ConfigError
-from ..format.gcpause import paused_gc
 from ..options import TransferOptions
-from .distributed import on_rank0
 
 __all__ = ["DcpPayload", "ObjectPayload", "PayloadKind", "payload_kind"]
 
@@ -95,7 +95,7 @@ class DcpPayload:
         import torch.distributed.checkpoint as dcp
 
         writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
-        with paused_gc():  # DCP's planners: a few objects per item (format/gcpause.py)
+        with paused_gc():  # DCP's planners: a few objects per item (_runtime/gcpause.py)
             dcp.save(state, storage_writer=writer)
 
     def async_save(

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from .._runtime.gcpause import paused_gc
 from ..dcp.location import CheckpointLocation
 from ..dcp.writer import CloudStorageWriter
-from ..engine.groups import checkpoint_group, group_ranks
+from ..dist.groups import checkpoint_group, group_ranks
 from ..engine.staging import StagingPool, get_pool
 from ..errors import CloudCkptError, DistributedSaveError
-from ..format.gcpause import paused_gc
-from ..format.picklability import raise_if_unpicklable
+from ..format.torch.picklability import raise_if_unpicklable
 from ..options import TransferOptions
 from . import mcore
 from .layout import COMMON_NAME, CONFIG_NAME, encode_config
@@ -316,7 +316,7 @@ class _SaveJob:
         mc = mcore.require()
         writer = CloudStorageWriter(self.url, options=self.location.options)
         planner = mc.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
-        with paused_gc():  # DCP's planners: a few objects per item (format/gcpause.py)
+        with paused_gc():  # DCP's planners: a few objects per item (_runtime/gcpause.py)
             dcp.save(
                 self.pyt_state, storage_writer=writer, planner=planner, process_group=self.group
             )

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from ..dist.collectives import on_rank0
 from ..lightning.callback import is_remote
 from ..lightning.fs import CloudFileSystem, register_options
-from ..manager.distributed import on_rank0
 from ..options import TransferOptions, resolve_options
 from ._compat import ModelCheckpoint, is_global_rank_zero
 from .paths import (

@@ -21,10 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..dist.collectives import on_rank0
 from ..errors import NotFoundError
 from ..lightning.callback import is_remote
 from ..lightning.fs import register_options
-from ..manager.distributed import on_rank0
 from ..megatron.layout import CONFIG_NAME
 from ..options import TransferOptions
 from ..redact import dataclass_repr

@@ -5,7 +5,7 @@ To read part of a large chunk straight into its destination we need the record t
 holds the tensor's storage and the tensor's dtype, storage offset, size and stride.
 :func:`parse_archive` finds them from two small reads: the archive's head (where
 ``data.pkl`` sits) and its tail (the zip directory). ``data.pkl`` is checked by its
-CRC-32, then read through the trust boundary (format/unpickle.py) under an allow-list
+CRC-32, then read through the trust boundary (format/torch/unpickle.py) under an allow-list
 that builds nothing (recorders of ``_rebuild_tensor_v2``/``_v3``'s arguments, stand-ins
 for storage classes); a parse
 is kept by the pickle's bytes, and an archive laid out like one parsed before (a tensor
@@ -30,9 +30,9 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ..checksum import crc32
-from ..restricted_pickle import Policy, run_restricted
-from ..unpickle import StorageRef, StorageStandIn, parse_persistent_id
-from ..zipdir import (
+from ..torch.restricted_pickle import Policy, run_restricted
+from ..torch.unpickle import StorageRef, StorageStandIn, parse_persistent_id
+from ..torch.zipdir import (
     Entry,
     NeedMoreBytes,
     check_local_header,
@@ -192,7 +192,7 @@ _GLOBALS: dict[tuple[str, str], Any] = {
 
 #: The layout parse's policy: the recorders and stand-ins of ``_GLOBALS``, nothing that
 #: runs code; anything else ends the parse and the caller loads the archive whole,
-#: through the boundary (format/unpickle.load_torch_bytes).
+#: through the boundary (format/torch/unpickle.load_torch_bytes).
 _POLICY = Policy(globals={f"{m}.{n}": o for (m, n), o in _GLOBALS.items()}, advice="")
 
 

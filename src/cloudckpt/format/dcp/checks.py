@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from ...errors import ChecksumError
 from ...store import byte_view
 from ..checksum import crc32
-from ..zipdir import check_records as check_zip_records
+from ..torch.zipdir import check_records as check_zip_records
 
 __all__ = [
     "MAX_BLOCK",

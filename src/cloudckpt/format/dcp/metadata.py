@@ -2,7 +2,7 @@
 
 ``.metadata`` is a pickle (torch writes it so); a plain ``pickle.load`` of a file from a
 bucket would run whatever it names. :func:`decode_metadata` runs the trust boundary's
-pickle machine (format/restricted_pickle.py) under a policy that admits only the
+pickle machine (format/torch/restricted_pickle.py) under a policy that admits only the
 classes the writers of DCP checkpoints put there (named one by one in ``_GLOBALS``),
 dtypes and a few value types, never changes one of them, and then checks the
 structure the planner and the reader rely on (types, non-negative offsets and lengths,
@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.serialization import _get_layout
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..restricted_pickle import PROTOCOL4_OPCODES, Policy, run_restricted
+from ..torch.restricted_pickle import PROTOCOL4_OPCODES, Policy, run_restricted
 from .layout import MAX_COUNT, StorageInfo, is_count
 
 __all__ = ["ChunkIndex", "MCoreMetadata", "MCoreSavePlan", "check_metadata", "decode_metadata"]
@@ -163,7 +163,7 @@ def _check_frames(payload: bytes, url: str) -> None:
 
 def decode_metadata(payload: bytes, url: str, *, scan: bool = True) -> Metadata:
     """DCP's ``.metadata`` from its bytes, through the trust boundary
-    (format/restricted_pickle.py) under its own allow-list, then checked field by field.
+    (format/torch/restricted_pickle.py) under its own allow-list, then checked field by field.
 
     ``scan=False`` skips the check of protocol 4's frames (:func:`_check_frames`); only for
     bytes known to be the ones a writer produced (their CRC-32 matched the layout index

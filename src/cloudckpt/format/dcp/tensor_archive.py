@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..checksum import crc32
-from ..torchzip import (
+from ..torch.ziprecords import (
     AFTER,
     BEFORE,
     DESCRIPTOR,
@@ -55,7 +55,7 @@ from ..torchzip import (
     torch_save,
     v3_dtypes,
 )
-from ..torchzip import (
+from ..torch.ziprecords import (
     constants as shared_constants,
 )
 from .checks import block_crcs, block_size_for

@@ -1,7 +1,7 @@
 """Torch archives through the trust boundary: ``data.pkl`` and whole archives in memory.
 
 Every ``weights_only=True`` unpickle of a torch archive runs the restricted pickle
-machine (format/restricted_pickle.py) under :func:`weights_only_policy`: exactly the
+machine (format/torch/restricted_pickle.py) under :func:`weights_only_policy`: exactly the
 globals ``torch.load(weights_only=True)`` allows at that moment (its list, then the
 user's ``add_safe_globals``/``safe_globals``), with torch's opcode set. This module adds
 what is particular to torch archives: persistent ids naming storages, the fast rebuild
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CloudCkptError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+from ...errors import CloudCkptError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
 from .restricted_pickle import (
     TORCH_OPCODES,
     Policy,
@@ -456,7 +456,7 @@ def load_torch_bytes(
 ) -> Any:
     """Load a whole ``torch.save`` archive held in memory (a DCP byte item, a test's
     file) through the boundary: every record checked by its CRC-32 first."""
-    from .memview import writable_view
+    from ..._runtime.memview import writable_view
     from .zipdir import check_records, inflate
 
     view = memoryview(data)

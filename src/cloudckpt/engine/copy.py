@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.ranges import split
-from ..engine.scheduler import TransferGroup
-from ..engine.sink import ObjectSink, choose_part_size
 from ..errors import ConfigError, NotFoundError, StorageError
 from ..format.checksum import crc32
+from ..io.ranges import split
+from ..io.scheduler import TransferGroup
+from ..io.sink import ObjectSink, choose_part_size
 from ..options import TransferOptions
 from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
 from ..store.local import LocalStore
@@ -450,7 +450,7 @@ def _upload(
     it. A journal records the open upload and its stored parts, so an interrupted copy
     continues where it stopped."""
     dst_url = dst.url(dst_key)
-    # The rule save uses (engine/sink.py), so a profile's part_size means the same here.
+    # The rule save uses (io/sink.py), so a profile's part_size means the same here.
     part_size = choose_part_size(info.size, options.part_size, options.write_concurrency)
     if info.size <= part_size:
         data = src.get_range(info.key, 0, info.size) if info.size else b""

@@ -1,7 +1,7 @@
 """The gloo process group checkpoint collectives run on.
 
 A Megatron save's planning, its "every rank's data is durable" gather and its commit
-broadcast, and a shared load's agreement and broadcasts (engine/share.py), run on a
+broadcast, and a shared load's agreement and broadcasts (dist/share.py), run on a
 group created for checkpointing alone, never on the training group: an asynchronous
 upload then can't interleave its collectives with the training loop's (which hangs or
 corrupts both), and CPU tensors and objects never need a device (gloo works whatever

@@ -22,7 +22,7 @@ from typing import IO, cast
 
 import torch
 
-from .checksum import crc32
+from ..checksum import crc32
 
 __all__ = [
     "AFTER",

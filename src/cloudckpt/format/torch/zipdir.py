@@ -14,8 +14,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from ..errors import ChecksumError, CorruptCheckpointError
-from .checksum import crc32
+from ...errors import ChecksumError, CorruptCheckpointError
+from ..checksum import crc32
 
 __all__ = [
     "LOCAL_HEADER_SIZE",
@@ -238,7 +238,7 @@ def check_records(data: bytes | bytearray | memoryview, where: str) -> Directory
     loader reads them). A damaged directory or local header, or a record past the end,
     is a :class:`CorruptCheckpointError`; a record whose bytes do not match its CRC-32
     a :class:`ChecksumError`. Used by the DCP reader, ``cloudckpt verify`` and
-    :func:`~cloudckpt.format.unpickle.load_torch_bytes`; returns the directory.
+    :func:`~cloudckpt.format.torch.unpickle.load_torch_bytes`; returns the directory.
     """
     view = memoryview(data)
     start = max(0, len(view) - (1 << 20))  # the directory sits at the end

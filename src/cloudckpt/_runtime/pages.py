@@ -19,7 +19,7 @@ import mmap
 import sys
 from collections.abc import Callable
 
-from ..format.memview import buffer_address
+from .memview import buffer_address
 
 __all__ = ["POPULATE", "populate"]
 
@@ -33,7 +33,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
         return None
     try:
         # PyDLL: the call keeps the GIL (a few microseconds), so a reading thread does
-        # not take it from the planner at every destination (see format/memview.py).
+        # not take it from the planner at every destination (see _runtime/memview.py).
         fn = ctypes.PyDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):  # pragma: no cover - a libc without madvise
         return None

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.scheduler import TransferGroup
-from ..engine.sink import ObjectSink
+from ..io.scheduler import TransferGroup
+from ..io.sink import ObjectSink
 from ..options import MIN_PART_SIZE, MiB, TransferOptions
 from ..store import Store
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["PartBufferCache", "SaveBuffers", "get_cache", "release_buffers"]
+__all__ = ["PartBufferCache", "SaveBuffers", "get_cache", "register_pool", "release_buffers"]
 
 
 class PartBufferCache:
@@ -68,23 +68,32 @@ def get_cache() -> PartBufferCache:
     return _cache
 
 
+#: What each pool of memory kept between saves frees when asked (see register_pool).
+_releasers: list[Callable[[], int]] = []
+
+
+def register_pool(release: Callable[[], int]) -> None:
+    """Have :func:`release_buffers` call ``release`` (it frees a pool, returns bytes)."""
+    _releasers.append(release)
+
+
+def _release_part_buffers() -> int:
+    released = _cache.idle_bytes
+    _cache.clear()
+    return released
+
+
+register_pool(_release_part_buffers)
+
+
 def release_buffers() -> int:
     """Free the memory cloudckpt keeps between saves; returns the bytes released.
 
     That is the idle part buffers and archive chunks of sync saves and the staging
-    buffers of async saves.
+    buffers of async saves (every pool registered with :func:`register_pool`).
     The next save allocates (and page-faults) its buffers again.
     """
-    from ..format.archive_writer import get_chunk_pool
-    from .staging import get_pool
-
-    released = _cache.idle_bytes
-    _cache.clear()
-    released += get_chunk_pool().clear()
-    pool = get_pool()
-    released += pool.idle_bytes
-    pool.clear()
-    return released
+    return sum(release() for release in _releasers)
 
 
 class SaveBuffers:

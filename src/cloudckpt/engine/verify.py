@@ -16,23 +16,30 @@ from typing import Any
 
 import torch
 
-from ..engine.directory import read_directory
-from ..engine.ranges import RangeReader, split
-from ..engine.scheduler import TransferGroup
 from ..errors import CorruptCheckpointError
 from ..format.checksum import crc32
-from ..format.unpickle import parse_persistent_id, unpickle
-from ..format.zipdir import (
+from ..format.torch.unpickle import parse_persistent_id, unpickle
+from ..format.torch.zipdir import (
     Directory,
     Entry,
     check_local_header,
     check_record_crc,
     check_records,
 )
+from ..io.ranges import RangeReader, split
+from ..io.scheduler import TransferGroup
 from ..options import TransferOptions
-from ..store import Store
+from ..store import Store, join_key
+from .directory import read_directory
 
-__all__ = ["ArchiveInfo", "TensorInfo", "describe", "verify_archive", "verify_archive_bytes"]
+__all__ = [
+    "ArchiveInfo",
+    "TensorInfo",
+    "dcp_tensor_slices",
+    "describe",
+    "verify_archive",
+    "verify_archive_bytes",
+]
 
 #: Largest range one verify request reads (bounds memory: read_concurrency of these).
 
@@ -210,3 +217,20 @@ def verify_archive_bytes(data: bytes, url: str) -> int:
     as the DCP reader checks one it reads whole; returns its size."""
     check_records(data, url)
     return len(data)
+
+
+def dcp_tensor_slices(store: Store, prefix: str) -> dict[str, list[tuple[int, int]]]:
+    """Where each tensor's ``torch.save`` archive sits in a DCP checkpoint's data objects."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..format.dcp.metadata import decode_metadata
+
+    key = prefix + ".metadata"
+    url = store.url(key)
+    metadata = decode_metadata(store.get(key), url)
+    slices: dict[str, list[tuple[int, int]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
+            target = join_key(prefix.rstrip("/"), str(info.relative_path), url)
+            slices.setdefault(target, []).append((int(info.offset), int(info.length)))
+    return slices

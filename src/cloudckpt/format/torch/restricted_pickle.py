@@ -22,7 +22,7 @@ the manner of torch's ``torch/_weights_only_unpickler.py``) that runs under a
 :class:`~cloudckpt.errors.UnsafeCheckpointError`; bytes that are not a valid pickle
 (damage, truncation, a constructor that fails on its arguments)
 :class:`~cloudckpt.errors.CorruptCheckpointError`. The policies: torch's weights-only
-one (format/unpickle.py), DCP ``.metadata``'s (format/dcp/metadata.py) and the DCP
+one (format/torch/unpickle.py), DCP ``.metadata``'s (format/dcp/metadata.py) and the DCP
 layout parse's (format/dcp/archive.py). docs/security.md says what this promises and
 how ``tests/security`` proves it against torch's own unpickler.
 """
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
-from .gcpause import paused_gc
+from ..._runtime.gcpause import paused_gc
+from ...errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "PROTOCOL4_OPCODES",

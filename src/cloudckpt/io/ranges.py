@@ -7,7 +7,7 @@ thread once every byte of the request has arrived (the checksum check); its erro
 fails the read like a failed request. Each batch is sorted per key, neighbours joined
 (gaps of up to ``read_gap`` bytes are read and dropped) into reads of at most
 ``read_chunk_size``, larger requests split into pieces, and every read runs through one
-:class:`~cloudckpt.engine.scheduler.TransferGroup` (``read_concurrency`` at once), each
+:class:`~cloudckpt.io.scheduler.TransferGroup` (``read_concurrency`` at once), each
 straight into its buffers with ``Store.read_into`` (which retries).
 
 A streaming reader sends a batch whenever ``read_chunk_size`` bytes are waiting, so

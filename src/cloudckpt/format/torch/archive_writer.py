@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
-from .checksum import crc32
-from .gcpause import paused_gc
-from .memview import buffer_address, copy_memory, writable_view
+from ..._runtime.gcpause import paused_gc
+from ..._runtime.memview import buffer_address, copy_memory, writable_view
+from ...io.buffers import register_pool
+from ..checksum import crc32
 from .tensors import plain_strided
-from .torchzip import (
+from .ziprecords import (
     AFTER,
     BEFORE,
     DESCRIPTOR,
@@ -365,6 +366,7 @@ class ChunkPool:
 
 _FREE_REFS = 3
 _pool = ChunkPool()
+register_pool(_pool.clear)
 
 
 def get_chunk_pool() -> ChunkPool:

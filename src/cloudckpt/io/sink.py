@@ -26,8 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._runtime.memview import buffer_address
 from ..errors import StorageError
-from ..format.memview import buffer_address
 from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
 from ..store import MultipartUpload, Store, UploadedPart, byte_view
 from .buffers import SaveBuffers
@@ -383,7 +383,7 @@ class BorrowingWriter:
     A write of one of ``storages`` (same address, same size: torch writes a storage's
     bytes in one call) goes to :meth:`BorrowingSink.write_borrowed` with the storage as
     its owner; everything else is copied. ``storages`` maps address to
-    ``(nbytes, storage)`` (:func:`cloudckpt.format.tensors.scan_storages`).
+    ``(nbytes, storage)`` (:func:`cloudckpt.format.torch.tensors.scan_storages`).
     """
 
     def __init__(self, sink: BorrowingSink, storages: dict[int, tuple[int, Any]]) -> None:

@@ -107,7 +107,7 @@ def raise_if_unpicklable(obj: Any, exc: BaseException, url: str) -> None:
     """Turn ``exc``, raised while pickling ``obj`` for ``url``, into an UnpicklableError
     naming the key path that cannot be pickled and how to save it instead; return
     quietly when ``exc`` is not such a failure (the caller re-raises it)."""
-    from ..errors import SerializationError, UnpicklableError
+    from ...errors import SerializationError, UnpicklableError
 
     if not isinstance(exc, PICKLE_ERRORS) or isinstance(exc, SerializationError):
         return

@@ -1,0 +1,1 @@
+"""Collectives: act on the first rank, agree, settle; one error naming the failing rank."""

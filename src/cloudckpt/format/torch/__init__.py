@@ -1,0 +1,1 @@
+"""torch's archive format: zip records, the archive writer, the unpickling boundary."""
