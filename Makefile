@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudckpt-installed
 URL    ?=
 
-.PHONY: venv demo test test-compat test-nemo lint bench bench-quick fuzz clean
+.PHONY: venv demo test test-fast test-plain test-compat test-nemo lint bench bench-quick fuzz clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,27 @@ demo: venv
 test: venv
 	$(BIN)/python tests/servers.py install-azurite >/dev/null  # Azure emulator, from npm
 	$(BIN)/python -m pytest -q --durations=15
+
+# The quick tier for iterating (about a minute on 2 cores): unit tests and the store
+# tests that need none of rclone, the GCS emulator and Azurite (filesystem, memory, moto).
+# `make test` stays the full suite, which CI runs.
+test-fast: venv
+	$(BIN)/python -m pytest -q tests/unit tests/stores \
+		-m "not rclone and not gcs and not azure and not slow"
+
+# The round-trip tests again with every fast path off (CLOUDCKPT_FAST_PATHS=0: no GC
+# pauses, no views by address or GIL-held copies, no archive builders; docs/runtime.md):
+# the plain path must give the same results.
+PLAIN_TESTS := tests/unit/test_fast_paths.py tests/unit/test_gcpause.py \
+	tests/unit/test_gil_held.py tests/unit/test_load_requests.py \
+	tests/unit/test_weights_only_unpickler.py tests/integration/test_roundtrip.py \
+	tests/integration/test_async_save.py tests/integration/test_shared_load.py \
+	tests/dcp/test_reader_writer.py tests/dcp/test_shared_reads.py \
+	tests/dcp/test_destinations.py tests/dcp/test_fetch.py tests/dcp/test_export.py \
+	tests/safetensors/test_safetensors_io.py tests/safetensors/test_safetensors_faults.py \
+	tests/manager/test_manager.py tests/megatron/test_megatron.py
+test-plain: venv
+	CLOUDCKPT_FAST_PATHS=0 $(BIN)/python -m pytest -q $(PLAIN_TESTS)
 
 # Differential fuzzing of the trust boundary against torch's weights-only unpickler
 # (tests/security/fuzz.py; docs/security.md). SEED= and CASES= change the run.

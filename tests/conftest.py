@@ -14,8 +14,10 @@ Fixtures
     ``storage_options``. The store contract adds ``memory`` (:func:`make_target`).
 
 Servers start lazily, i.e. only when a collected test actually needs them, and
-are stopped at the end of the session. Select a backend with ``-k``, e.g.
-``pytest -k "not rclone"``.
+are stopped at the end of the session. Each test is marked with the servers it needs
+(``moto``, ``rclone``, ``gcs``, ``azure``: by its fixtures, or a parameter naming the
+server), so ``pytest -m "not rclone and not gcs and not azure"`` runs what needs none
+of those (``make test-fast``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,31 @@ def _isolated_aws_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
         yield
     finally:
         mp.undo()
+
+
+# ----------------------------------------------------------------- markers by server
+
+#: The servers a test can need; each is also a marker (``-m "not rclone"``).
+SERVER_MARKERS = ("moto", "rclone", "gcs", "azure")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register one marker per server, set on the tests that need it."""
+    for name in SERVER_MARKERS:
+        config.addinivalue_line("markers", f"{name}: the test needs the {name} server")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with the servers it needs: a ``<name>_server`` fixture among its
+    fixtures, or a parameter whose value is the server's name (``store_url[rclone]``,
+    ``s3_server[moto]``: the fixtures that look the server up by that name)."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        callspec = getattr(item, "callspec", None)
+        params = {v for v in callspec.params.values() if isinstance(v, str)} if callspec else set()
+        for name in SERVER_MARKERS:
+            if f"{name}_server" in fixtures or name in params:
+                item.add_marker(name)
 
 
 # --------------------------------------------------------------------------- servers

@@ -21,8 +21,10 @@ from . import errors, redact
 from .options import TransferOptions, configure, get_defaults
 
 if TYPE_CHECKING:
+    from ._runtime import set_fast_paths
     from .dcp.export import ExportResult, export_safetensors
-    from .engine.async_save import SaveHandle, async_save, wait_all
+    from .engine.async_save import async_save
+    from .engine.handle import SaveHandle, wait_all
     from .engine.load import load
     from .engine.safetensors import load_safetensors, save_safetensors
     from .engine.save import SaveResult, save
@@ -54,6 +56,7 @@ __all__ = [
     "release_buffers",
     "save",
     "save_safetensors",
+    "set_fast_paths",
     "set_unpickler",
     "wait_all",
 ]
@@ -63,15 +66,16 @@ _LAZY = {
     "CheckpointManager": ".manager",
     "ExportResult": ".dcp.export",
     "export_safetensors": ".dcp.export",
-    "SaveHandle": ".engine.async_save",
+    "SaveHandle": ".engine.handle",
     "async_save": ".engine.async_save",
-    "wait_all": ".engine.async_save",
+    "wait_all": ".engine.handle",
     "load": ".engine.load",
     "load_safetensors": ".engine.safetensors",
     "save_safetensors": ".engine.safetensors",
     "release_buffers": ".io.buffers",
     "SaveResult": ".engine.save",
     "save": ".engine.save",
+    "set_fast_paths": "._runtime",
     "set_unpickler": ".format.torch.unpickle",
 }
 

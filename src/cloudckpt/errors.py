@@ -17,13 +17,17 @@ builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``
     ├── StorageError (OSError)                    the store failed a request
     │   ├── TransientError                        worth retrying (throttled, 5xx, reset)
     │   │   └── ThrottledError                    the store asked for fewer requests
-    │   └── RetriesExhaustedError                 transient faults outlasted retries
+    │   ├── RetriesExhaustedError                 transient faults outlasted retries
+    │   └── DeadlineExceededError                 a save or load outlasted its deadline
     ├── SerializationError (TypeError)
     │   └── UnpicklableError                      state holds a closure/lambda/handle
     ├── CorruptCheckpointError (ValueError)       bytes on storage are not a checkpoint
     │   └── ChecksumError                         a record's CRC-32 does not match
     ├── UnsupportedFormatError (ValueError)       a valid checkpoint in a variant not read
-    ├── DistributedSaveError (RuntimeError)       a multi-rank save failed on some rank
+    ├── CollectiveError (RuntimeError)            a step taken by every rank failed on some
+    │   │                                         rank(s), named with what failed
+    │   ├── DistributedSaveError                  a multi-rank save failed on some rank
+    │   └── DistributedLoadError                  a shared load failed on another rank
     └── UnsafeCheckpointError (pickle.UnpicklingError)
                                                   weights_only refused a global
 
@@ -33,7 +37,8 @@ Messages name the URL or the key path involved and never contain credentials.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 __all__ = [
     "AccessDeniedError",
@@ -41,6 +46,7 @@ __all__ = [
     "BucketNotFoundError",
     "ChecksumError",
     "CloudCkptError",
+    "CollectiveError",
     "ConfigError",
     "CorruptCheckpointError",
     "CredentialsError",
@@ -130,8 +136,8 @@ class RetriesExhaustedError(StorageError):
 
 
 class DeadlineExceededError(StorageError):
-    """A save did not finish within its ``deadline``: it was cancelled, its upload
-    aborted, nothing committed. The message names the requests still running."""
+    """A save or load did not finish within its ``deadline``: it was cancelled (a save's
+    upload aborted, nothing committed). The message names the requests still running."""
 
 
 class SerializationError(CloudCkptError, TypeError):
@@ -158,27 +164,41 @@ class UnsupportedFormatError(CloudCkptError, ValueError):
     """A well-formed checkpoint in a format or variant cloudckpt does not read."""
 
 
-class DistributedSaveError(CloudCkptError, RuntimeError):
+class CollectiveError(CloudCkptError, RuntimeError):
+    """A step every rank of a group takes together failed on some rank(s).
+
+    ``failures`` maps each failed rank (its global rank) to its error as text; the
+    message names each of them and the step. Raised on the ranks that did not fail
+    (cloudckpt.dist.collectives); a failed rank raises its own error.
+    """
+
+    #: What a failure of this kind leaves behind, appended to the message.
+    consequence: ClassVar[str] = ""
+
+    def __init__(self, message: str, failures: Mapping[int, str]) -> None:
+        super().__init__(message)
+        self.failures = dict(failures)
+
+    @classmethod
+    def of(cls, what: str, failures: Mapping[int, str]) -> CollectiveError:
+        """The error saying ``what`` failed, naming each failed rank and its error."""
+        listed = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failures.items()))
+        tail = f"; {cls.consequence}" if cls.consequence else ""
+        return cls(f"{what} failed ({listed}){tail}", failures)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # sent between ranks: keep the failures
+        return (type(self), (str(self), self.failures))
+
+
+class DistributedSaveError(CollectiveError):
     """A multi-rank save failed on some rank(s); ``failures`` maps each to its error."""
 
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
-
-    def __reduce__(self) -> tuple[Any, ...]:  # sent between ranks: keep the failures
-        return (type(self), (str(self), self.failures))
+    consequence = "nothing committed"
 
 
-class DistributedLoadError(CloudCkptError, RuntimeError):
+class DistributedLoadError(CollectiveError):
     """A load shared by several ranks failed on other rank(s); ``failures`` maps each to
     its error (the failing rank raises its own)."""
-
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
-
-    def __reduce__(self) -> tuple[Any, ...]:  # sent between ranks: keep the failures
-        return (type(self), (str(self), self.failures))
 
 
 class UnsafeCheckpointError(CloudCkptError, pickle.UnpicklingError):

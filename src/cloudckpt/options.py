@@ -11,12 +11,22 @@ import dataclasses
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .redact import dataclass_repr
 
-__all__ = ["MiB", "TransferOptions", "configure", "get_defaults", "resolve_options"]
+if TYPE_CHECKING:
+    from .profiles import Profile
+
+__all__ = [
+    "MiB",
+    "TransferOptions",
+    "apply_profile",
+    "configure",
+    "get_defaults",
+    "resolve_options",
+]
 
 MiB = 1024 * 1024
 
@@ -64,8 +74,10 @@ class TransferOptions:
     #: Seconds without progress on a request before it is abandoned and retried on a
     #: fresh connection (the stall timeout).
     request_timeout: float = 120.0
-    #: Seconds one object of a save may take, first byte to commit; past it the save
-    #: fails (``DeadlineExceededError``), its upload aborted. ``None``: no deadline.
+    #: Seconds a whole save or load may take: every request, retry and wait of it, in
+    #: whatever threads it uses, and the cleanup after a failure (a few seconds more,
+    #: never a retry past them). Past it the operation fails (``DeadlineExceededError``),
+    #: nothing committed. ``None``: no deadline. docs/reliability.md.
     deadline: float | None = None
     #: Show a progress bar on stderr.
     progress: bool = False
@@ -163,20 +175,29 @@ def resolve_options(
     With ``url``, a profile it selects (cloudckpt.profiles) sits between the two: call
     arguments win over the profile, the profile over ``configure()``.
     """
-    base = options if options is not None else _defaults
-    if not isinstance(base, TransferOptions):
-        raise ConfigError(f"options must be a TransferOptions, not {type(base).__name__}")
+    profile = None
     if url is not None and "://" in str(url):
         from .profiles import find_profile
 
         profile = find_profile(str(url))
-        if profile is not None:
-            if options is None and profile.transfer:
-                base = base.replace(**profile.transfer)
-            if options is None:  # the profile wins over configure()'s storage options
-                storage = {**base.storage_options, **profile.storage_options}
-            else:  # an explicit options object wins over the profile
-                storage = {**profile.storage_options, **base.storage_options}
-            storage.update(overrides.pop("storage_options", None) or {})
-            base = base.replace(storage_options=storage)
+    return apply_profile(options, profile, **overrides)
+
+
+def apply_profile(
+    options: TransferOptions | None, profile: Profile | None, **overrides: Any
+) -> TransferOptions:
+    """:func:`resolve_options` for a caller that has found its URL's profile already
+    (``cloudckpt.store.resolve`` looks it up once, for both the URL and the options)."""
+    base = options if options is not None else _defaults
+    if not isinstance(base, TransferOptions):
+        raise ConfigError(f"options must be a TransferOptions, not {type(base).__name__}")
+    if profile is not None:
+        if options is None and profile.transfer:
+            base = base.replace(**profile.transfer)
+        if options is None:  # the profile wins over configure()'s storage options
+            storage = {**base.storage_options, **profile.storage_options}
+        else:  # an explicit options object wins over the profile
+            storage = {**profile.storage_options, **base.storage_options}
+        storage.update(overrides.pop("storage_options", None) or {})
+        base = base.replace(storage_options=storage)
     return base.replace(**overrides) if overrides else base

@@ -237,17 +237,26 @@ def test_unpicklable_state_gives_back_its_slabs(tmp_path):
     assert pool.idle_bytes == pool.allocated_bytes
 
 
-def test_what_a_snapshot_records_is_not_walked_by_the_next_young_collections() -> None:
-    """The snapshot's per-tensor records go to the oldest generation when the collector
-    resumes (_runtime/gcpause.py): the caller's next allocations do not start a young
-    collection over them, while training waits."""
+def test_a_snapshots_records_leave_the_young_generations_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the opt-in freeze (docs/runtime.md) the snapshot's per-tensor records go to
+    the oldest generation when the collector resumes: the caller's next allocations do
+    not start a young collection over them. Without it the host's generations are left
+    as they are."""
     import gc
 
+    from cloudckpt._runtime import switch
+    from cloudckpt._runtime.gcpause import paused_gc
+
     state = {f"t{i}": torch.randn(4) for i in range(3000)}
-    snap = snapshot(state)
-    try:
-        young = {id(o) for o in gc.get_objects(generation=0) + gc.get_objects(generation=1)}
-        assert not any(id(t) in young for t in snap.tensors)
-        assert snap.nbytes == 3000 * 16
-    finally:
-        snap.release()
+    for freeze in (False, True):
+        monkeypatch.setattr(switch, "_freeze", freeze)
+        with paused_gc(kept=True):  # as async_save takes its snapshot
+            snap = snapshot(state)
+        try:
+            young = {id(o) for o in gc.get_objects(generation=0) + gc.get_objects(generation=1)}
+            assert any(id(t) in young for t in snap.tensors) is not freeze
+            assert snap.nbytes == 3000 * 16
+        finally:
+            snap.release()

@@ -8,7 +8,9 @@ code, without a second interpreter importing torch.)
 METHOD is a Store method (create_multipart, upload_part, complete_multipart, put, delete);
 the process dies just before or just after its N-th call: the same as an external
 SIGKILL at that moment, but at a point the test chose. ``upload_part`` counts parts
-sent either way (``upload_part`` or, for scatter lists, ``upload_part_views``).
+sent either way (``upload_part`` or, for scatter lists, ``upload_part_views``). The
+public methods live on the ``Store`` base class, so one patch there arms every backend
+(filesystem, S3, GCS, Azure) alike.
 """
 
 from __future__ import annotations
@@ -21,31 +23,38 @@ import sys
 import torch
 
 import cloudckpt
+from cloudckpt.store.azure import AzureStore
+from cloudckpt.store.base import Store
+from cloudckpt.store.gcs import GCSStore
 from cloudckpt.store.local import LocalStore
 from cloudckpt.store.s3 import S3Store
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dcp_compat import SINGLE
 
+BACKENDS = (LocalStore, S3Store, GCSStore, AzureStore)
+
 
 def arm(method: str, n: int, when: str) -> None:
     names = [method, "upload_part_views"] if method == "upload_part" else [method]
     calls = 0
-    for cls in (LocalStore, S3Store):
-        for name in names:
-            real = getattr(cls, name)
+    for name in names:
+        overriding = [cls.__name__ for cls in BACKENDS if name in vars(cls)]
+        if overriding:  # the patch on Store would miss their calls
+            raise AssertionError(f"{name} is overridden by {overriding}; arm it there too")
+        real = getattr(Store, name)
 
-            def wrapper(self, *args, real=real, **kwargs):
-                nonlocal calls
-                calls += 1
-                if calls == n and when == "before":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                result = real(self, *args, **kwargs)
-                if calls == n and when == "after":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return result
+        def wrapper(self, *args, real=real, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == n and when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            result = real(self, *args, **kwargs)
+            if calls == n and when == "after":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
 
-            setattr(cls, name, wrapper)
+        setattr(Store, name, wrapper)
 
 
 def new_state() -> dict:

@@ -2,10 +2,12 @@
 
 Eight threads save the same objects twice in one run, to two prefixes the proxy limits
 alike: once with plain retries (``adaptive_rate=False``), once with the default adaptive
-rate. Both must complete with every object intact; the adaptive run must draw far fewer
-503s (on a busy 2-core machine: 42-79 with plain retries, 5-12 adaptive). Many
-processes, each with its own limiter (as ranks are), are simulated in
-tests/unit/test_adaptive_limiter.py.
+rate. Both must complete with every object intact, each save's PUT having reached the
+server. The test asserts what happened, not how many 503s each mode drew: that count
+depends on how busy the machine is (on a busy 2-core machine: 42-79 with plain retries,
+5-12 adaptive). The comparison is made on a fake clock in
+tests/unit/test_adaptive_limiter.py (many ranks, each with its own limiter) and measured
+on a real server by benchmarks/studies/ranks_under_limit.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 import cloudckpt
 from cloudckpt.testing.fault_proxy import FaultProxy
+from servers import unique_bucket_name
 
 #: The proxy's limit per prefix: requests per second, and the burst it allows.
 RATE, BURST = 20.0, 5.0
@@ -69,16 +72,18 @@ def _check_all_saved(server, bucket: str, prefix: str, workers: int, count: int)
             assert torch.equal(out["t"], _value(w, i)), key
 
 
-def test_threads_draw_far_fewer_503s_with_adaptive_rate(rclone_server):
-    bucket = rclone_server.make_bucket("adaptive-rate-threads")
+def test_threads_behind_a_prefix_limit_all_commit_with_either_retry_mode(rclone_server):
+    bucket = rclone_server.make_bucket(unique_bucket_name("adaptive-rate-threads"))
     workers, count = 8, 4
     with FaultProxy(rclone_server.endpoint_url, prefix_rate=RATE, prefix_burst=BURST) as proxy:
         storage = {**rclone_server.storage_options(), "endpoint_url": proxy.url}
         for prefix, adaptive in MODES.items():
             _save_many(f"s3://{bucket}/{prefix}", storage, adaptive, range(workers), count)
+    saves = workers * count
     for prefix in MODES:
         _check_all_saved(rclone_server, bucket, prefix, workers, count)
-        assert proxy.forwarded[prefix] == workers * count  # one PUT per save reached it
-    plain, adaptive = proxy.throttled["plain"], proxy.throttled["adaptive"]
-    assert plain >= 10, proxy.throttled  # the limit did bite plain retries
-    assert adaptive * 2 <= plain, proxy.throttled
+        # Each save's one PUT got past the limit; a PUT whose answer a busy machine lost
+        # may have been sent again (idempotent), never every one of them.
+        assert saves <= proxy.forwarded[prefix] < 2 * saves, proxy.forwarded
+    # 32 PUTs from 8 threads against a bucket of 5 refilled at 20 a second: the limit bit.
+    assert sum(proxy.throttled.values()) > 0, proxy.throttled

@@ -1,9 +1,13 @@
-"""SIGKILL at chosen points of a save: the previous checkpoint survives; gc cleans up."""
+"""SIGKILL at chosen points of a save: the previous checkpoint survives; gc cleans up.
+
+Every kill point runs on every store (the filesystem, moto, rclone, the GCS emulator and
+Azurite), each in a forked child that must die by SIGKILL at its point: a point the save
+never reaches fails its test rather than passing unseen.
+"""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import sys
 import tempfile
@@ -23,7 +27,8 @@ from dcp_compat import SINGLE
 sys.path.insert(0, str(Path(__file__).parent))
 import crash_child
 
-# (point, does the new checkpoint exist afterwards?)
+# Where a single-object save (12 MiB in 5 MiB parts: three parts) is killed, each one
+# run (none sampled), with whether the new checkpoint exists afterwards.
 POINTS = [
     ("create_multipart:1:after", False),
     ("upload_part:1:before", False),
@@ -32,6 +37,11 @@ POINTS = [
     ("complete_multipart:1:before", False),
     ("complete_multipart:1:after", True),
 ]
+
+#: Stores whose ``list_multipart`` cannot show an upload staged over a committed object:
+#: Azure lists uploads to keys without a committed blob only, and drops the blocks at the
+#: blob's next commit or after seven days (docs/stores.md), so gc finds nothing there.
+UNLISTED_OVER_AN_OBJECT = {"azure"}
 
 
 def previous_state() -> dict:
@@ -72,7 +82,7 @@ def _wait(pid: int, point: str, timeout: float = 120) -> int:
         time.sleep(0.05)
 
 
-def _check_after_kill(url: str, storage_options: dict, committed_new: bool) -> None:
+def _check_after_kill(url: str, storage_options: dict, committed_new: bool, listed: bool) -> None:
     loaded = cloudckpt.load(url, storage_options=storage_options)
     expected = 100.0 if committed_new else 0.0
     assert float(loaded["t0"][0]) == expected, "a partial or lost checkpoint became visible"
@@ -81,28 +91,22 @@ def _check_after_kill(url: str, storage_options: dict, committed_new: bool) -> N
     root = key.rpartition("/")[0]
     report = collect_garbage(store, root, opts, grace_seconds=0)
     assert list(store.list_multipart(root)) == []
-    if not committed_new:
+    if not committed_new and listed:
         assert report.uploads, "the killed save left nothing for gc to clean?"
 
 
 @pytest.mark.parametrize("mode", ["save", "async"])
-@pytest.mark.parametrize(
-    "point, committed_new",
-    POINTS[:1] + random.Random(7).sample(POINTS[1:-1], 2) + POINTS[-1:],
-)
+@pytest.mark.parametrize("point, committed_new", POINTS)
 def test_sigkill_during_save_keeps_the_previous_checkpoint(store_url, mode, point, committed_new):
-    if store_url.name in ("gcs", "azure"):
-        pytest.skip("the kill points name S3 and filesystem calls")
     url = f"{store_url.base_url}/run/ckpt.pt"
     cloudckpt.save(previous_state(), url, storage_options=store_url.storage_options)
     _kill_run(url, store_url.storage_options, mode, point)
-    _check_after_kill(url, store_url.storage_options, committed_new)
+    listed = store_url.name not in UNLISTED_OVER_AN_OBJECT
+    _check_after_kill(url, store_url.storage_options, committed_new, listed)
 
 
 @pytest.mark.parametrize("point", ["upload_part:1:after", "complete_multipart:1:after"])
 def test_sigkill_during_dcp_save_leaves_no_metadata(store_url, point):
-    if store_url.name in ("gcs", "azure"):
-        pytest.skip("the kill points name S3 and filesystem calls")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -137,8 +141,6 @@ def test_sigkill_during_dcp_save_leaves_no_metadata(store_url, point):
 
 @pytest.mark.parametrize("point", ["delete:1:before", "delete:1:after", "delete:2:after"])
 def test_sigkill_during_retention_keeps_latest_committed(store_url, point):
-    if store_url.name in ("gcs", "azure"):
-        pytest.skip("the kill points name S3 and filesystem calls")
     opts = store_url.storage_options
     root = f"{store_url.base_url}/managed"
     cloudckpt.CheckpointManager(root, keep_last=1, storage_options=opts).save(1, previous_state())

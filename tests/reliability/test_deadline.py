@@ -1,10 +1,16 @@
 """Bounded saves: a stalled connection is retried on a fresh one (``request_timeout``, the
 stall timeout); a save that cannot finish within ``deadline`` fails, on every rank of a
-DCP save, naming what is stuck, with its uploads aborted and nothing committed."""
+DCP save, naming what is stuck, with its uploads aborted and nothing committed.
+
+No test times the save: each checks what happened instead. A save ended by its 3 s
+deadline raised while the stalled requests (60 s) were still unanswered, which the
+proxy's ``stall_ends`` shows, however busy the machine is.
+"""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,49 +71,52 @@ def test_a_save_past_its_deadline_fails_naming_the_stuck_part(rclone_server: Any
     ) as proxy:
         so = {**rclone_server.storage_options(), "endpoint_url": proxy.url}
         url = f"s3://{bucket}/run/c.pt"
-        started = time.monotonic()
         with pytest.raises(DeadlineExceededError) as info:
             cloudckpt.save(
                 _state(), url, storage_options=so, part_size=5 * MiB, request_timeout=60.0,
                 deadline=DEADLINE,
             )  # fmt: skip
-        elapsed = time.monotonic() - started
+        # The deadline ended the save, not the stall: no stalled part had been answered.
+        assert proxy.injected["slow"] >= 1 and proxy.stall_ends == [], proxy.stall_ends
     message = str(info.value)
     assert f"upload part 1 of {url}" in message and f"{DEADLINE:g} s deadline" in message
-    assert elapsed < DEADLINE + 10, elapsed
     assert _keys(rclone_server, bucket) == []  # nothing committed
     assert _open_uploads(rclone_server, bucket) == []  # the upload was aborted
 
 
-def _dcp_save(rank: int, world: int, url: str, so: dict[str, Any], out: Any) -> None:
+def _dcp_save(rank: int, world: int, url: str, so: dict[str, Any], out: Path) -> None:
     state = {"model": _state(seed=rank), "rank": torch.tensor(rank)}
-    started = time.monotonic()
     writer = CloudStorageWriter(
         url, storage_options=so, part_size=5 * MiB, request_timeout=60.0, deadline=DEADLINE
     )
     with pytest.raises((CheckpointException, DeadlineExceededError)) as info:
         dcp.save(state, storage_writer=writer)
-    elapsed = time.monotonic() - started
-    assert elapsed < DEADLINE + 10, (rank, elapsed)
+    # When it raised, on the clock every process of this machine shares (CLOCK_MONOTONIC),
+    # for the test to compare with the end of the stall.
+    (out / f"rank-{rank}").write_text(repr(time.monotonic()))
     # Every rank learns which rank and object were stuck.
     assert "rank 1: not finished within its 3 s deadline" in str(info.value), str(info.value)
     assert "__1_0.distcp" in str(info.value)
 
 
-def test_a_rank_stuck_past_the_deadline_fails_every_rank(rclone_server: Any) -> None:
+def test_a_rank_stuck_past_the_deadline_fails_every_rank(
+    rclone_server: Any, tmp_path: Path
+) -> None:
     bucket = rclone_server.make_bucket(unique_bucket_name("deadline-dcp"))
 
     def rank_1_data(method: str, target: str) -> bool:
         return _parts(method, target) and "__1_0.distcp" in target
 
-    # The stall outlasts the deadline's bound (3 + 10 s), then ends: a rank's process
-    # exits only once its abandoned request has (it holds one of the I/O threads).
     with FaultProxy(
-        rclone_server.endpoint_url, rate=1.0, kinds=("slow",), slow_seconds=DEADLINE + 12,
+        rclone_server.endpoint_url, rate=1.0, kinds=("slow",), slow_seconds=60.0,
         match=rank_1_data,
     ) as proxy:  # fmt: skip
         so = {**rclone_server.storage_options(), "endpoint_url": proxy.url}
-        run_ranks(_dcp_save, 2, f"s3://{bucket}/run/step-1", so, None, timeout=120)
+        run_ranks(_dcp_save, 2, f"s3://{bucket}/run/step-1", so, tmp_path, timeout=120)
         assert proxy.injected["slow"] >= 1
+    # Both ranks raised before any of rank 1's stalled parts was answered (leaving the
+    # proxy ended the stalls): the deadline ended the save, on every rank.
+    raised = [float((tmp_path / f"rank-{rank}").read_text()) for rank in range(2)]
+    assert proxy.stall_ends and max(raised) < min(proxy.stall_ends), (raised, proxy.stall_ends)
     assert ".metadata" not in " ".join(_keys(rclone_server, bucket))
     assert _open_uploads(rclone_server, bucket) == []

@@ -40,7 +40,9 @@ def test_eight_ranks_behind_a_prefix_limit_all_commit(rclone_server: Any) -> Non
         so = {**rclone_server.storage_options(), "endpoint_url": proxy.url}
         run_ranks(_save, RANKS, f"s3://{bucket}/run", so, timeout=300)
     assert proxy.throttled["run"] > 0  # 32 PUTs at once against 10 a second
-    assert proxy.forwarded["run"] == RANKS * SAVES  # each PUT reached the server once
+    # Each PUT reached the server; one whose answer a busy machine lost may have been
+    # sent again (idempotent), never every one of them.
+    assert RANKS * SAVES <= proxy.forwarded["run"] < 2 * RANKS * SAVES, proxy.forwarded
     client = rclone_server.client()
     for r in range(RANKS):
         for i in range(SAVES):

@@ -285,7 +285,7 @@ def simulate(
             out["failed"] += 1  # RetriesExhaustedError: this rank's save fails
             next_part(rank)
             return
-        delay = rng.uniform(0, min(policy.backoff_max, policy.backoff_base * 2 ** (tries + 1)))
+        delay = policy.delay(tries + 1)  # as RetryPolicy.run: after the (tries + 1)-th failure
         at(clock.now + delay, attempt, rank, tries + 1)
 
     def next_part(rank: int) -> None:
@@ -297,9 +297,14 @@ def simulate(
     for rank in range(ranks):
         for _ in range(concurrency):
             at(start + rng.uniform(0, 0.05), next_part, rank)
-    while events:
-        clock.now, _, fn, args = heapq.heappop(events)
-        fn(*args)
+    state = random.getstate()
+    random.seed(seed)  # RetryPolicy.delay draws its jitter from the random module
+    try:
+        while events:
+            clock.now, _, fn, args = heapq.heappop(events)
+            fn(*args)
+    finally:
+        random.setstate(state)
     out["seconds"] = clock.now - start
     out["admitted"] = [0] * (int(out["seconds"]) + 1)
     for t in admitted:

@@ -3,7 +3,8 @@ of a DCP load, keep the GIL: another Python thread (a data loader, a logger) mus
 get it at every tensor, or the caller waits up to the switch interval each time to get
 it back (_runtime/memview.py ``copy_memory``, _runtime/pages.py). Whether a thread gets the
 GIL in a short release depends on the scheduler, so these tests check how the calls are
-made (ctypes' flag for a call that keeps the GIL) and what they do, not the timing."""
+made (ctypes' flag for a call that keeps the GIL) and what they do, not the timing. Each
+checks itself once (_runtime/probes.py); with the fast paths off the plain copies run."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import ctypes
 import pytest
 import torch
 
-from cloudckpt._runtime import pages
-from cloudckpt._runtime.memview import copy_memory
+from cloudckpt._runtime import pages, probes, set_fast_paths
+from cloudckpt._runtime.memview import copy_memory, copy_on
 from cloudckpt.engine import staging
 from cloudckpt.format.torch import archive_writer
 
@@ -32,8 +33,39 @@ def test_the_per_tensor_copies_and_page_faulting_keep_the_gil() -> None:
     assert _keeps_gil(copy_memory)
     assert staging.copy_memory is copy_memory  # a snapshot's small storages
     assert archive_writer.copy_memory is copy_memory  # the builder's small records
-    if pages.POPULATE:
-        assert _keeps_gil(pages._CALL)
+    if pages.populate_on():
+        assert _keeps_gil(pages._call[0])
+
+
+def test_the_copy_checks_itself_and_is_off_with_the_fast_paths(monkeypatch) -> None:
+    set_fast_paths(True)
+    try:
+        assert copy_on() and probes.outcome("gil_held_copy") is True
+        set_fast_paths(False)
+        assert not copy_on() and not pages.populate_on()
+        # A snapshot then gives each storage a buffer of its own, copied by torch.
+        monkeypatch.setattr(staging, "copy_memory", None)
+        snap = staging.snapshot({"a": torch.arange(10), "b": torch.ones(3)})
+        try:
+            got = snap.materialize()
+            assert torch.equal(got["a"], torch.arange(10)) and torch.equal(got["b"], torch.ones(3))
+            assert all(offset == -1 for _, offset, _ in snap.parts)
+        finally:
+            snap.release()
+    finally:
+        set_fast_paths(None)
+
+
+def test_a_copy_that_would_release_the_gil_fails_its_check(monkeypatch) -> None:
+    from cloudckpt._runtime import memview
+
+    monkeypatch.setattr(memview, "copy_memory", ctypes.memmove)
+    monkeypatch.setitem(probes._results, "gil_held_copy", None)
+    set_fast_paths(True)
+    try:
+        assert not copy_on()
+    finally:
+        set_fast_paths(None)
 
 
 def test_copy_memory_copies() -> None:
@@ -44,7 +76,7 @@ def test_copy_memory_copies() -> None:
     assert torch.equal(a[1:], b[:-1])
 
 
-@pytest.mark.skipif(not pages.POPULATE, reason="no MADV_POPULATE_WRITE on this kernel")
+@pytest.mark.skipif(not pages.populate_on(), reason="no MADV_POPULATE_WRITE on this kernel")
 def test_populate_writes_nothing_and_keeps_resident_bytes() -> None:
     t = torch.arange(100_000, dtype=torch.float32)
     before = t.clone()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cloudckpt
+from cloudckpt._runtime import switch
 from cloudckpt.engine import load as load_mod
 from cloudckpt.engine.records import SMALL_RECORD
 from cloudckpt.errors import StorageError, UnsafeCheckpointError
@@ -153,9 +154,17 @@ def test_a_refused_pickle_stops_the_reads_it_started(tmp_path, counting):
     assert not _feeders()
 
 
-def test_a_loaded_state_goes_straight_to_the_oldest_generation(tmp_path):
+def test_a_loaded_state_stays_young_unless_the_freeze_is_asked_for(tmp_path, monkeypatch):
+    """The host's GC generations are its own: only with the opt-in (docs/runtime.md)
+    does a load move what it built to the oldest generation."""
     state = {f"t{i}": torch.randn(4) for i in range(3000)}
     cloudckpt.save(state, tmp_path / "g.pt")
+    gc.collect()
+    got = cloudckpt.load(tmp_path / "g.pt")
+    young = {id(o) for o in gc.get_objects(generation=0) + gc.get_objects(generation=1)}
+    assert id(got) in young
+    del got
+    monkeypatch.setattr(switch, "_freeze", True)
     got = cloudckpt.load(tmp_path / "g.pt")
     young = {id(o) for o in gc.get_objects(generation=0) + gc.get_objects(generation=1)}
     assert not any(id(t) in young for t in got.values()) and id(got) not in young

@@ -30,6 +30,7 @@ def test_all_is_sorted_and_pinned():
         "release_buffers",
         "save",
         "save_safetensors",
+        "set_fast_paths",
         "set_unpickler",
         "wait_all",
     }
@@ -110,6 +111,84 @@ def test_subpackage_surfaces_are_pinned():
         assert all(hasattr(module, name) for name in module.__all__)
 
 
+#: Each public sub-package's surface, pinned as the root's is (nemo is checked without
+#: importing NeMo: its names resolve lazily).
+SUBPACKAGES = {
+    "cli": {"EXIT_CODES", "main"},
+    "dcp": {"CloudStorageReader", "CloudStorageWriter"},
+    "lightning": {"CloudCheckpointIO", "CloudFileSystem", "CloudModelCheckpoint"},
+    "manager": {
+        "CheckpointInfo",
+        "CheckpointManager",
+        "DcpPayload",
+        "FileEntry",
+        "GcReport",
+        "KeepEveryNSteps",
+        "KeepLast",
+        "KeepTopK",
+        "MARKER_NAME",
+        "ManagedSaveHandle",
+        "ObjectPayload",
+        "PayloadKind",
+        "RetentionPolicy",
+        "collect_garbage",
+        "list_checkpoints",
+        "read_marker",
+    },
+    "megatron": {
+        "DistributedSaveError",
+        "MegatronSaveHandle",
+        "is_checkpoint",
+        "load",
+        "load_common_state_dict",
+        "load_content_metadata",
+        "load_sharded_metadata",
+        "load_tensors_metadata",
+        "save",
+    },
+    "nemo": {
+        "CheckpointEntry",
+        "CloudAsyncFinalizableCheckpointIO",
+        "CloudAutoResume",
+        "CloudMegatronCheckpointIO",
+        "CloudModelCheckpoint",
+        "cloud_checkpoint_io",
+        "latest_checkpoint",
+        "list_checkpoints",
+    },
+    "store": {
+        "MultipartUpload",
+        "ObjectInfo",
+        "Resolved",
+        "RetryPolicy",
+        "SUPPORTED_SCHEMES",
+        "Settings",
+        "Store",
+        "Target",
+        "UploadedPart",
+        "byte_view",
+        "check_key",
+        "join_key",
+        "locate",
+        "open_target",
+        "open_url",
+        "register_store",
+        "resolve",
+        "split_url",
+    },
+}
+
+
+def test_every_public_subpackage_surface_is_pinned():
+    import importlib
+
+    for name, expected in SUBPACKAGES.items():
+        module = importlib.import_module(f"cloudckpt.{name}")
+        assert set(module.__all__) == expected, name
+        if name != "nemo":  # NeMo's names import NeMo
+            assert all(hasattr(module, n) for n in module.__all__), name
+
+
 def test_layers_only_import_downward():
     for layer, allowed in ALLOWED.items():
         for path in (SRC / layer).rglob("*.py"):
@@ -160,6 +239,29 @@ def test_errors_subclass_builtins():
     assert issubclass(errors.ConfigError, ValueError)
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.CloudCkptError)
+
+
+def test_the_error_tree_in_the_docstring_is_the_class_tree():
+    """errors.py draws its tree; every exported error is drawn under its real parent."""
+    import re
+
+    from cloudckpt import errors
+
+    drawn: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    for line in (errors.__doc__ or "").splitlines():
+        m = re.match(r"^(\s*)(?:[│ ]*[├└]── )?(\w+Error)\b", line)
+        if not m or m.group(2) not in errors.__all__:
+            continue
+        depth = line.find(m.group(2))
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        if stack:
+            drawn[m.group(2)] = stack[-1][1]
+        stack.append((depth, m.group(2)))
+    assert set(drawn) == set(errors.__all__) - {"CloudCkptError"}
+    for name, parent in drawn.items():
+        assert getattr(errors, parent) in getattr(errors, name).__mro__[1:], (name, parent)
 
 
 def test_import_is_light():

@@ -9,7 +9,12 @@ tensors of 16 KiB into fresh memory waited 0.1-0.45 s for its reads after planni
 against 0.05-0.1 s once the pages were faulted in beforehand (docs/dcp.md, "Fresh
 destination memory"). :func:`populate` asks the kernel for the pages of a range in one
 call (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+): no byte is written or read, pages
-already there are left as they are. Elsewhere it does nothing.
+already there are left as they are.
+
+Its check (``madvise_populate``, probes.py) finds libc's ``madvise`` and has it populate
+a fresh page, which also says the kernel knows ``MADV_POPULATE_WRITE``; where that
+fails (another OS, an older kernel), or with the fast paths off, :func:`populate` does
+nothing and the pages fault in as they are written.
 """
 
 from __future__ import annotations
@@ -19,44 +24,49 @@ import mmap
 import sys
 from collections.abc import Callable
 
+from . import probes
 from .memview import buffer_address
 
-__all__ = ["POPULATE", "populate"]
+__all__ = ["populate", "populate_on"]
 
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
 
+#: libc's ``madvise``, once its check found that it populates pages here.
+_call: list[Callable[[int, int, int], int]] = []
 
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise``, where this kernel knows MADV_POPULATE_WRITE; else None."""
+
+def _check() -> None:
+    """Find libc's ``madvise`` and populate one fresh page with it."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        # PyDLL: the call keeps the GIL (a few microseconds), so a reading thread does
-        # not take it from the planner at every destination (see _runtime/memview.py).
-        fn = ctypes.PyDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):  # pragma: no cover - a libc without madvise
-        return None
+        raise OSError(f"MADV_POPULATE_WRITE is Linux's; this is {sys.platform}")
+    # PyDLL: the call keeps the GIL (a few microseconds), so a reading thread does
+    # not take it from the planner at every destination (see _runtime/memview.py).
+    fn = ctypes.PyDLL(None, use_errno=True).madvise
     fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     fn.restype = ctypes.c_int
-    probe = mmap.mmap(-1, _PAGE)
+    page = mmap.mmap(-1, _PAGE)
     try:
-        works = fn(buffer_address(probe), _PAGE, _MADV_POPULATE_WRITE) == 0
+        if fn(buffer_address(page), _PAGE, _MADV_POPULATE_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) was refused")
+        if page[:] != bytes(_PAGE):
+            raise ValueError("populating a page changed its bytes")
     finally:
-        probe.close()
-    return fn if works else None
+        page.close()
+    _call[:] = [fn]
 
 
-_CALL = _madvise()
+probes.register("madvise_populate", _check)
 
-#: Whether :func:`populate` does anything here (Linux 5.14+).
-POPULATE = _CALL is not None
+
+def populate_on() -> bool:
+    """Whether :func:`populate` asks the kernel for pages here."""
+    return probes.on("madvise_populate")
 
 
 def populate(address: int, nbytes: int) -> None:
     """Fault in the pages under ``[address, address + nbytes)`` for writing, if the
     kernel can; a range it refuses (not ordinary memory) is left to fault as before."""
-    call = _CALL
-    if call is not None and nbytes > 0:
+    if nbytes > 0 and probes.on("madvise_populate"):
         start = address - address % _PAGE
-        call(start, address + nbytes - start, _MADV_POPULATE_WRITE)
+        _call[0](start, address + nbytes - start, _MADV_POPULATE_WRITE)

@@ -33,6 +33,7 @@ from ..redact import display_url
 from ..store import ObjectInfo, Store
 from ..store import Target as Opened
 from ..store.local import LocalStore
+from ..store.paths import dir_prefix, exists
 from .export import cmd_export
 from .output import Printer, human_bytes, human_time, progress
 from .settings import Settings
@@ -73,13 +74,9 @@ def resolve(url: str, settings: Settings) -> Target:
     opened = settings.open(url)
     store, options = opened.store, opened.options
     key = opened.key.rstrip("/")
-    if key and not url.endswith("/"):
-        try:
-            store.head(key)
-            return Target("object", store, key, options)
-        except (NotFoundError, IsADirectoryError):
-            pass
-    prefix = root_prefix(key)
+    if not url.endswith("/") and exists(store, key):
+        return Target("object", store, key, options)
+    prefix = dir_prefix(key)
     listing = list(store.list(prefix))
     base = posixpath.basename(key)
     if parse_step(base) is not None:

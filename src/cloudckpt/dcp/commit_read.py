@@ -1,11 +1,12 @@
 """Reading what commits a DCP checkpoint: ``.metadata`` and the layout index beside it.
 
 The coordinator writes the layout index (format/dcp/index.py) just before ``.metadata``
-and puts the CRC-32 of ``.metadata``'s bytes in it. :func:`read_commit` reads both at
-once; the index is used only when it belongs to the same save (its save id is the one
-in ``.metadata``) and its CRC-32 matches, so a stale index left by an earlier save is
-ignored and a damaged ``.metadata`` is refused. :func:`adopt` refuses an index that
-describes bytes ``.metadata`` does not name.
+(the commit marker, written and read by format/commit.py) and puts the CRC-32 of
+``.metadata``'s bytes in it. :func:`read_commit` reads both at once; the index is used
+only when it belongs to the same save (its save id is the one in ``.metadata``) and its
+CRC-32 matches, so a stale index left by an earlier save is ignored and a damaged
+``.metadata`` is refused. :func:`adopt` refuses an index that describes bytes
+``.metadata`` does not name.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import BucketNotFoundError, ChecksumError, CorruptCheckpointError, NotFoundError
 from ..format.checksum import crc32
+from ..format.commit import read_committed
 from ..format.dcp.index import LayoutIndex, parse_index, read_document
 from ..format.dcp.layout import layout_name, metadata_name
 from ..format.dcp.metadata import decode_metadata
@@ -60,18 +62,15 @@ def read_commit(
     url = location.url_of(name)
     store, key = location.store, location.key(name)
     group = TransferGroup(location.options, 2)
-    try:
-        marker = group.submit(lambda: store.get(key), f"read {url}")
-        layout = group.submit(lambda: _layout_payload(location, rank), f"read layout of {url}")
-        group.wait()
-    except BucketNotFoundError:
-        raise
-    except NotFoundError:
+    marker = group.submit(lambda: read_committed(store, key), f"read {url}")
+    layout = group.submit(lambda: _layout_payload(location, rank), f"read layout of {url}")
+    group.wait()
+    payload, raw = marker.result(), layout.result()
+    if payload is None:
         raise NotFoundError(
             f"no committed checkpoint at {location.url}: {url} does not exist (a save that "
             "did not finish leaves none)"
-        ) from None
-    payload, raw = marker.result(), layout.result()
+        )
     layout_url = location.url_of(layout_name(rank))
     doc = None if raw is None else read_document(raw, layout_url)
     expected = doc.get("metadata_crc32") if doc is not None else None

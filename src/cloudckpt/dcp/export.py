@@ -26,7 +26,6 @@ that rerun; without the index they are not a checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import hashlib
 import logging
@@ -62,7 +61,7 @@ from ..format.safetensors import (
 )
 from ..io.progress import progress_bar
 from ..options import MiB, TransferOptions
-from ..store import Store, join_key, open_target, split_url
+from ..store import Settings, Store, join_key, open_target
 from .commit_read import save_id_of
 from .reader import CloudStorageReader, MetadataOnceReader
 
@@ -236,30 +235,17 @@ def _batches(order: list[str], plan: Mapping[str, _Tensor], limit: int) -> Itera
         yield batch
 
 
-def _shared(
-    url: str | os.PathLike[str], options: TransferOptions | None, overrides: dict[str, Any]
-) -> tuple[TransferOptions | None, dict[str, Any]]:
-    """Settings given for both sides, as they apply to ``url``: a local path takes no
-    storage options (those are the other store's), as on the command line."""
-    if split_url(os.fspath(url))[0] != "file":
-        return options, overrides
-    if options is not None and options.storage_options:
-        options = dataclasses.replace(options, storage_options={})
-    return options, {k: v for k, v in overrides.items() if k != "storage_options"}
-
-
 def _load(reader: CloudStorageReader, state: dict[str, torch.Tensor]) -> None:
     """Fill ``state`` (DCP names -> destinations) in this process alone, whether or not a
     process group exists (an export from a training rank takes no collective)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        with paused_gc():  # DCP's planners: a few objects per item (_runtime/gcpause.py)
-            dcp.load(
-                state,
-                storage_reader=reader,
-                planner=DefaultLoadPlanner(allow_partial_load=True),
-                no_dist=True,
-            )
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
 
 
 def _complete(store: Store, key: str, header: bytes, size: int) -> bool:
@@ -271,6 +257,7 @@ def _complete(store: Store, key: str, header: bytes, size: int) -> bool:
     return info.size == size and store.get_range(key, 0, len(header)) == header
 
 
+@paused_gc()  # DCP's planners and the headers: a few objects per item (_runtime/gcpause.py)
 def export_safetensors(
     source: str | os.PathLike[str],
     url: str | os.PathLike[str],
@@ -304,14 +291,15 @@ def export_safetensors(
     started = time.perf_counter()
     cast = parse_dtype(dtype) if dtype is not None else None
     batch = parse_shard_size(batch_size)
-    src_options, src_overrides = (
-        _shared(source, options, overrides)
-        if source_options is None
-        else (source_options, overrides)
-    )
-    reader = MetadataOnceReader(source, options=src_options, **src_overrides)
+    # Settings given for both sides apply to each as to the command line's URLs: a
+    # local path takes none of the object stores' storage options.
+    shared = Settings(options, overrides)
+    if source_options is None:
+        reader = MetadataOnceReader(shared.resolve(source))
+    else:
+        reader = MetadataOnceReader(source, options=source_options, **overrides)
     checkpoint = reader.read_metadata()
-    where = open_target(url, options, **_shared(url, None, overrides)[1])
+    where = open_target(shared.resolve(url))
     store, opts = where.store, where.options
     plan_list, skipped = _select(
         checkpoint,

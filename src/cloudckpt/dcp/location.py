@@ -1,8 +1,9 @@
 """Where a DCP checkpoint lives: its URL, transfer options, and a store opened on demand.
 
 Writers and readers are pickled by ``dcp.async_save`` in process mode and sent to a
-fresh process, so they hold only the URL and the options; the store (and its HTTP
-client) is opened lazily in the process that uses it and never pickled.
+fresh process, so they hold only what ``cloudckpt.store.resolve`` found (the URL, the
+store URL it names, the options); the store (and its HTTP client) is opened lazily in
+the process that uses it and never pickled.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import AlreadyExistsError, BucketNotFoundError, NotFoundError
-from ..options import TransferOptions, resolve_options
-from ..store import Store, join_key, open_url, split_url
+from ..errors import AlreadyExistsError
+from ..options import TransferOptions
+from ..store import Resolved, Store, join_key, locate, open_url, resolve, split_url
+from ..store.paths import exists
 
 __all__ = ["CheckpointLocation", "LocatedCheckpoint", "url_string"]
 
@@ -27,9 +29,18 @@ def url_string(url: str | os.PathLike[str]) -> str:
 class CheckpointLocation:
     """A checkpoint prefix: ``relative`` names inside it map to store keys and URLs."""
 
-    def __init__(self, url: str | os.PathLike[str], options: TransferOptions) -> None:
-        self.url = url_string(url)
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        options: TransferOptions,
+        *,
+        location: str | None = None,
+    ) -> None:
+        """``url`` whose ``options`` are resolved already; ``location`` is the store URL
+        it names (looked up from ``url`` when not given)."""
+        self.url = os.fspath(url)
         self.options = options
+        self.location = locate(self.url) if location is None else location
         self._opened: tuple[Store, str] | None = None
         self._pid = -1
 
@@ -37,9 +48,17 @@ class CheckpointLocation:
     def resolve(
         cls, url: str | os.PathLike[str], options: TransferOptions | None = None, **overrides: Any
     ) -> CheckpointLocation:
-        """``url`` with the call's options resolved (keywords > ``options`` > profile >
-        defaults), as every DCP and Megatron entry point takes them."""
-        return cls(url, resolve_options(options, url=os.fspath(url), **overrides))
+        """``url`` with the call's options resolved once (``cloudckpt.store.resolve``:
+        keywords > ``options`` > profile > defaults), as every DCP and Megatron entry
+        point takes them; a URL resolved already is used as it is."""
+        found = resolve(url, options, **overrides)
+        return cls(found.url, found.options, location=found.location)
+
+    @property
+    def resolved(self) -> Resolved:
+        """What this location was made from, to hand to another entry point (a writer
+        or reader for the same URL) without resolving it again."""
+        return Resolved(self.url, self.location, self.options)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -48,7 +67,7 @@ class CheckpointLocation:
 
     def _open(self) -> tuple[Store, str]:
         if self._opened is None or self._pid != os.getpid():
-            store, key = open_url(self.url, self.options)
+            store, key = open_url(self.location, self.options)
             self._opened, self._pid = (store, key.rstrip("/")), os.getpid()
         return self._opened
 
@@ -81,13 +100,7 @@ class CheckpointLocation:
 
     def exists(self, relative: str) -> bool:
         """Whether ``relative`` is an object (one HEAD, retried by the store)."""
-        try:
-            self.store.head(self.key(relative))
-        except BucketNotFoundError:
-            raise
-        except NotFoundError:
-            return False
-        return True
+        return exists(self.store, self.key(relative))
 
 
 class LocatedCheckpoint:

@@ -39,24 +39,18 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .._runtime.gcpause import paused_gc
-from .._runtime.memview import writable_view
+from .._runtime.memview import tensor_view
+from ..dist.collectives import group_rank, settle
 from ..dist.groups import group_ranks
-from ..dist.share import (
-    broadcast_views,
-    group_rank,
-    part_group,
-    report,
-    settle,
-    share_group_size,
-    split_even,
-)
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..dist.share import broadcast_views, part_group, report, share_group_size, split_even
+from ..errors import CorruptCheckpointError, DistributedLoadError, UnsupportedFormatError
 from ..format.dcp.archive import parse_archive
 from ..format.dcp.index import LayoutIndex, parse_index
 from ..format.dcp.layout import layout_name
 from ..format.dcp.metadata import ChunkIndex
 from ..format.dcp.sharing import share_in_load_plan
 from ..options import TransferOptions
+from ..store.deadline import Deadline, start_deadline, within
 from .commit_read import adopt, layout_document, read_commit, save_id_of
 from .destinations import Destinations
 from .fetch import RangeFetcher
@@ -162,6 +156,8 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         #: The global ranks the last ``read_data`` shared with (this one among them), or
         #: () where it read alone.
         self.last_shared_with: tuple[int, ...] = ()
+        #: This load's deadline, from read_metadata on (store/deadline.py).
+        self._deadline: Deadline | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, from ``checkpoint_id`` when given."""
@@ -177,7 +173,9 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         """The commit marker, checked against the layout index written with it
         (dcp/commit_read.py); both are read at once. Its ``storage_meta`` carries this
         load's ``load_id``, as FileSystemReader's does."""
-        with paused_gc(kept=True):  # .metadata and the index: objects per item, kept
+        # The load starts here on every rank: its deadline bounds the reads to come.
+        self._deadline = start_deadline(self.location.options.deadline)
+        with paused_gc(kept=True), within(self._deadline):  # objects per item, kept
             metadata, self._read_with = read_commit(self.location, kwargs.get("rank"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -214,11 +212,10 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         if not self._save_id:
             return None
         rank = None if self.use_collectives else self.rank
-        with paused_gc(kept=True):
-            doc = layout_document(self.location, rank)
-            if doc is not None and doc.get("save_id") == self._save_id:
-                url = self.location.url_of(layout_name(rank))
-                self._index = self._adopt(parse_index(doc, url))
+        doc = layout_document(self.location, rank)  # (read_data has paused the collector)
+        if doc is not None and doc.get("save_id") == self._save_id:
+            url = self.location.url_of(layout_name(rank))
+            self._index = self._adopt(parse_index(doc, url))
         return self._index
 
     def _adopt(self, index: LayoutIndex) -> LayoutIndex:
@@ -274,7 +271,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         mark = plan.storage_data
         group = part_group(mark.parts) if isinstance(mark, SharedRead) else None
         self.last_shared_with = group_ranks(group) if group is not None else ()
-        with paused_gc():  # a few objects per item, nothing cyclic (_runtime/gcpause.py)
+        with paused_gc(kept=True), within(self._deadline):  # objects per item, kept
             if group is not None:
                 self._read_shared(plan, planner, group)
             else:
@@ -307,7 +304,8 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
             report(self.url, group, self.last_read_requests, self.last_read_bytes, total)
         except Exception as exc:
             error = exc
-        settle(group, error, f"the shared load of {self.url}")
+        what = f"the shared load of {self.url}"
+        settle(error, what, group=group, error_type=DistributedLoadError)
         views: list[tuple[int, memoryview]] = []
         keep: list[torch.Tensor] = []  # every buffer a view points into, alive till sent
         staged: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
@@ -324,7 +322,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                     buf = torch.empty(tuple(target.shape), dtype=target.dtype)
                 staged.append((item, target, buf))
             keep.append(buf)
-            views.append((owner, writable_view(buf.data_ptr(), buf.nbytes)))
+            views.append((owner, tensor_view(buf)))
         broadcast_views(group, views)
         for item, target, buf in staged:
             if buf is not target:

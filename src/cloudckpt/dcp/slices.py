@@ -22,7 +22,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from .._runtime.memview import writable_view
+from .._runtime.memview import tensor_view
 from .._runtime.pages import populate
 from ..errors import CloudCkptError, CorruptCheckpointError
 from ..format.checksum import crc32
@@ -53,7 +53,7 @@ TAIL_PROBE = 8192
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
-    return writable_view(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return tensor_view(tensor)
 
 
 def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -441,9 +441,8 @@ class SliceReader:
             and tuple(item.lengths) == sizes
             and not any(item.storage_offsets)
         ):
-            address = target.data_ptr()
-            populate(address, record_size)  # fresh memory: faulted in here, not in recv
-            view = writable_view(address, record_size)
+            populate(target.data_ptr(), record_size)  # fresh memory: faulted in here, not in recv
+            view = tensor_view(target)  # record_size bytes (the record's shape and dtype)
             start = a.offset + data_offset
             check = _RecordCheck(view, crc, url, start, item.storage_index.fqn)
             fetcher.add(a.relative, start, view, check)

@@ -21,6 +21,7 @@ built as header, storage view and trailer, the bytes ``torch.save`` would write
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import io
 import os
@@ -38,9 +39,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .._runtime.gcpause import paused_gc
-from .._runtime.memview import writable_view
-from ..errors import AlreadyExistsError, ConfigError
+from .._runtime.memview import storage_view, tensor_view
+from ..dist.collectives import world_size
+from ..errors import ConfigError
 from ..format.checksum import crc32
+from ..format.commit import commit_marker
 from ..format.dcp.archive import SavedTensor
 from ..format.dcp.checks import block_crcs, block_size_for
 from ..format.dcp.index import encode_index
@@ -61,6 +64,7 @@ from ..io.scheduler import Cancelled
 from ..io.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
 from ..options import TransferOptions
 from ..store import byte_view
+from ..store.deadline import Deadline, start_deadline, within
 from .location import CheckpointLocation, LocatedCheckpoint
 
 __all__ = ["CloudStorageWriter"]
@@ -89,7 +93,7 @@ def _cpu_tensor(data: Any) -> torch.Tensor:
         return tensor
     if nbytes and tensor.layout == torch.strided and not tensor.is_quantized:
         try:
-            alias = torch.frombuffer(writable_view(tensor.data_ptr(), nbytes), dtype=torch.uint8)
+            alias = torch.frombuffer(tensor_view(tensor), dtype=torch.uint8)
             return alias.view(tensor.dtype).view(tensor.shape)
         except (RuntimeError, TypeError, ValueError):
             pass
@@ -101,8 +105,7 @@ def _built_archive(tensor: torch.Tensor) -> TensorArchive | None:
     (:mod:`cloudckpt.format.dcp.tensor_archive`), or None where torch.save must write it."""
     if tensor.device.type != "cpu":
         return None
-    storage = tensor.untyped_storage()
-    return tensor_archive(tensor, writable_view(storage.data_ptr(), storage.nbytes()))
+    return tensor_archive(tensor, storage_view(tensor.untyped_storage()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,13 +201,6 @@ def _write_tensor(
     return saved, None, None
 
 
-def _world_size() -> int:
-    """The job's ranks (1 without an initialized process group)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
     """Writes a DCP checkpoint under ``url`` (``s3://bucket/ckpt/step-100``, a path, ...).
 
@@ -240,6 +236,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         self.rank: int | None = None
         self.is_coordinator = False
         self.use_collectives = True
+        self._deadline: Deadline | None = None  # set when a save starts
 
     # -- lifecycle -----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -262,6 +259,9 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
+        # The save starts here on every rank: its deadline bounds the rest of this
+        # rank's part (data and, on the coordinator, the commit).
+        self._deadline = start_deadline(self.location.options.deadline)
 
     def _own_marker(self) -> str:
         rank = None if self.use_collectives or self.rank is None else self.rank
@@ -279,7 +279,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         if not self.use_collectives and self.rank is not None:
             self._clear_marker(self._own_marker())
             return dataclasses.replace(
-                plan, storage_data=data_prefix(self.rank, self._fanout(_world_size()))
+                plan, storage_data=data_prefix(self.rank, self._fanout(world_size()))
             )
         return plan
 
@@ -302,14 +302,14 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         """Stream this rank's items into ``files_per_rank`` data objects, concurrently."""
         prefix = plan.storage_data
         if not isinstance(prefix, str):
-            prefix = data_prefix(self.rank or 0, self._fanout(_world_size()))
+            prefix = data_prefix(self.rank or 0, self._fanout(world_size()))
         files = [
             (f"{prefix}{n}{DATA_SUFFIX}", bucket)
             for n, bucket in enumerate(split_items(plan.items, self.files_per_rank))
         ]
         cancel = threading.Event()
         results: list[WriteResult] = []
-        with paused_gc(kept=True):  # a result per item, kept for finish (gcpause.py)
+        with paused_gc(kept=True), within(self._deadline):  # a result per item, kept
             results = self._write_all(files, planner, cancel)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -328,7 +328,15 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         elif files:
             with ThreadPoolExecutor(len(files), thread_name_prefix="cloudckpt-dcp") as pool:
                 futures = [
-                    pool.submit(self._write_object, name, items, planner, cancel)
+                    # each in a copy of this context: the save's deadline goes along
+                    pool.submit(
+                        contextvars.copy_context().run,
+                        self._write_object,
+                        name,
+                        items,
+                        planner,
+                        cancel,
+                    )
                     for name, items in files
                 ]
                 errors: list[BaseException] = []
@@ -399,8 +407,9 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         """Coordinator, after every rank's data committed: write ``.metadata`` (the marker)."""
         with paused_gc(kept=True):  # an entry per item, kept in the metadata returned
             payload, index = self._encode(metadata, results)
-        self.location.store.put(self.location.key(layout_name(self._layout_rank())), index)
-        self._commit(payload)
+        with within(self._deadline):
+            self.location.store.put(self.location.key(layout_name(self._layout_rank())), index)
+            self._commit(payload)
 
     def _layout_rank(self) -> int | None:
         return None if self.use_collectives or self.rank is None else self.rank
@@ -440,16 +449,5 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         return payload, encode_index(self.save_id, crc32(payload), archives, chunks, records)
 
     def _commit(self, payload: bytes) -> None:
-        """Write the marker (``.metadata``) once, refusing another save's."""
-        name = self._own_marker()
-        store, key, url = self.location.store, self.location.key(name), self.location.url_of(name)
-        try:
-            store.put(key, payload, if_none_match=True)
-        except AlreadyExistsError:
-            # Our own earlier attempt may have landed before its answer was lost.
-            existing = store.get(key)
-            if existing != payload:
-                raise AlreadyExistsError(
-                    f"another save committed {url} while this one was writing; the data "
-                    f"objects under {self.url} may be mixed, save again to a new URL"
-                ) from None
+        """Write the marker (``.metadata``) once, refusing another save's (format/commit.py)."""
+        commit_marker(self.location.store, self.location.key(self._own_marker()), payload)

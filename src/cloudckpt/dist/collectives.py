@@ -1,73 +1,229 @@
-"""Rank 0 asks storage, every rank gets the answer: keeps listings off N ranks.
+"""Collectives: act on the first rank, agree, settle, barrier; one error naming the rank.
 
-When ``torch.distributed`` is initialized with more than one rank, :func:`on_rank0`
-runs a function on rank 0 only and broadcasts its result (or its error, re-raised on
-every rank) with ``broadcast_object_list``. Otherwise it just calls the function.
+Every "one rank acts, every rank learns the outcome" in cloudckpt goes through here,
+on the default group or on the group the caller passes (a background commit passes its
+checkpoint group, so its collectives never interleave with the training loop's).
+Without an initialized process group, or in a group of one, each is a plain local call.
+
+- :func:`on_first`: the group's first rank runs ``fn``; every rank returns its result.
+  If ``fn`` raises, the first rank raises its own error and every other rank the same
+  error, sent pickled (its type kept, so ``except NotFoundError`` works on every rank;
+  a note names the rank it came from), or, when it does not survive pickling, a
+  :class:`~cloudckpt.errors.CollectiveError` naming the rank and the error's text.
+- :func:`agree`: every rank passes its outcome (an error or None) and a value; every rank
+  learns every rank's failure and value alike (:class:`Agreement`).
+- :func:`settle`: :func:`agree`, then every rank raises if any rank failed: a failed
+  rank its own error, the others a ``CollectiveError`` (or the caller's subclass,
+  ``DistributedSaveError``, ``DistributedLoadError``) naming each failed rank and what
+  failed. No rank is left waiting in a collective for one that raised.
+
+The model is torch DCP's ``_DistWrapper`` (exceptions gathered, raised on every rank);
+here a failed rank keeps its own error and traceback, and the others get its text.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import StorageError
+import torch.distributed as dist
 
-__all__ = ["barrier", "is_distributed", "on_rank0", "rank"]
+from ..errors import CollectiveError
+
+__all__ = [
+    "Agreement",
+    "agree",
+    "barrier",
+    "first_rank",
+    "group_rank",
+    "is_distributed",
+    "on_first",
+    "rank",
+    "settle",
+    "world_size",
+]
 
 T = TypeVar("T")
 
 
+# -- ranks -------------------------------------------------------------------------------
+def _initialized() -> bool:
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 def is_distributed() -> bool:
     """True when torch.distributed is initialized with more than one rank."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    return _initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
-    if not is_distributed():
-        return 0
-    import torch.distributed as dist
-
-    return int(dist.get_rank())
+    """This process's global rank (0 without an initialized process group)."""
+    return int(dist.get_rank()) if _initialized() else 0
 
 
-def barrier() -> None:
-    if is_distributed():
-        import torch.distributed as dist
-
-        dist.barrier()
+def world_size() -> int:
+    """The job's ranks (1 without an initialized process group)."""
+    return int(dist.get_world_size()) if _initialized() else 1
 
 
-def on_rank0(fn: Callable[[], T], group: Any = None) -> T:
-    """``fn()`` on rank 0, its result (or error) broadcast to every rank (over
-    ``group``, default the world; a background commit uses the checkpoint group)."""
-    if not is_distributed():
+def group_rank(group: Any) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group`` (None: the world)."""
+    return int(dist.get_rank(group)), int(dist.get_world_size(group))
+
+
+def first_rank(group: Any = None) -> int:
+    """The global rank of ``group``'s first rank (the world's: 0)."""
+    return 0 if group is None or not _initialized() else int(dist.get_global_rank(group, 0))
+
+
+def _global(group: Any, index: int) -> int:
+    """The global rank of the ``index``-th rank of ``group``."""
+    return index if group is None else int(dist.get_global_rank(group, index))
+
+
+def _alone(group: Any) -> bool:
+    """No one to talk to: no process group, or a group of one."""
+    return not _initialized() or dist.get_world_size(group) < 2
+
+
+def _text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def barrier(group: Any = None) -> None:
+    """Wait until every rank of ``group`` (None: the world) got here."""
+    if not _alone(group):
+        dist.barrier(group=group)
+
+
+# -- act on the first rank ----------------------------------------------------------------
+def on_first(
+    fn: Callable[[], T],
+    group: Any = None,
+    *,
+    what: str = "a step run on the first rank",
+    error_type: type[CollectiveError] = CollectiveError,
+) -> T:
+    """``fn()`` on the first rank of ``group`` (None: the world), its result (or error)
+    delivered to every rank (one ``broadcast_object_list``).
+
+    ``what`` names the step in the error the other ranks raise when the first rank's
+    error cannot be sent as itself (``error_type``, a :class:`CollectiveError`).
+    """
+    if _alone(group):
         return fn()
-    import torch.distributed as dist
-
+    first = first_rank(group)
     box: list[Any] = [None]
-    error: BaseException | None = None
-    first = 0 if group is None else dist.get_global_rank(group, 0)
+    failed: BaseException | None = None
+    result: Any = None
     if dist.get_rank() == first:
         try:
-            box[0] = ("ok", fn())
-        except Exception as exc:  # shipped to the other ranks, re-raised here below
-            error = exc
-            try:
-                pickle.dumps(exc)
-                box[0] = ("error", exc)
-            except Exception:
-                box[0] = ("error", f"{type(exc).__name__}: {exc}")
+            result = fn()
+            # Pickled here: a result that cannot be sent fails this rank too.
+            box[0] = ("ok", pickle.dumps(result), None)
+        except Exception as exc:  # sent to the others, raised here below
+            failed = exc
+            box[0] = ("error", _pickled(exc), _text(exc))
     dist.broadcast_object_list(box, src=first, group=group)
-    status, value = box[0]
+    if failed is not None:
+        raise failed
+    if dist.get_rank() == first:
+        return result  # type: ignore[no-any-return]
+    status, payload, text = box[0]
+    if status == "ok":
+        return pickle.loads(payload)  # type: ignore[no-any-return]
+    error = _unpickled(payload)
+    if error is None:
+        raise error_type.of(what, {first: text})
+    if sys.version_info >= (3, 11):
+        error.add_note(f"raised on rank {first} ({what}), received by rank {dist.get_rank()}")
+    raise error
+
+
+def _pickled(error: BaseException) -> bytes | None:
+    """``error`` pickled, if it comes back as itself (an exception whose ``__init__``
+    takes other arguments than its ``args`` pickles, then fails to unpickle)."""
+    try:
+        blob = pickle.dumps(error)
+        pickle.loads(blob)
+    except Exception:
+        return None
+    return blob
+
+
+def _unpickled(blob: bytes | None) -> BaseException | None:
+    if blob is None:
+        return None
+    try:
+        error = pickle.loads(blob)
+    except Exception:
+        return None
+    return error if isinstance(error, BaseException) else None
+
+
+# -- agree, settle ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Agreement:
+    """What :func:`agree` tells every rank alike: each failed rank (global rank -> its
+    error as text) and each rank's value, in group order."""
+
+    failures: Mapping[int, str]
+    values: tuple[Any, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when no rank failed."""
+        return not self.failures
+
+    @property
+    def unanimous(self) -> bool:
+        """True when every rank passed an equal value."""
+        return all(v == self.values[0] for v in self.values)
+
+    def raise_failures(
+        self, what: str, error_type: type[CollectiveError] = CollectiveError
+    ) -> None:
+        """Raise ``error_type`` naming each failed rank and ``what`` failed, if any did."""
+        if self.failures:
+            raise error_type.of(what, self.failures)
+
+
+def agree(error: BaseException | None = None, value: Any = None, *, group: Any = None) -> Agreement:
+    """Every rank of ``group`` (None: the world) passes its outcome (``error`` or None)
+    and a ``value``; every rank gets the same :class:`Agreement` (one
+    ``all_gather_object``). Never raises for another rank's failure: see :func:`settle`.
+
+    A value that cannot be pickled counts as this rank's failure (sent as None), so no
+    rank waits for it.
+    """
+    mine = None if error is None else _text(error)
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        mine = mine or f"{_text(exc)} (the value to agree on does not pickle)"
+        value = None
+    if _alone(group):
+        return Agreement({} if mine is None else {rank(): mine}, (value,))
+    got: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, (mine, value), group=group)
+    failures = {_global(group, i): text for i, (text, _) in enumerate(got) if text is not None}
+    return Agreement(failures, tuple(v for _, v in got))
+
+
+def settle(
+    error: BaseException | None,
+    what: str,
+    *,
+    group: Any = None,
+    error_type: type[CollectiveError] = CollectiveError,
+) -> None:
+    """Raise on every rank of ``group`` if any rank's part of ``what`` failed (a
+    collective): a failed rank its own ``error``, the others ``error_type`` naming each
+    failed rank and its error."""
+    agreement = agree(error, group=group)
     if error is not None:
         raise error
-    if status == "error":
-        if isinstance(value, BaseException):
-            raise value
-        raise StorageError(f"rank 0 failed: {value}")
-    return value  # type: ignore[no-any-return]
+    agreement.raise_failures(what, error_type)

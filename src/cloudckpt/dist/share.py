@@ -6,13 +6,13 @@ read and checked there (its CRC-32, by the rank that read it), then broadcast to
 others over a gloo group of its own (:mod:`.groups`). The store sees each byte once,
 and each rank makes a 1/N share of the requests.
 
-Collectives frame it, so no rank ever waits for bytes that will not come: :func:`agree`
-(every rank names the same object, else each loads on its own), :func:`from_first` (the
-first rank finds the object and its directory, once for all; if it cannot, every rank
-raises), the reads, :func:`settle` (every rank's reads
-succeeded, else every rank raises), then :func:`broadcast_views`. Small views are
-packed into buckets for the broadcast (one collective per bucket, not per tensor);
-large ones go from their own memory.
+Collectives (:mod:`.collectives`) frame it, so no rank ever waits for bytes that will
+not come: ``agree`` (every rank names the same object, else each loads on its own),
+``on_first`` (the first rank finds the object and its directory, once for all; if it
+cannot, every rank raises), the reads, ``settle`` (every rank's reads succeeded, else
+every rank raises), then :func:`broadcast_views`. Small views are packed into buckets
+for the broadcast (one collective per bucket, not per tensor); large ones go from their
+own memory.
 
 The group may be the whole world (:func:`share_group`) or one part of a partition of it
 (:func:`part_group`: a shared DCP load whose data-parallel replicas of each
@@ -29,19 +29,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedLoadError
+from .collectives import group_rank, world_size
 from .groups import checkpoint_group, partition_group
 
 log = logging.getLogger("cloudckpt")
 
 __all__ = [
-    "agree",
     "broadcast_views",
-    "from_first",
-    "group_rank",
     "part_group",
     "report",
-    "settle",
     "share_group",
     "share_group_size",
     "split_even",
@@ -55,9 +51,7 @@ BUCKET = 16 * 1024 * 1024
 
 def share_group(process_group: Any = None) -> Any | None:
     """The gloo group a load shares over, or None where there is no one to share with."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    if dist.get_world_size(process_group) < 2:
+    if world_size() < 2 or dist.get_world_size(process_group) < 2:
         return None
     return checkpoint_group(process_group)
 
@@ -67,7 +61,7 @@ def part_group(parts: Sequence[tuple[int, ...]]) -> Any | None:
     the same on every rank), or None where that part is this rank alone. A collective
     on the whole world: every rank calls it, at the same point (see
     :func:`.groups.partition_group`)."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+    if world_size() < 2:
         return None
     group = partition_group(parts)
     return group if group is not None and dist.get_world_size(group) >= 2 else None
@@ -91,50 +85,7 @@ def report(url: str, group: Any, requests: int, nbytes: int, total: int) -> None
 def share_group_size() -> int:
     """The ranks :func:`share_group` would share over (1: nobody to share with); no
     collective, so a coordinator may ask alone."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return int(dist.get_world_size())
-
-
-def group_rank(group: Any) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``group``."""
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def agree(group: Any, value: Any, error: BaseException | None = None, what: str = "") -> bool:
-    """Whether every rank of ``group`` passed an equal ``value`` (a collective). If any
-    rank passed an ``error`` instead, every rank raises: the failing rank its own error,
-    the others :class:`DistributedLoadError` naming it and ``what`` failed."""
-    mine = (None if error is None else f"{type(error).__name__}: {error}", value)
-    got: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(got, mine, group=group)
-    failures = {dist.get_global_rank(group, i): m for i, (m, _) in enumerate(got) if m}
-    if error is not None:
-        raise error
-    if failures:
-        named = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-        raise DistributedLoadError(f"{what} failed on another rank ({named})", failures)
-    return all(v == got[0][1] for _, v in got)
-
-
-def from_first(group: Any, value: Any, error: BaseException | None, what: str) -> Any:
-    """``value`` of the group's first rank, on every rank (a collective; the others pass
-    None). If it passed an ``error``, it raises it and the others
-    :class:`DistributedLoadError` naming it."""
-    sent = [(None if error is None else f"{type(error).__name__}: {error}", value)]
-    first = dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(sent, src=first, group=group)
-    message, got = sent[0]
-    if error is not None:
-        raise error
-    if message is not None:
-        raise DistributedLoadError(f"{what} failed on rank {first} ({message})", {first: message})
-    return got
-
-
-def settle(group: Any, error: BaseException | None, what: str) -> None:
-    """Raise on every rank if any rank's part of ``what`` failed (a collective)."""
-    agree(group, None, error, what)
+    return world_size()
 
 
 def split_even(sizes: Sequence[int], parts: int) -> list[int]:

@@ -26,19 +26,13 @@ from typing import Any
 
 import torch
 
-from ..dist.share import (
-    agree,
-    broadcast_views,
-    from_first,
-    group_rank,
-    report,
-    settle,
-    share_group,
-    split_even,
-)
+from .._runtime.gcpause import paused_gc
+from ..dist.collectives import agree, group_rank, on_first, settle
+from ..dist.share import broadcast_views, report, share_group, split_even
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
+    DistributedLoadError,
     MissingKeyError,
     UnsafeCheckpointError,
 )
@@ -58,7 +52,8 @@ from ..format.torch.zipdir import Entry
 from ..io.progress import progress_bar
 from ..io.ranges import RangeReader
 from ..options import TransferOptions
-from ..store import Store, open_target
+from ..store import Store, Target, open_target
+from ..store.deadline import deadline_scope
 from ..store.paths import head_object
 from .directory import read_directory
 from .records import PlacedRecords, RecordReads, check_record, read_record, storage_view
@@ -273,7 +268,7 @@ def _fetch_shared(
         report(plan.url, group, reader.requests, reader.bytes, total)
     except Exception as exc:
         error = exc
-    settle(group, error, f"the shared load of {plan.url}")
+    settle(error, f"the shared load of {plan.url}", group=group, error_type=DistributedLoadError)
     assert fetched is not None
     broadcast_views(group, items)
     return fetched
@@ -321,6 +316,7 @@ def _select(result: Any, keys: Sequence[str], url: str) -> dict[str, Any]:
     return {k: result[k] for k in keys}
 
 
+@paused_gc(kept=True)  # unpickling's per-tensor objects, kept (_runtime/gcpause.py)
 def load(
     url: str | os.PathLike[str],
     map_location: Any = None,
@@ -360,6 +356,19 @@ def load(
 
         return load_safetensors(url, keys=keys, device=map_location, options=options, **overrides)
     where = open_target(url, options, **overrides)
+    with deadline_scope(where.options.deadline):  # bounds the whole load (store/deadline.py)
+        return _load(where, map_location, weights_only, keys, share, process_group)
+
+
+def _load(
+    where: Target,
+    map_location: Any,
+    weights_only: bool,
+    keys: Sequence[str] | None,
+    share: bool,
+    process_group: Any,
+) -> Any:
+    """:func:`load` of a resolved URL."""
     group = share_group(process_group) if share else None
     if group is None:
         plan = _plan(where.store, where.key)
@@ -389,19 +398,15 @@ def _agreed_plan(
     """The plan, made once by the group's first rank (one HEAD and one directory read
     for all), and ``group`` if every rank loads this object the same way; else each
     rank's own plan and None (each loads on its own)."""
-    if not agree(group, (store.url(key), keys and list(keys))):
+    if not agree(value=(store.url(key), keys and list(keys)), group=group).unanimous:
         return _plan(store, key), None
-    plan: _Plan | None = None
-    error: BaseException | None = None
-    if group_rank(group)[0] == 0:
-        try:
-            plan = _plan(store, key)
-        except Exception as exc:
-            error = exc
-    sent = None
-    if plan is not None:  # everything but the store, which each rank opens itself
-        sent = (plan.url, plan.size, plan.entries, plan.prefix, plan.tail, plan.tail_start)
-    got = from_first(group, sent, error, f"the shared load of {store.url(key)}")
+
+    def first() -> tuple[Any, ...]:  # everything but the store, which each rank opens itself
+        plan = _plan(store, key)
+        return (plan.url, plan.size, plan.entries, plan.prefix, plan.tail, plan.tail_start)
+
+    what = f"the shared load of {store.url(key)}"
+    got = on_first(first, group, what=what, error_type=DistributedLoadError)
     shared = _Plan(store, key, *got)
     return shared, None if shared.whole else group
 

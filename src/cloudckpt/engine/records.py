@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .._runtime.memview import writable_view
+from .._runtime import memview
 from ..format.checksum import crc32
 from ..format.torch.unpickle import StorageRef
 from ..format.torch.zipdir import Entry, check_local_header, check_record_crc
@@ -59,7 +59,7 @@ _ALIGN = 64
 
 def storage_view(storage: torch.UntypedStorage) -> memoryview:
     """A writable view of a CPU storage's memory (no copy)."""
-    return writable_view(storage.data_ptr(), storage.nbytes())
+    return memview.storage_view(storage)
 
 
 def check_record(url: str, entry: Entry, header: memoryview, data: memoryview) -> None:

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from .._runtime.memview import writable_view
+from .._runtime.gcpause import paused_gc
+from .._runtime.memview import tensor_view
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -69,10 +70,11 @@ from ..format.safetensors import (
 )
 from ..io.progress import progress_bar
 from ..io.ranges import RangeReader
-from ..io.scheduler import TransferGroup
+from ..io.scheduler import TransferGroup, run_cleanup
 from ..io.sink import BORROW_MIN, BorrowingSink
 from ..options import TransferOptions
-from ..store import Store, join_key, open_target
+from ..store import Store, Target, join_key, open_target
+from ..store.deadline import deadline_scope
 from ..store.paths import head_object
 from .save import SaveResult
 
@@ -254,7 +256,7 @@ def _fetch(
             url = store.url(key)
             for entry in sorted((header.tensors[n] for n in names), key=lambda e: e.begin):
                 tensor = _empty(entry, url)
-                view = writable_view(tensor.data_ptr(), entry.nbytes)
+                view = tensor_view(tensor)  # entry.nbytes, checked by _empty
                 done = functools.partial(_deliver, out, entry.name, tensor, place)
                 start = header.data_start + entry.begin
                 if start + entry.nbytes <= len(probe):  # it came with the header
@@ -267,6 +269,7 @@ def _fetch(
     return {n: out[n] for n in sorted(out)}
 
 
+@paused_gc(kept=True)  # a tensor and entry per name, kept (_runtime/gcpause.py)
 def load_safetensors(
     url: str | os.PathLike[str],
     *,
@@ -291,6 +294,17 @@ def load_safetensors(
     keys = [keys] if isinstance(keys, str) else keys
     prefixes = [prefix] if isinstance(prefix, str) else prefix
     where = open_target(url, options, **overrides)
+    with deadline_scope(where.options.deadline):  # the whole load (store/deadline.py)
+        return _load_safetensors(where, keys, prefixes, device)
+
+
+def _load_safetensors(
+    where: Target,
+    keys: Sequence[str] | None,
+    prefixes: Sequence[str] | None,
+    device: Any,
+) -> dict[str, torch.Tensor]:
+    """:func:`load_safetensors` of a resolved URL."""
     store, opts = where.store, where.options
     key = _find(store, where.key, where.url)
     place = _placer(device)
@@ -413,7 +427,7 @@ def _payload(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
     if sys.byteorder == "big" and t.element_size() > 1:  # pragma: no cover - little-endian CI
         t = t.clone()
         t.untyped_storage().byteswap(t.dtype)
-    return writable_view(t.data_ptr(), t.nbytes), t
+    return tensor_view(t), t
 
 
 @contextlib.contextmanager
@@ -515,6 +529,7 @@ def remove_stale(store: Store, folder: str, stem: str, keep: set[str]) -> None:
             log.warning("could not delete %s, left by an earlier save: %s", store.url(key), exc)
 
 
+@paused_gc()  # headers and shard plans of thousands of entries (_runtime/gcpause.py)
 def save_safetensors(
     state_dict: Mapping[str, torch.Tensor],
     url: str | os.PathLike[str],
@@ -540,6 +555,18 @@ def save_safetensors(
     """
     started = time.perf_counter()
     where = open_target(url, options, **overrides)
+    with deadline_scope(where.options.deadline):  # the whole save (store/deadline.py)
+        return _save_safetensors(where, state_dict, max_shard_size, metadata, started)
+
+
+def _save_safetensors(
+    where: Target,
+    state_dict: Mapping[str, torch.Tensor],
+    max_shard_size: int | str | None,
+    metadata: Mapping[str, str] | None,
+    started: float,
+) -> SaveResult:
+    """:func:`save_safetensors` to a resolved URL."""
     store, opts = where.store, where.options
     tensors = _checked_state(state_dict, where.url)
     meta = header_metadata(metadata, where.url)
@@ -571,7 +598,7 @@ def save_safetensors(
         except BaseException:
             for key in written:  # the index first, then the shards
                 with contextlib.suppress(Exception):
-                    store.delete(key)
+                    run_cleanup(opts, functools.partial(store.delete, key), f"delete {key}")
             raise
         remove_stale(store, folder, stem, {*files, stem + INDEX_SUFFIX})
     return SaveResult(store.url(index_key), size + len(index), time.perf_counter() - started)

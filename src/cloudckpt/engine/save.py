@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .._runtime.gcpause import paused_gc
 from ..format.torch.archive_writer import ArchivePlan, plan_archive
 from ..format.torch.picklability import raise_if_unpicklable
 from ..format.torch.tensors import scan_storages
@@ -16,6 +17,7 @@ from ..io.progress import progress_bar
 from ..io.sink import BORROW_MIN, BorrowingSink, BorrowingWriter, ObjectSink
 from ..options import TransferOptions
 from ..store import Store, open_target
+from ..store.deadline import deadline_scope
 
 __all__ = ["SaveResult", "save", "write_object"]
 
@@ -37,7 +39,15 @@ class SaveResult:
 def write_object(
     obj: Any, store: Store, key: str, opts: TransferOptions, *, size_hint: int | None = None
 ) -> SaveResult:
-    """Stream ``torch.save(obj)`` to ``key``; commit on success, abort on any failure."""
+    """Stream ``torch.save(obj)`` to ``key``; commit on success, abort on any failure,
+    all within ``opts.deadline`` (store/deadline.py)."""
+    with deadline_scope(opts.deadline):
+        return _write_object(obj, store, key, opts, size_hint)
+
+
+def _write_object(
+    obj: Any, store: Store, key: str, opts: TransferOptions, size_hint: int | None
+) -> SaveResult:
     target = store.url(key)
     started = time.perf_counter()
     try:
@@ -90,6 +100,7 @@ def _write_plan(
             raise
 
 
+@paused_gc()  # the pickling's per-tensor objects (_runtime/gcpause.py)
 def save(
     obj: Any,
     url: str | os.PathLike[str],

@@ -14,9 +14,11 @@ The caller's thread pays per tensor, so that part is kept short (docs/async.md,
   offset, size, stride, requires_grad, dtype)`` itself; anything else (subclasses,
   ``Parameter``, tensors with Python state or hooks, sparse, quantized, nested, other
   devices) goes through torch's own ``__reduce_ex__``, whose storages come back here;
-- CPU storages of at most ``SMALL_MAX`` bytes are copied (one ``memmove`` each) into
-  shared slabs of ``SLAB_BYTES`` from the pool, not into a pool entry each; larger and
-  CUDA storages get a pool buffer each, as before.
+- CPU storages of at most ``SMALL_MAX`` bytes are copied (one ``memmove`` that keeps the
+  GIL each, _runtime/memview.py) into shared slabs of ``SLAB_BYTES`` from the pool, not
+  into a pool entry each; larger and CUDA storages get a pool buffer each, as before.
+  With that copy off (the fast paths off), every storage gets a buffer of its own,
+  copied by torch.
 
 ``materialize`` gives every staged storage a ``torch.UntypedStorage`` of its own, over its
 part of the slab (no copy; the part keeps the slab alive), so ``torch.save`` writes one
@@ -38,8 +40,7 @@ from typing import Any
 
 import torch
 
-from .._runtime.gcpause import paused_gc
-from .._runtime.memview import copy_memory
+from .._runtime.memview import copy_memory, copy_on
 from ..format.torch.tensors import plain_strided
 from ..io.buffers import register_pool
 
@@ -228,6 +229,7 @@ class _StagingPickler(pickle.Pickler):
         self.slab = -1  # index in snap.storages of the slab being filled
         self.slab_address = 0
         self.slab_used = SLAB_BYTES
+        self.slabs = copy_on()  # small CPU storages share slabs (else a buffer each)
 
     def reducer_override(self, obj: Any) -> Any:
         # Called for every object that is not a builtin container or scalar: the common
@@ -269,7 +271,7 @@ class _StagingPickler(pickle.Pickler):
     def _stage(self, storage: torch.UntypedStorage, device: str) -> int:
         nbytes = storage.nbytes()
         snap = self.snap
-        if device == "cpu" and nbytes <= SMALL_MAX:
+        if device == "cpu" and nbytes <= SMALL_MAX and self.slabs:
             part = self._stage_small(storage, nbytes)
         else:
             if device == "cpu" or device == "cuda":
@@ -324,15 +326,13 @@ def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
     buf = io.BytesIO()
     snap = Snapshot(structure=b"")
     pickler = _StagingPickler(buf, pool, snap)
-    # The pickler allocates a few small tuples per tensor; with thousands of tensors those
-    # trigger cyclic collections that walk the whole heap (the state included), which cost
-    # more than the copies. Nothing here makes cycles: collect later, not while training waits.
+    # async_save pauses the collector around this (_runtime/gcpause.py): the pickler's
+    # few small tuples per tensor would set off collections that walk the whole heap.
     try:
-        with paused_gc(kept=True):
-            try:
-                pickler.dump(obj)
-            finally:
-                pickler.clear_memo()  # its tuples freed now, not walked by the next collection
+        try:
+            pickler.dump(obj)
+        finally:
+            pickler.clear_memo()  # its tuples freed now, not walked by the next collection
         if pickler.stream is not None:
             pickler.stream.synchronize()  # the snapshot is complete only when copies land
     except BaseException:

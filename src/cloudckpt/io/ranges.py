@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from ..options import TransferOptions
 from ..store import Store
+from ..store.deadline import current_deadline, within
 from .scheduler import Cancelled, TransferGroup
 
 __all__ = ["RangeReader", "split"]
@@ -97,6 +98,7 @@ class RangeReader:
         self._group: TransferGroup | None = None
         self._lock = threading.Lock()
         self._feeder: threading.Thread | None = None
+        self._deadline = current_deadline()  # the operation's, whichever thread sends
         self._feed_error: BaseException | None = None
         self._stopped = False
         #: Reads sent and bytes fetched, gaps included (for tests and benchmarks).
@@ -211,7 +213,8 @@ class RangeReader:
 
     def _group_for_reads(self) -> TransferGroup:
         if self._group is None:
-            self._group = TransferGroup(self.options, self.options.read_concurrency)
+            with within(self._deadline):
+                self._group = TransferGroup(self.options, self.options.read_concurrency)
         return self._group
 
     def _send(self) -> None:

@@ -15,22 +15,26 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any, TypeVar
 
 from ..errors import DeadlineExceededError
 from ..options import IO_THREADS, TransferOptions
+from ..store.deadline import Deadline, cleanup_scope, current_deadline, within
 from ..store.retry import Cancelled, cancel_scope
 
 __all__ = [
     "ByteBudget",
     "Cancelled",
+    "IOThreads",
     "TransferGroup",
     "get_scheduler",
+    "run_cleanup",
 ]
 
 log = logging.getLogger("cloudckpt")
@@ -64,9 +68,54 @@ class ByteBudget:
             self._cond.notify_all()
 
 
+class IOThreads:
+    """A fixed pool of daemon threads running submitted calls as futures.
+
+    Daemon threads, unlike ``ThreadPoolExecutor``'s: a request abandoned after its
+    operation's deadline (stuck until its own timeout) never holds up the process's
+    exit. Saves still running at exit are waited for by ``async_save``'s exit hook.
+    """
+
+    def __init__(self, count: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._count, self._name = count, name
+        self._started = 0
+        self._busy = 0  # submitted and not yet finished
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((future, fn))
+        with self._lock:
+            self._busy += 1
+            if self._busy > self._started and self._started < self._count:
+                self._started += 1
+                threading.Thread(
+                    target=self._work, name=f"{self._name}_{self._started}", daemon=True
+                ).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+            del item, future, fn
+            with self._lock:
+                self._busy -= 1
+
+
 class _Scheduler:
     def __init__(self) -> None:
-        self.executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="cloudckpt-io")
+        self.executor = IOThreads(IO_THREADS, "cloudckpt-io")
         self._lock = threading.Lock()
         self.budget = ByteBudget(None)
 
@@ -120,10 +169,11 @@ def _rank_prefix() -> str:
 class TransferGroup:
     """Requests of one operation: bounded concurrency, first error wins, cancel on failure.
 
-    With ``deadline`` (seconds from now) the operation fails once it passes:
+    The group is bounded by the operation's deadline (cloudckpt.store.deadline; or by
+    ``deadline`` seconds from now, if earlier): once it passes the operation fails with
     :class:`~cloudckpt.errors.DeadlineExceededError` naming the requests still running,
-    raised by :meth:`submit` or :meth:`wait`, and the group cancelled (a stuck request is
-    left to end on its own timeout; nobody waits for it).
+    raised by :meth:`submit` or :meth:`wait`, and the group is cancelled (a stuck request
+    is left to end on its own timeout; nobody waits for it).
     """
 
     def __init__(
@@ -135,8 +185,13 @@ class TransferGroup:
         self._lock = threading.Lock()
         self.cancel_event = threading.Event()
         self.error: BaseException | None = None
-        self.deadline = deadline
-        self._expires = None if deadline is None else time.monotonic() + deadline
+        bound = current_deadline()
+        if deadline is not None:
+            own = Deadline(deadline, time.monotonic() + deadline)
+            bound = own if bound is None or own.expires < bound.expires else bound
+        self._bound = bound
+        self.deadline = None if bound is None else bound.seconds
+        self._expires = None if bound is None else bound.expires
         self.expired = False
 
     def _remaining(self) -> float | None:
@@ -181,7 +236,7 @@ class TransferGroup:
             try:
                 if self.cancel_event.is_set():
                     raise Cancelled()
-                with cancel_scope(self.cancel_event):
+                with cancel_scope(self.cancel_event), within(self._bound):
                     return fn()
             except BaseException as exc:
                 log.debug("%s failed: %s", what, exc)
@@ -242,3 +297,11 @@ class TransferGroup:
         futures_wait([f for f, _, _ in futures], timeout=EXPIRED_GRACE if self.expired else None)
         with self._lock:
             self._futures = [f for f in self._futures if not f[0].done()]
+
+
+def run_cleanup(options: TransferOptions, fn: Callable[[], T], what: str) -> T:
+    """Run a cleanup request (an abort, a delete) after a failure: within the operation's
+    deadline plus its grace (cloudckpt.store.deadline), never retried past it, and not
+    waited for beyond it (a stuck one is abandoned; ``cloudckpt gc`` finds what it left)."""
+    with cleanup_scope():
+        return TransferGroup(options, 1).call(fn, what)

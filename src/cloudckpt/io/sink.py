@@ -26,12 +26,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._runtime.memview import buffer_address
+from .._runtime.memview import buffer_address, views_on
 from ..errors import StorageError
 from ..options import MAX_PART_SIZE, MAX_PARTS, MiB, TransferOptions
 from ..store import MultipartUpload, Store, UploadedPart, byte_view
 from .buffers import SaveBuffers
-from .scheduler import TransferGroup, get_scheduler
+from .scheduler import TransferGroup, get_scheduler, run_cleanup
 
 __all__ = [
     "BORROW_MIN",
@@ -285,7 +285,8 @@ class ObjectSink:
             self._buf = None
         upload, self._upload = self._upload, None
         if upload is not None and not keep_upload:
-            self.store.abort_multipart(upload)
+            url = self.store.url(upload.key)
+            run_cleanup(self.options, lambda: self.store.abort_multipart(upload), f"abort {url}")
 
 
 class BorrowingSink(ObjectSink):
@@ -383,13 +384,15 @@ class BorrowingWriter:
     A write of one of ``storages`` (same address, same size: torch writes a storage's
     bytes in one call) goes to :meth:`BorrowingSink.write_borrowed` with the storage as
     its owner; everything else is copied. ``storages`` maps address to
-    ``(nbytes, storage)`` (:func:`cloudckpt.format.torch.tensors.scan_storages`).
+    ``(nbytes, storage)`` (:func:`cloudckpt.format.torch.tensors.scan_storages`). A write's
+    address is known through a fast path (_runtime/memview.py): with it off, every
+    write is copied.
     """
 
     def __init__(self, sink: BorrowingSink, storages: dict[int, tuple[int, Any]]) -> None:
         self.sink = sink
-        self.storages = storages
-        self._smallest = min((n for n, _ in storages.values()), default=0)
+        self.storages = storages if views_on() else {}
+        self._smallest = min((n for n, _ in self.storages.values()), default=0)
 
     def write(self, data: Any) -> int:
         view = byte_view(data)

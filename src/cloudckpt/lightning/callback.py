@@ -16,27 +16,20 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
-
-from ..options import TransferOptions, resolve_options
+from ..dist.collectives import on_first
+from ..options import TransferOptions
 from ._compat import ModelCheckpoint
-from .fs import CloudFileSystem, register_options, target_for, unwrap, wrap
+from .fs import (
+    CloudFileSystem,
+    is_remote,
+    remote_dirpath,
+    setup_remote_dirpath,
+    target_for,
+    unwrap,
+    wrap,
+)
 
 __all__ = ["CloudModelCheckpoint", "is_remote"]
-
-
-def is_remote(path: Any) -> bool:
-    """True for object-store URLs (anything with a scheme other than ``file``)."""
-    text = unwrap(path) if path is not None else ""
-    return "://" in text and not text.startswith("file://")
-
-
-def _broadcast_from_rank0(value: Any) -> Any:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-    return value
 
 
 class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
@@ -50,34 +43,24 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
         storage_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        remote = is_remote(dirpath)
-        super().__init__(None if remote else dirpath, *args, **kwargs)
-        self._remote = remote
-        settings = {"storage_options": storage_options} if storage_options else {}
-        resolve_options(options, **settings)  # a bad option fails here, not at the first save
-        if remote:
-            self.dirpath = unwrap(dirpath).rstrip("/")
-            self._fs = CloudFileSystem()
-            register_options(self.dirpath, options, **settings)
+        url = remote_dirpath(dirpath, options, storage_options)
+        super().__init__(dirpath if url is None else None, *args, **kwargs)
+        self._remote = url is not None
+        if url is not None:
+            self.dirpath, self._fs = url, CloudFileSystem()
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not self._remote:
             super().setup(trainer, pl_module, stage)
             return
-        self.dirpath = trainer.strategy.broadcast(self.dirpath)
-        self._fs = CloudFileSystem()
-        if self.save_last == "link":
-            raise ValueError(
-                f"save_last='link' needs a local dirpath; {self.dirpath} is an object store"
-            )
+        setup_remote_dirpath(self, trainer)
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         if not self._remote:
             return set(super()._find_last_checkpoints(trainer))
-        is_zero = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-        is_zero = is_zero or torch.distributed.get_rank() == 0
-        found: list[str] = []
-        if is_zero:
+
+        def scan() -> list[str]:  # rank 0 lists, every rank gets its answer
+            found: list[str] = []
             where = target_for(str(self.dirpath))
             store, key = where.store, where.key
             pattern = re.compile(
@@ -88,7 +71,9 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
                 name = obj.key[len(base) :]
                 if "/" not in name and pattern.match(name):
                     found.append(wrap(f"{self.dirpath}/{name}"))
-        return set(_broadcast_from_rank0(found))
+            return found
+
+        return set(on_first(scan, what=f"the listing of {self.dirpath}/last"))
 
     def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str) -> bool:
         if not self._remote:

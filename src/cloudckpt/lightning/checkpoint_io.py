@@ -18,9 +18,10 @@ from typing import Any
 from ..engine.async_save import SaveHandle, async_save
 from ..engine.load import load
 from ..engine.save import save
-from ..options import TransferOptions, resolve_options
+from ..options import TransferOptions
+from ..store import Settings
 from ._compat import CheckpointIO
-from .fs import register_options, target_for, unwrap
+from .fs import register_settings, unwrap
 
 __all__ = ["CloudCheckpointIO"]
 
@@ -45,10 +46,10 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         #: Under an initialized process group, every rank loads a checkpoint at once
         #: (Lightning's resume): read its bytes once in all and exchange them.
         self.share_reads = share_reads
-        # Kept as given and resolved per URL, so a profile a URL selects still applies.
-        self._options, self._overrides = options, overrides
-        resolve_options(options, **overrides)  # a bad option fails here, not at the first save
-        register_options("", options, **overrides)
+        # Checked here (a bad option fails now, not at the first save) and resolved
+        # once per call for its path, so a profile the path selects still applies.
+        self._settings = Settings(options, overrides)
+        register_settings("", self._settings)  # for the callback's listings and removals
         self._pending: list[SaveHandle] = []
         self._removals: list[Future[None]] = []
         self._remover: ThreadPoolExecutor | None = None
@@ -58,15 +59,15 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Write ``checkpoint`` to ``path``; in async mode return once it is staged."""
-        settings = {**self._overrides, **(storage_options or {})}
-        url = unwrap(path)
+        """Write ``checkpoint`` to ``path``; in async mode return once it is staged.
+
+        ``storage_options`` (Lightning's per-call argument) are TransferOptions fields
+        over the ones this IO was made with."""
+        target = self._settings.open(unwrap(path), **(storage_options or {}))
         if not self.async_save:
-            save(checkpoint, url, options=self._options, **settings)
+            save(checkpoint, target)
             return
-        handle = async_save(
-            checkpoint, url, max_in_flight=self.max_in_flight, options=self._options, **settings
-        )
+        handle = async_save(checkpoint, target, max_in_flight=self.max_in_flight)
         with self._lock:
             self._pending = [h for h in self._pending if not h.done() or h.failed()] + [handle]
 
@@ -77,18 +78,15 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         """Read a checkpoint; waits for a pending save of the same path first. Under
         an initialized process group (every rank resumes), the ranks read its bytes once
         in all and exchange them (``share_reads``; see ``cloudckpt.load(share=True)``)."""
-        url = unwrap(path)
-        target = target_for(url)
+        target = self._settings.open(unwrap(path))
         for h in self._pending_handles():
             if h.url == target.store.url(target.key):
                 h.result()
         result: dict[str, Any] = load(
-            url,
+            target,
             map_location=map_location,
             weights_only=True if weights_only is None else weights_only,
             share=self.share_reads,
-            options=self._options,
-            **self._overrides,
         )
         return result
 
@@ -118,7 +116,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._delete(url)
 
     def _delete(self, url: str) -> None:
-        target = target_for(url)
+        target = self._settings.open(url)
         target.store.delete(target.key)  # absent already is fine
 
     def _pending_handles(self) -> list[SaveHandle]:

@@ -5,30 +5,47 @@ through fsspec (and fail on ``s3://`` without s3fs). :class:`CloudFileSystem` an
 them with cloudckpt's own stores and credentials. It is registered under the protocol
 ``cloudckpt``, so a path ``cloudckpt://s3://bucket/key`` resolves to it; plain
 ``s3://`` paths are never claimed from other fsspec implementations.
+
+The store settings each path uses are registered by URL prefix
+(:func:`register_options`); :func:`remote_dirpath` and :func:`setup_remote_dirpath`
+are what a ``ModelCheckpoint`` subclass (Lightning's, NeMo's) does to take a URL as its
+``dirpath``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import io
+import os
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-from ..errors import NotAnObjectError, NotFoundError
+from ..io.bulk import delete_keys
 from ..options import TransferOptions
-from ..store import Store, Target, open_target
+from ..store import Settings, Store, Target
+from ..store.paths import children, classify, dir_prefix
 
-__all__ = ["PROTOCOL", "CloudFileSystem", "register_options", "target_for", "unwrap", "wrap"]
+__all__ = [
+    "PROTOCOL",
+    "CloudFileSystem",
+    "is_remote",
+    "register_options",
+    "register_settings",
+    "remote_dirpath",
+    "setup_remote_dirpath",
+    "target_for",
+    "unwrap",
+    "wrap",
+]
 
 PROTOCOL = "cloudckpt"
 _PREFIX = PROTOCOL + "://"
 
-#: URL prefix -> the settings given for it: an options object (or None) and overrides.
-_settings: dict[str, tuple[TransferOptions | None, Mapping[str, Any]]] = {}
+#: URL prefix -> the settings given for the paths under it.
+_settings: dict[str, Settings] = {}
 _settings_lock = threading.Lock()
 
 
@@ -37,21 +54,65 @@ def register_options(
 ) -> None:
     """Use these settings (credentials, endpoint, knobs) for paths under ``url_prefix``.
 
-    They are resolved per URL (cloudckpt.store.open_target), so a profile that a URL
-    selects still applies beneath them.
+    They are checked here and resolved per URL (cloudckpt.store.Settings), so a profile
+    that a URL selects still applies beneath them.
     """
+    register_settings(url_prefix, Settings(options, dict(overrides)))
+
+
+def register_settings(url_prefix: str, settings: Settings) -> None:
+    """:func:`register_options` for settings already checked."""
     with _settings_lock:
-        _settings[url_prefix.rstrip("/")] = (options, dict(overrides))
+        _settings[url_prefix.rstrip("/")] = settings
 
 
 def target_for(url: str) -> Target:
     """The store, key and options for ``url``: the registered settings with the longest
-    prefix matching it (else none), resolved for this URL."""
+    prefix matching it (else none), resolved once for this URL."""
     with _settings_lock:
         matches = [p for p in _settings if url == p or url.startswith(p + "/") or p == ""]
         best = max(matches, key=len, default=None)
-        options, overrides = _settings[best] if best is not None else (None, {})
-    return open_target(url, options, **overrides)
+        settings = _settings[best] if best is not None else Settings()
+    return settings.open(url)
+
+
+def is_remote(path: Any) -> bool:
+    """True for object-store URLs (anything with a scheme other than ``file``)."""
+    text = unwrap(path) if path is not None else ""
+    return "://" in text and not text.startswith("file://")
+
+
+def remote_dirpath(
+    dirpath: Any,
+    options: TransferOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> str | None:
+    """A checkpoint callback's ``dirpath`` as a store URL when it names an object store
+    (None: a local one, which the callback's base class handles).
+
+    The settings given to the callback are checked here (a bad one fails when the
+    callback is made, not at its first save) and, if any, registered for the URL; with
+    none, what the checkpoint I/O registered (or a profile) applies.
+    """
+    settings = Settings(options, {"storage_options": storage_options} if storage_options else {})
+    if not is_remote(dirpath):
+        return None
+    url = unwrap(os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath)
+    url = url.rstrip("/")
+    if options is not None or storage_options:
+        register_settings(url, settings)
+    return url
+
+
+def setup_remote_dirpath(callback: Any, trainer: Any) -> None:
+    """The ``setup`` of a checkpoint callback whose ``dirpath`` is a URL: no links on a
+    store, rank 0's ``dirpath`` on every rank, a fresh filesystem view."""
+    if callback.save_last == "link":
+        raise ValueError(
+            f"save_last='link' needs a local dirpath; {callback.dirpath} is an object store"
+        )
+    callback.dirpath = trainer.strategy.broadcast(callback.dirpath)
+    callback._fs = CloudFileSystem()
 
 
 def wrap(url: str) -> str:
@@ -96,13 +157,12 @@ class CloudFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         url = unwrap(path).rstrip("/")
         store, key = self._store(url)
-        try:
-            obj = store.head(key)
-            return {"name": url, "size": obj.size, "type": "file", "mtime": obj.mtime}
-        except (NotFoundError, NotAnObjectError):
-            if next(iter(store.list(key + "/")), None) is not None:
-                return {"name": url, "size": 0, "type": "directory"}
-            raise FileNotFoundError(url) from None
+        entry = classify(store, key)
+        if entry.info is not None:
+            return {"name": url, "size": entry.info.size, "type": "file", "mtime": entry.info.mtime}
+        if entry.kind == "prefix":
+            return {"name": url, "size": 0, "type": "directory"}
+        raise FileNotFoundError(url)
 
     def exists(self, path: str, **kwargs: Any) -> bool:
         try:
@@ -118,22 +178,17 @@ class CloudFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         url = unwrap(path).rstrip("/")
         store, key = self._store(url)
-        prefix = key + "/" if key else ""
-        entries: dict[str, dict[str, Any]] = {}
-        for obj in store.list(prefix):
-            rest = obj.key[len(prefix) :]
-            name = rest.split("/", 1)[0]
-            child = f"{url}/{name}"
-            if "/" in rest:
-                entries.setdefault(child, {"name": child, "size": 0, "type": "directory"})
-            else:
-                entries[child] = {
-                    "name": child,
-                    "size": obj.size,
-                    "type": "file",
-                    "mtime": obj.mtime,
-                }
-        items = sorted(entries.values(), key=lambda e: e["name"])
+        below = children(store, key)
+        entries: list[dict[str, Any]] = [
+            {"name": f"{url}/{n}", "size": 0, "type": "directory"}
+            for n in below.dirs
+            if n not in below.files  # an object and a prefix of one name: the object
+        ]
+        entries += [
+            {"name": f"{url}/{n}", "size": o.size, "type": "file", "mtime": o.mtime}
+            for n, o in below.files.items()
+        ]
+        items = sorted(entries, key=lambda e: e["name"])
         return items if detail else [e["name"] for e in items]
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
@@ -151,11 +206,14 @@ class CloudFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
         for p in [path] if isinstance(path, str) else path:
-            if recursive:
-                store, key = self._store(p)
-                for obj in store.list(key.rstrip("/") + "/"):
-                    store.delete(obj.key)
-            self.rm_file(p)
+            if not recursive:
+                self.rm_file(p)
+                continue
+            where = target_for(unwrap(p))
+            keys = [o.key for o in where.store.list(dir_prefix(where.key))]
+            if where.key.strip("/"):  # the root of a store is no object
+                keys.append(where.key)
+            delete_keys(where.store, keys, where.options)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """Object stores have no directories; nothing to create."""

@@ -24,13 +24,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ..dist.collectives import barrier, is_distributed, on_rank0, rank
+from ..dist.collectives import barrier, is_distributed, on_first, rank
 from ..dist.groups import checkpoint_group
+from ..engine.handle import SaveHandle, in_flight
 from ..errors import AlreadyExistsError, ConfigError, DistributedSaveError, NotFoundError
+from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..store import Store, open_target
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
@@ -53,53 +53,17 @@ __all__ = ["CheckpointManager", "ManagedSaveHandle"]
 log = logging.getLogger("cloudckpt")
 
 
-class ManagedSaveHandle:
-    """A checkpoint saving in the background: ``staged()`` then committed (marker written).
+class ManagedSaveHandle(SaveHandle[CheckpointInfo]):
+    """A checkpoint saving in the background: ``staged()`` then committed (marker
+    written); ``result()`` returns the committed :class:`CheckpointInfo` or raises the
+    save's error. The one :class:`~cloudckpt.SaveHandle`, with the checkpoint's step."""
 
-    ``result()`` returns the committed :class:`CheckpointInfo` or raises the save's error.
-    """
+    kind = "checkpoint save"
 
-    def __init__(self, step: int, inner: Any) -> None:
+    def __init__(self, step: int, url: str, stall_seconds: float) -> None:
+        super().__init__(url, staged=True)  # returned once the state is captured
         self.step = step
-        self._inner = inner
-        self._future: Future[CheckpointInfo] = Future()
-
-    def staged(self) -> bool:
-        """True once the state was snapshotted: training may modify it again."""
-        return bool(self._inner.staged())
-
-    @property
-    def stall_seconds(self) -> float:
-        """How long ``async_save`` blocked the caller."""
-        return float(self._inner.stall_seconds)
-
-    def done(self) -> bool:
-        """True once the checkpoint committed or failed."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> CheckpointInfo:
-        """Wait for the commit; raise the save's error if it failed."""
-        return self._future.result(timeout)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the commit or failure without raising; returns ``done()``."""
-        futures_wait([self._future], timeout)
-        return self._future.done()
-
-    def add_done_callback(self, fn: Callable[[ManagedSaveHandle], None]) -> None:
-        """Run ``fn(handle)`` after commit or failure."""
-        self._future.add_done_callback(lambda _f: fn(self))
-
-
-class _Staged:
-    """What a DCP async save's handle reports before its commit: DCP's ``async_save``
-    returns once the state is staged, so it is staged from the start."""
-
-    def __init__(self, stall_seconds: float) -> None:
         self.stall_seconds = stall_seconds
-
-    def staged(self) -> bool:
-        return True
 
 
 class CheckpointManager:
@@ -179,7 +143,7 @@ class CheckpointManager:
     # -- discovery -----------------------------------------------------------------------
     def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest step first (one listing, markers only)."""
-        return on_rank0(self._list_local)
+        return on_first(self._list_local, what=f"the listing of {self.root_url}")
 
     def _list_local(self) -> builtins.list[CheckpointInfo]:
         with self._lock:
@@ -206,7 +170,7 @@ class CheckpointManager:
                 )
             return found
 
-        return on_rank0(read)
+        return on_first(read, what=f"reading the marker of step {step}")
 
     # -- save ----------------------------------------------------------------------------
     def save(
@@ -225,11 +189,14 @@ class CheckpointManager:
         try:
             self.kind.save(state, self.step_url(step), self.options)
             barrier()
-            info = on_rank0(lambda: self._commit(step, metrics, metadata or {}))
+            info = on_first(
+                lambda: self._commit(step, metrics, metadata or {}),
+                what=f"the commit of {self.step_url(step)}",
+            )
         finally:
             with self._lock:
                 self._pending.discard(step)
-        on_rank0(self._retain_quietly)
+        on_first(self._retain_quietly, what=f"retention under {self.root_url}")
         return info
 
     def async_save(
@@ -272,7 +239,8 @@ class CheckpointManager:
             with self._lock:
                 self._pending.discard(step)
             raise
-        handle = ManagedSaveHandle(step, inner)
+        handle = ManagedSaveHandle(step, self.step_url(step), inner.stall_seconds)
+        in_flight.add(handle)
 
         def commit() -> CheckpointInfo:
             inner.result()
@@ -289,14 +257,14 @@ class CheckpointManager:
         try:
             info = commit()
         except BaseException as exc:
-            handle._future.set_exception(exc)
+            handle.finish(None, exc)
             return
         finally:
             with self._lock:
                 self._pending.discard(handle.step)
         if retain:
             self._retain_quietly()
-        handle._future.set_result(info)
+        handle.finish(info, None)
 
     def _async_save_dcp(
         self, step: int, state: Any, metrics: dict[str, float], metadata: Mapping[str, Any]
@@ -316,7 +284,8 @@ class CheckpointManager:
             with self._lock:
                 self._pending.discard(step)
             raise
-        handle = ManagedSaveHandle(step, _Staged(time.perf_counter() - started))
+        handle = ManagedSaveHandle(step, self.step_url(step), time.perf_counter() - started)
+        in_flight.add(handle)
 
         def write_marker() -> CheckpointInfo:  # rank 0, once DCP's save is done
             error = future.exception()  # DCP's outcome, the same on every rank
@@ -325,9 +294,10 @@ class CheckpointManager:
             return self._commit(step, metrics, metadata)
 
         # On every rank, in DCP's saving thread: rank 0 commits, the group hears it.
+        what = f"the commit of {self.step_url(step)}"
         future.add_done_callback(
             lambda _f: self._finish(
-                handle, lambda: on_rank0(write_marker, group), retain=rank() == 0
+                handle, lambda: on_first(write_marker, group, what=what), retain=rank() == 0
             )
         )
         self._dcp_in_flight = handle
@@ -335,17 +305,13 @@ class CheckpointManager:
 
     def _refuse_committed(self, step: int) -> None:
         def check() -> None:
-            key = marker_key(self.root_key, step)
-            try:
-                self.store.head(key)
-            except NotFoundError:
-                return
-            raise AlreadyExistsError(
-                f"step {step} is already committed at {self.step_url(step)}; "
-                "delete it first to overwrite"
-            )
+            if read_committed(self.store, marker_key(self.root_key, step)) is not None:
+                raise AlreadyExistsError(
+                    f"step {step} is already committed at {self.step_url(step)}; "
+                    "delete it first to overwrite"
+                )
 
-        on_rank0(check)
+        on_first(check, what=f"the check that step {step} is not committed")
 
     def _commit(
         self, step: int, metrics: Mapping[str, float], metadata: Mapping[str, Any]
@@ -413,7 +379,7 @@ class CheckpointManager:
             if delete_prefix(self.store, self._step_prefix(step), self.options) == 0:
                 raise NotFoundError(f"no checkpoint for step {step} at {self.step_url(step)}")
 
-        on_rank0(remove)
+        on_first(remove, what=f"deleting step {step}")
 
     def gc(self, grace_seconds: float | None = None, dry_run: bool = False) -> GcReport:
         """Remove uncommitted ``step-N/`` leftovers and stale multipart uploads.
@@ -424,7 +390,7 @@ class CheckpointManager:
         grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
         with self._lock:
             protected = set(self._pending)
-        return on_rank0(
+        return on_first(
             lambda: collect_garbage(
                 self.store,
                 self.root_key,
@@ -432,7 +398,8 @@ class CheckpointManager:
                 grace_seconds=grace,
                 dry_run=dry_run,
                 protected=protected,
-            )
+            ),
+            what=f"garbage collection under {self.root_url}",
         )
 
     # -- restore -------------------------------------------------------------------------
@@ -476,10 +443,7 @@ def _named_failure(error: BaseException, url: str) -> BaseException:
     for r, wrapped in failures.items():
         exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         named[int(r)] = f"{type(exc).__name__}: {exc}"
-    listed = "; ".join(f"rank {r}: {m}" for r, m in sorted(named.items()))
-    return DistributedSaveError(
-        f"the DCP save of {url} failed ({listed}); nothing committed", named
-    )
+    return DistributedSaveError.of(f"the DCP save of {url}", named)
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

@@ -1,9 +1,9 @@
 """Checkpoint layout and the commit marker: the one answer to "is it committed?".
 
 A managed checkpoint is the prefix ``ROOT/step-000000123/``: its payload objects, then a
-small JSON marker ``ROOT/step-000000123/_CHECKPOINT.json`` written LAST (create-only
-where the store enforces it). A prefix without a marker is not a checkpoint, however
-many bytes it holds; every reader decides through :func:`read_marker` /
+small JSON marker ``ROOT/step-000000123/_CHECKPOINT.json`` written LAST, create-only (the
+commit protocol of format/commit.py). A prefix without a marker is not a checkpoint,
+however many bytes it holds; every reader decides through :func:`read_marker` /
 :func:`list_checkpoints`, and deletion removes the marker FIRST.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidURLError, NotFoundError
+from ..format.commit import commit_marker, read_committed
 from ..io.scheduler import TransferGroup
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, check_key
@@ -188,23 +189,24 @@ def decode_marker(data: bytes, url: str) -> CheckpointInfo:
 
 
 def write_marker(store: Store, key: str, info: CheckpointInfo) -> None:
-    """Commit a checkpoint: create its marker, create-only where the store enforces it.
+    """Commit a checkpoint: create its marker (after its payload), create-only.
 
-    Raises AlreadyExistsError when the marker is already there (on stores that check).
+    Raises AlreadyExistsError when another marker is already there; this call's own
+    retried write is success (format/commit.py).
     """
-    store.put(key, encode_marker(info), if_none_match=True)
+    commit_marker(store, key, encode_marker(info))
 
 
 def read_marker(store: Store, key: str) -> CheckpointInfo | None:
-    """The checkpoint committed by the marker at ``key``; None when there is no marker.
+    """The checkpoint committed by the marker at ``key``; None when there is no marker
+    (a missing bucket raises BucketNotFoundError).
 
     A marker in a ``step-N/`` directory that names another step is corrupt (as in
     :func:`list_checkpoints`, which skips it).
     """
     url = store.url(key)
-    try:
-        data = store.get(key)
-    except NotFoundError:
+    data = read_committed(store, key)
+    if data is None:
         return None
     info = decode_marker(data, url)
     parts = key.rstrip("/").split("/")

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from .._runtime.gcpause import paused_gc
-from ..dist.collectives import on_rank0
+from ..dist.collectives import on_first
 from ..engine.load import load
 from ..engine.save import save
 from ..errors import ConfigError
@@ -53,7 +53,8 @@ class ObjectPayload:
         self.filename = filename
 
     def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
-        on_rank0(lambda: save(state, prefix_url + self.filename, options=options))
+        url = prefix_url + self.filename
+        on_first(lambda: save(state, url, options=options), what=f"the save of {url}")
 
     def load(
         self,

@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .._runtime.gcpause import paused_gc
 from ..dcp.location import CheckpointLocation
 from ..dcp.reader import MetadataOnceReader
 from ..engine.load import load as load_object
 from ..errors import BucketNotFoundError, NotFoundError
+from ..format.commit import read_committed
 from ..options import TransferOptions
 from . import mcore
 from .layout import COMMON_NAME, CONFIG_NAME, BackendRecord, decode_config
@@ -39,16 +41,14 @@ def _committed(url: str | os.PathLike[str], options: Any, overrides: dict[str, A
 
 
 def _record(where: CheckpointLocation) -> BackendRecord:
-    """``metadata.json``, or NotFoundError saying the URL holds no committed checkpoint."""
-    try:
-        payload = where.store.get(where.key(CONFIG_NAME))
-    except BucketNotFoundError:
-        raise
-    except NotFoundError:
+    """``metadata.json`` (the commit marker, format/commit.py), or NotFoundError saying
+    the URL holds no committed checkpoint."""
+    payload = read_committed(where.store, where.key(CONFIG_NAME))
+    if payload is None:
         raise NotFoundError(
             f"no committed Megatron checkpoint at {where.url} ({where.url_of(CONFIG_NAME)} "
             "is missing: the save did not finish, or the URL names another directory)"
-        ) from None
+        )
     return decode_config(payload, where.url_of(CONFIG_NAME))
 
 
@@ -105,7 +105,7 @@ def load_content_metadata(
 
 
 def _reader(where: CheckpointLocation, weights_only: bool) -> MetadataOnceReader:
-    return MetadataOnceReader(where.url, weights_only=weights_only, options=where.options)
+    return MetadataOnceReader(where.resolved, weights_only=weights_only)
 
 
 def load_tensors_metadata(
@@ -137,6 +137,7 @@ def _sharded_metadata(remote: mcore.RemoteDir) -> dict[str, Any]:
     return result
 
 
+@paused_gc(kept=True)  # megatron's steps and DCP's planners (_runtime/gcpause.py)
 def load(
     sharded_state_dict: dict[str, Any],
     url: str | os.PathLike[str],

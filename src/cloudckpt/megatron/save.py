@@ -6,15 +6,16 @@ non-persistent entries dropped, sharding validated, keys mapped to sharded keys,
 order makes a half-written checkpoint impossible to load, with cloudckpt or megatron:
 
 1. the coordinator removes a previous ``metadata.json`` (the marker megatron checks);
-2. every rank reports whether its local preparation worked (one gather: a rank that
+2. every rank reports whether its local preparation worked (``settle``: a rank that
    failed makes every rank fail, instead of leaving the others in a collective);
 3. DCP's save: data objects, then ``.metadata`` once every rank's data is durable;
-4. the coordinator writes ``common.pt``, then ``metadata.json``, and tells every rank
-   whether it did.
+4. the coordinator writes ``common.pt``, then creates ``metadata.json`` (the commit,
+   format/commit.py), and every rank learns whether it did (``on_first``).
 
-Steps 2-4 run on a gloo group made for checkpointing (:mod:`.groups`); with
-``async_save=True`` they run on a background thread, after the tensors were copied into
-one pooled host buffer, so training can change its parameters right away.
+Steps 2-4 run on a gloo group made for checkpointing (dist/groups.py), through the
+collectives of dist/collectives.py; with ``async_save=True`` they run on a background
+thread, after the tensors were copied into one pooled host buffer, so training can
+change its parameters right away.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ import torch.distributed.checkpoint as dcp
 from .._runtime.gcpause import paused_gc
 from ..dcp.location import CheckpointLocation
 from ..dcp.writer import CloudStorageWriter
+from ..dist.collectives import first_rank, on_first, rank, settle
 from ..dist.groups import checkpoint_group, group_ranks
+from ..engine.handle import SaveHandle, in_flight
 from ..engine.staging import StagingPool, get_pool
 from ..errors import CloudCkptError, DistributedSaveError
+from ..format.commit import commit_marker
 from ..format.torch.picklability import raise_if_unpicklable
 from ..options import TransferOptions
+from ..store.deadline import deadline_scope
 from . import mcore
 from .layout import COMMON_NAME, CONFIG_NAME, encode_config
 
@@ -48,45 +53,20 @@ CONTENT_METADATA_KEY = "content_metadata"
 _ALIGN = 64  # byte alignment of each staged tensor inside the pooled buffer
 
 
-class MegatronSaveHandle:
-    """An asynchronous Megatron save: ``done()``, ``result()``, ``async_request()``.
+class MegatronSaveHandle(SaveHandle[None]):
+    """An asynchronous Megatron save: the one :class:`~cloudckpt.SaveHandle` (``done()``,
+    ``result()``), plus :meth:`async_request` for megatron-core's own queue.
 
     ``result()`` returns once the checkpoint is committed on every rank (or raises the
-    save's error). :meth:`async_request` wraps the handle for megatron-core's own
+    save's error). :meth:`async_request` wraps the handle for megatron-core's
     ``AsyncCallsQueue`` (what NeMo and Megatron-LM schedule async saves with).
     """
 
+    kind = "Megatron save"
+
     def __init__(self, url: str) -> None:
-        self.url = url
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
+        super().__init__(url, staged=True)  # returned once this rank's state is staged
         self._signals: list[Any] = []
-
-    def __repr__(self) -> str:
-        state = "failed" if self._error else "committed" if self._done.is_set() else "pending"
-        return f"<MegatronSaveHandle {self.url} {state}>"
-
-    def done(self) -> bool:
-        """True once the save finished, committed or failed."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds; True if the save finished."""
-        return self._done.wait(timeout)
-
-    def result(self, timeout: float | None = None) -> None:
-        """Block until committed; raise the save's error, or TimeoutError."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"save to {self.url} still running after {timeout}s")
-        if self._error is not None:
-            raise self._error
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The save's error (None if it committed), waiting up to ``timeout``."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"save to {self.url} still running after {timeout}s")
-        return self._error
 
     def async_request(self) -> Any:
         """This save as megatron-core's ``AsyncRequest``, for ``AsyncCallsQueue``.
@@ -111,10 +91,10 @@ class MegatronSaveHandle:
                 self._signals.append(writer)
         return reader
 
-    def _finish(self, error: BaseException | None) -> None:
+    def finish(self, result: None, error: BaseException | None) -> None:
+        """Done: wake megatron's waiting process (if any), then the handle's waiters."""
+        super().finish(result, error)
         with self._lock:
-            self._error = error
-            self._done.set()
             signals, self._signals = self._signals, []
         for writer in signals:
             with contextlib.suppress(OSError):  # the waiting process is gone
@@ -133,6 +113,7 @@ _running: dict[tuple[int, ...], MegatronSaveHandle] = {}
 _running_lock = threading.Lock()
 
 
+@paused_gc()  # the caller's part: all of a synchronous save (_runtime/gcpause.py)
 def save(
     sharded_state_dict: dict[str, Any],
     url: str | os.PathLike[str],
@@ -171,7 +152,7 @@ def save(
     )
     ranks = group_ranks(process_group)
     group = checkpoint_group(process_group)
-    job = _SaveJob(text, ranks, group, overwrite)
+    job = _SaveJob(url, ranks, group, overwrite)
     job.prepare(mc, sharded, common, async_save, options, overrides)
     handle = MegatronSaveHandle(text)
     # Saves on one set of ranks run one after another (their collectives share the
@@ -188,19 +169,24 @@ def save(
         target=job.run, args=(handle, previous), name="cloudckpt-megatron-save", daemon=False
     )
     thread.start()
+    in_flight.add(handle)
     return handle
 
 
 class _SaveJob:
     """One rank's part of one save: prepared on the caller's thread, run on either."""
 
-    def __init__(self, url: str, ranks: tuple[int, ...], group: Any, overwrite: bool) -> None:
-        self.url = url
+    def __init__(
+        self, url: str | os.PathLike[str], ranks: tuple[int, ...], group: Any, overwrite: bool
+    ) -> None:
+        self.source = url  # as given: a URL resolved already is not resolved again
+        self.url = os.fspath(url)
+        self.what = f"save to {url}"  # names the save in the errors of its collectives
         self.ranks = ranks
         self.group = group
         self.overwrite = overwrite
-        self.coordinator = ranks[0]
-        self.is_coordinator = dist.get_rank() == self.coordinator
+        self.coordinator = first_rank(group)
+        self.is_coordinator = rank() == self.coordinator
         self.location: CheckpointLocation | None = None
         self.pyt_state: dict[str, Any] | None = None
         self.common_bytes: bytes | None = None
@@ -219,7 +205,7 @@ class _SaveJob:
     ) -> None:
         """Everything local: resolve the URL, serialize the common state, map keys, stage."""
         try:
-            self.location = CheckpointLocation.resolve(self.url, options, **overrides)
+            self.location = CheckpointLocation.resolve(self.source, options, **overrides)
             if self.is_coordinator:
                 self.common_bytes = _serialize_common(common, self.location.url_of(COMMON_NAME))
             # Keys mapped first: that drops the replicas another rank saves, so only
@@ -285,10 +271,13 @@ class _SaveJob:
                 self.location.clear_marker(CONFIG_NAME, self.overwrite)
             except Exception as exc:
                 self.error = exc
+        deadline = None if self.location is None else self.location.options.deadline
         try:
-            self._agree()
-            self._write()
-            self._commit()
+            # Every rank learns whether every rank prepared; a failed one fails them all.
+            settle(self.error, self.what, group=self.group, error_type=DistributedSaveError)
+            with deadline_scope(deadline):  # the writes and the commit (store/deadline.py)
+                self._write()
+                on_first(self._commit, self.group, what=self.what, error_type=DistributedSaveError)
         except BaseException as exc:
             error = exc
         # The buffers go back before anyone learns the outcome: the next save reuses them.
@@ -297,53 +286,22 @@ class _SaveJob:
         with _running_lock:
             if _running.get(self.ranks) is handle:
                 del _running[self.ranks]
-        handle._finish(error)
-
-    def _agree(self) -> None:
-        """Every rank learns whether every rank prepared; a failed one fails them all."""
-        mine = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
-        reports: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(reports, (dist.get_rank(), mine), group=self.group)
-        failures = {rank: text for rank, text in reports if text is not None}
-        if self.error is not None:
-            raise self.error
-        if failures:
-            raise DistributedSaveError(_failed(self.url, failures), failures)
+        handle.finish(None, error)
 
     def _write(self) -> None:
         """DCP's save with megatron's planner: data objects, then ``.metadata``."""
         assert self.location is not None and self.pyt_state is not None
         mc = mcore.require()
-        writer = CloudStorageWriter(self.url, options=self.location.options)
+        writer = CloudStorageWriter(self.location.resolved)  # resolved once, in prepare
         planner = mc.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
-        with paused_gc():  # DCP's planners: a few objects per item (_runtime/gcpause.py)
-            dcp.save(
-                self.pyt_state, storage_writer=writer, planner=planner, process_group=self.group
-            )
+        dcp.save(self.pyt_state, storage_writer=writer, planner=planner, process_group=self.group)
 
     def _commit(self) -> None:
-        """Coordinator: ``common.pt`` then ``metadata.json``; every rank learns the outcome."""
-        outcome: list[Any] = [None]
-        failed: Exception | None = None
-        if self.is_coordinator:
-            where = self.location
-            assert where is not None and self.common_bytes is not None
-            try:
-                where.store.put(where.key(COMMON_NAME), self.common_bytes)
-                where.store.put(where.key(CONFIG_NAME), encode_config())
-            except Exception as exc:
-                failed, outcome[0] = exc, f"{type(exc).__name__}: {exc}"
-        dist.broadcast_object_list(outcome, src=self.coordinator, group=self.group)
-        if failed is not None:
-            raise failed
-        if outcome[0] is not None:
-            failures = {self.coordinator: str(outcome[0])}
-            raise DistributedSaveError(_failed(self.url, failures), failures)
-
-
-def _failed(url: str, failures: dict[int, str]) -> str:
-    listed = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failures.items()))
-    return f"save to {url} failed, nothing committed ({listed})"
+        """Coordinator: ``common.pt``, then the commit marker ``metadata.json``."""
+        where = self.location
+        assert where is not None and self.common_bytes is not None
+        where.store.put(where.key(COMMON_NAME), self.common_bytes)
+        commit_marker(where.store, where.key(CONFIG_NAME), encode_config())
 
 
 def _aligned(nbytes: int) -> int:

@@ -24,12 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..dist.collectives import on_rank0
-from ..lightning.callback import is_remote
-from ..lightning.fs import CloudFileSystem, register_options
-from ..options import TransferOptions, resolve_options
+from ..dist.collectives import barrier, on_first
+from ..lightning.fs import CloudFileSystem, is_remote, remote_dirpath, setup_remote_dirpath
+from ..options import TransferOptions
 from ._compat import ModelCheckpoint, is_global_rank_zero
 from .paths import (
     CONTEXT,
@@ -47,11 +44,6 @@ from .paths import (
 )
 
 __all__ = ["CloudModelCheckpoint"]
-
-
-def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
@@ -75,16 +67,11 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
         storage_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        remote = is_remote(dirpath)
-        super().__init__(*args, dirpath=None if remote else dirpath, **kwargs)
-        self._remote = remote
-        settings = {"storage_options": storage_options} if storage_options else {}
-        resolve_options(options, **settings)  # a bad option fails here, not at the first save
-        if remote:
-            self.dirpath = as_url(dirpath)
-            self._fs = CloudFileSystem()
-            if options is not None or settings:
-                register_options(self.dirpath, options, **settings)
+        url = remote_dirpath(dirpath, options, storage_options)
+        super().__init__(*args, dirpath=dirpath if url is None else None, **kwargs)
+        self._remote = url is not None
+        if url is not None:
+            self.dirpath, self._fs = url, CloudFileSystem()
 
     # -- markers (NeMo's static methods, for URLs) ----------------------------------------
     @staticmethod
@@ -107,7 +94,7 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
         if is_global_rank_zero():
             touch(marker_url(checkpoint_path))
         if barrier_after:
-            _barrier()
+            barrier()
 
     @staticmethod
     def remove_checkpoint_unfinished_marker(
@@ -117,7 +104,7 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
             ModelCheckpoint.remove_checkpoint_unfinished_marker(checkpoint_path, barrier_before)
             return
         if barrier_before:
-            _barrier()
+            barrier()
         if is_global_rank_zero():
             remove_object(marker_url(checkpoint_path))
 
@@ -126,16 +113,11 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
         if not self._remote:
             super().setup(trainer, *args, **kwargs)
             return
-        if self.save_last == "link":
-            raise ValueError(
-                f"save_last='link' needs a local dirpath; {self.dirpath} is an object store"
-            )
-        self.dirpath = trainer.strategy.broadcast(self.dirpath)
+        setup_remote_dirpath(self, trainer)
         if is_global_rank_zero():
             self._remove_unfinished_remote()
-        _barrier()
+        barrier()
         self.async_save = getattr(trainer.strategy, "async_save", False)
-        self._fs = CloudFileSystem()
 
     def _remove_unfinished_remote(self) -> None:
         """Delete every checkpoint that has an unfinished marker, then the markers."""
@@ -162,7 +144,7 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
                 if name.removesuffix("-EMA") + UNFINISHED_SUFFIX not in files
             ]
 
-        return on_rank0(finished)
+        return on_first(finished)
 
     def _remove_invalid_entries_from_topk(self) -> None:
         if not self._remote:
@@ -176,7 +158,7 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
                 if has_objects(checkpoint_dir(k)) and not self.is_checkpoint_unfinished(k)
             }
 
-        ok = on_rank0(valid)
+        ok = on_first(valid)
         self.best_k_models = {k: v for k, v in self.best_k_models.items() if k in ok}
         if self.best_k_models:
             scores = self.best_k_models
@@ -195,7 +177,7 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
             return
         if is_global_rank_zero():
             remove_tree(checkpoint_dir(filepath))
-        _barrier()
+        barrier()
 
     def _remove_checkpoint(self, trainer: Any, filepath: str, override_async: bool = False) -> None:
         if not self._remote:

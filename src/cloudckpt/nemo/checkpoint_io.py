@@ -24,8 +24,9 @@ import torch
 
 from .. import megatron as cm
 from ..errors import NotFoundError
-from ..lightning.fs import register_options
-from ..options import TransferOptions, resolve_options
+from ..lightning.fs import register_settings
+from ..options import TransferOptions
+from ..store import Resolved, Settings
 from ._compat import (
     AsyncCompatibleCheckpointIO,
     AsyncFinalizableCheckpointIO,
@@ -77,9 +78,10 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         super().__init__(save_ckpt_format="torch_dist", async_save=async_save)
         self.weights_only = weights_only
         self._options, self._overrides = options, overrides
-        resolve_options(options, **overrides)  # a bad option fails here, not at the first save
+        # Checked here: a bad option fails now, not at the first save.
+        self._settings = Settings(options, overrides)
         if options is not None or overrides:
-            register_options("", options, **overrides)  # for the callback and resume lookups
+            register_settings("", self._settings)  # for the callback and resume lookups
 
     def io_transform_args(self, init_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """IOMixin's record of the constructor's arguments, without the store settings."""
@@ -113,13 +115,15 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         return None if handle is None else handle.async_request()
 
     # -- load ----------------------------------------------------------------------------
-    def _committed(self, path: Any) -> str:
-        """The committed megatron checkpoint of ``path``: ``<ckpt>/weights``, else ``<ckpt>``."""
+    def _committed(self, path: Any) -> Resolved:
+        """The committed megatron checkpoint of ``path``: ``<ckpt>/weights``, else
+        ``<ckpt>``; resolved once, for the reads that follow."""
         base = checkpoint_dir(path)
         candidates = (weights_url(path), base)
         for url in candidates:
-            if cm.is_checkpoint(url, options=self._options, **self._overrides):
-                return url
+            where = self._settings.resolve(url)
+            if cm.is_checkpoint(where):
+                return where
         raise NotFoundError(
             f"no committed NeMo checkpoint at {base} (neither {candidates[0]} nor {base} "
             "holds megatron's metadata.json: the save did not finish, or the path is wrong)"
@@ -142,22 +146,20 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
             raise ValueError("map_location is not supported by CloudMegatronCheckpointIO")
         if sharded_state_dict is None:
             raise ValueError("CloudMegatronCheckpointIO.load_checkpoint needs sharded_state_dict")
-        url = self._committed(path)
+        where = self._committed(path)
         if isinstance(strict, bool):
             # NeMo's own back-compat rule (megatron's strict check skips factories).
             if not strict:
-                sharded_state_dict = self.adjust_non_strict_load(url, sharded_state_dict)
+                sharded_state_dict = self.adjust_non_strict_load(where, sharded_state_dict)
             strict = "assume_ok_unexpected" if strict else "log_all"
         start = time.monotonic()
         loaded = cm.load(
             sharded_state_dict,
-            url,
+            where,
             strict="assume_ok_unexpected" if strict is None else strict,
             weights_only=self.weights_only,
-            options=self._options,
-            **self._overrides,
         )
-        log.info("loaded checkpoint %s in %.3fs", url, time.monotonic() - start)
+        log.info("loaded checkpoint %s in %.3fs", where.url, time.monotonic() - start)
         return _on_current_device(loaded)
 
     def adjust_non_strict_load(self, path: Any, sharded_state_dict: dict[str, Any]) -> Any:
@@ -165,7 +167,7 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
         from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-        stored = cm.load_tensors_metadata(path, options=self._options, **self._overrides)
+        stored = cm.load_tensors_metadata(self._settings.resolve(path))
         missing: list[str] = []
 
         def absent(x: Any) -> bool:
@@ -182,15 +184,11 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         self, path: Any = None, preloaded_state_dict: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """The ``content_metadata`` saved with the checkpoint, or NeMo's back-compat default."""
-        url = None if path is None else self._committed(path)
-        found = cm.load_content_metadata(
-            url,
-            preloaded_state_dict=preloaded_state_dict,
-            options=self._options,
-            **self._overrides,
-        )
+        where = None if path is None else self._committed(path)
+        found = cm.load_content_metadata(where, preloaded_state_dict=preloaded_state_dict)
         if found is None:
-            log.info("no content metadata in %s; assuming %s", url, DEFAULT_CONTENT_METADATA)
+            shown = None if where is None else where.url
+            log.info("no content metadata in %s; assuming %s", shown, DEFAULT_CONTENT_METADATA)
             return dict(DEFAULT_CONTENT_METADATA)
         return dict(found)
 

@@ -19,11 +19,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotFoundError
 from ..lightning.fs import target_for, unwrap
 from ..manager.gc import delete_prefix
 from ..megatron.layout import CONFIG_NAME
-from ..store import ObjectInfo
+from ..store import paths
 
 __all__ = [
     "CONTEXT",
@@ -73,18 +72,15 @@ def marker_url(path: Any) -> str:
 
 
 def object_exists(url: str) -> bool:
+    """True if ``url`` is an object (not a prefix)."""
     where = target_for(url)
-    try:
-        where.store.head(where.key)
-    except (NotFoundError, IsADirectoryError):
-        return False
-    return True
+    return paths.exists(where.store, where.key)
 
 
 def has_objects(url: str) -> bool:
     """True if any object lies under ``url/`` (a "directory" of an object store)."""
     where = target_for(url)
-    return next(iter(where.store.list(where.key.rstrip("/") + "/")), None) is not None
+    return paths.is_prefix(where.store, where.key)
 
 
 def touch(url: str) -> None:
@@ -98,26 +94,18 @@ def remove_object(url: str) -> None:
     where.store.delete(where.key)
 
 
-def children(url: str) -> tuple[dict[str, list[ObjectInfo]], dict[str, ObjectInfo]]:
-    """What lies directly under ``url``: ``({dir name: its objects}, {file name: object})``."""
+def children(url: str) -> paths.Children:
+    """What lies directly under ``url``: ``(dirs, files)``, ``{dir name: its objects}``
+    and ``{file name: object}``."""
     where = target_for(url)
-    prefix = where.key.rstrip("/") + "/"
-    dirs: dict[str, list[ObjectInfo]] = {}
-    files: dict[str, ObjectInfo] = {}
-    for obj in where.store.list(prefix):
-        name, slash, _ = obj.key[len(prefix) :].partition("/")
-        if slash:
-            dirs.setdefault(name, []).append(obj)
-        else:
-            files[name] = obj
-    return dirs, files
+    return paths.children(where.store, where.key)
 
 
 def remove_tree(url: str) -> int:
     """Delete a NeMo checkpoint directory: its commit marker first, so an interrupted
     removal never leaves a checkpoint that looks committed. Returns objects deleted."""
     where = target_for(url)
-    prefix = where.key.rstrip("/") + "/"
+    prefix = paths.dir_prefix(where.key)
     where.store.delete(f"{prefix}{WEIGHTS}/{CONFIG_NAME}")
     return delete_prefix(where.store, prefix, where.options)
 
@@ -133,7 +121,7 @@ def upload_tree(local: Path, url: str) -> None:
 def download_tree(url: str, local: Path) -> int:
     """Copy every object under ``url/`` into the local directory ``local``; returns the count."""
     where = target_for(url)
-    prefix = where.key.rstrip("/") + "/"
+    prefix = paths.dir_prefix(where.key)
     count = 0
     for obj in where.store.list(prefix):
         target = local / obj.key[len(prefix) :]

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..dist.collectives import on_rank0
+from ..dist.collectives import on_first
 from ..errors import NotFoundError
 from ..lightning.callback import is_remote
 from ..lightning.fs import register_options
@@ -84,7 +84,7 @@ def list_checkpoints(dirpath: Any) -> list[CheckpointEntry]:
             )
         return sorted(entries, key=lambda e: (e.committed_at or 0.0, e.name))
 
-    return on_rank0(scan)
+    return on_first(scan, what=f"the listing of {root}")
 
 
 def latest_checkpoint(dirpath: Any, *, suffix: str = "last") -> str | None:

@@ -1,10 +1,12 @@
 """Backends behind one :class:`Store` interface, chosen by URL scheme.
 
-:func:`open_target` is the one place a URL and a call's settings (an options object,
-keyword overrides, the profile the URL selects) become a store, a key and the options
-in force. Stores are cached per process (and per set of storage options and connection
-settings) so connections are reused across calls; each call gets a view of the cached
-store that retries by its own options.
+:func:`resolve` is the one place a URL and a call's settings (an options object,
+keyword overrides, the profile the URL selects) become the store URL it names and the
+options in force; the profile is looked up once, for both. :func:`open_target` opens
+what it resolved, and :class:`Settings` holds settings given once for many URLs (an
+integration's, a command's) and resolves them for each. Stores are cached per process
+(and per set of storage options and connection settings) so connections are reused
+across calls; each call gets a view of the cached store that retries by its own options.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import InvalidURLError
-from ..options import TransferOptions, resolve_options
+from ..errors import ConfigError, InvalidURLError
+from ..options import TransferOptions, apply_profile, resolve_options
 from ..redact import dataclass_repr, display_url, redact_text
 from .base import (
     MultipartUpload,
@@ -35,16 +37,20 @@ __all__ = [
     "SUPPORTED_SCHEMES",
     "MultipartUpload",
     "ObjectInfo",
+    "Resolved",
     "RetryPolicy",
+    "Settings",
     "Store",
     "Target",
     "UploadedPart",
     "byte_view",
     "check_key",
     "join_key",
+    "locate",
     "open_target",
     "open_url",
     "register_store",
+    "resolve",
     "split_url",
 ]
 
@@ -116,10 +122,25 @@ def _freeze(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((k, repr(v)) for k, v in options.items()))
 
 
-def _profile_for(url: str) -> Any:
+def _profile_for(url: Any) -> Any:
+    """The profile ``url`` selects (None for a plain path): the one look-up per URL."""
     from ..profiles import find_profile
 
     return find_profile(url)
+
+
+def locate(url: str | os.PathLike[str]) -> str:
+    """The store URL ``url`` names (a ``profile://`` URL rewritten by its profile), checked.
+
+    For a URL whose options are resolved already; :func:`resolve` does both at once.
+    """
+    text = os.fspath(url) if isinstance(url, os.PathLike) else url
+    if isinstance(text, str) and text.startswith(PROFILE_SCHEME):
+        profile = _profile_for(text)
+        if profile is not None:
+            text = str(profile.rewrite(text))
+    split_url(text)
+    return text
 
 
 def open_url(url: str | os.PathLike[str], options: TransferOptions) -> tuple[Store, str]:
@@ -155,28 +176,147 @@ def open_url(url: str | os.PathLike[str], options: TransferOptions) -> tuple[Sto
 
 
 @dataclass(frozen=True)
-class Target:
-    """Where a URL lives: the store (retrying by ``options``), the key in it, the options."""
+class Resolved:
+    """A URL with a call's settings resolved for it: what its store is opened from.
 
+    It holds no client, so it can be pickled to another process and opened there. It
+    is path-like (``os.fspath`` gives the URL as given), so the entry points that take
+    a URL (``save``, ``async_save``, ``load``, the DCP writer and reader, the Megatron
+    loads) take one too and use it as resolved, never resolving it again.
+    """
+
+    #: The URL as given (a ``profile://`` URL kept): what messages show.
     url: str
-    store: Store
-    key: str
+    #: The store URL it names: a ``profile://`` URL rewritten by its profile.
+    location: str
     options: TransferOptions
 
     def __repr__(self) -> str:
         """The dataclass repr with the options' secrets masked (cloudckpt.redact)."""
         return dataclass_repr(self)
 
+    def __fspath__(self) -> str:
+        return self.url
+
+    def open(self) -> Target:
+        """The store serving this URL (cached per process), retrying by its options."""
+        store, key = open_url(self.location, self.options)
+        return Target(self.url, store, key, self.options, self.location)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a URL lives: the store (retrying by ``options``), the key in it, the options.
+
+    Path-like, as :class:`Resolved`: an entry point given a Target uses its store as is.
+    """
+
+    url: str
+    store: Store
+    key: str
+    options: TransferOptions
+    #: The store URL ``url`` names ("": ``url`` itself).
+    location: str = ""
+
+    def __repr__(self) -> str:
+        """The dataclass repr with the options' secrets masked (cloudckpt.redact)."""
+        return dataclass_repr(self)
+
+    def __fspath__(self) -> str:
+        return self.url
+
+    @property
+    def resolved(self) -> Resolved:
+        """The picklable form: the URL and its options, without the store."""
+        return Resolved(self.url, self.location or self.url, self.options)
+
+
+def _already(url: Resolved | Target, options: Any, overrides: Mapping[str, Any]) -> Resolved:
+    """A URL resolved before: taken as it is; settings given with it are refused, since
+    applying them would resolve it a second time."""
+    if options is not None or overrides:
+        raise ConfigError(
+            f"{display_url(url.url)} is resolved already: give its settings when it is "
+            "resolved, not again with it"
+        )
+    return url if isinstance(url, Resolved) else url.resolved
+
+
+def _resolve(
+    url: str | os.PathLike[str],
+    options: TransferOptions | None,
+    overrides: Mapping[str, Any],
+    *,
+    shared: bool = False,
+) -> Resolved:
+    """:func:`resolve`; ``shared``: the settings were given for many URLs at once, so a
+    local path takes none of their storage options (they are the object stores')."""
+    if isinstance(url, (Resolved, Target)):
+        return _already(url, options, overrides)
+    text = os.fspath(url) if isinstance(url, os.PathLike) else url
+    profile = _profile_for(text)  # once, for both the location and the options
+    location = str(profile.rewrite(text)) if profile is not None else text
+    scheme = split_url(location)[0]
+    call = dict(overrides)
+    if shared and scheme == "file":
+        call.pop("storage_options", None)
+        if options is not None and options.storage_options:
+            options = options.replace(storage_options={})
+    return Resolved(str(text), location, apply_profile(options, profile, **call))
+
+
+def resolve(
+    url: str | os.PathLike[str], options: TransferOptions | None = None, **overrides: Any
+) -> Resolved:
+    """Resolve a call's settings for ``url``: the one place that does.
+
+    Precedence: keyword ``overrides`` > ``options`` > the profile ``url`` selects >
+    :func:`cloudckpt.configure` (see :func:`cloudckpt.options.resolve_options`). The
+    profile is looked up once, for both the URL (``profile://NAME/...``) and the
+    options. A :class:`Resolved` or :class:`Target` is returned as it is.
+    """
+    return _resolve(url, options, overrides)
+
 
 def open_target(
     url: str | os.PathLike[str], options: TransferOptions | None = None, **overrides: Any
 ) -> Target:
-    """Resolve a call's settings for ``url`` and open its store: the one place that does.
+    """:func:`resolve` ``url`` with a call's settings and open its store.
 
-    Precedence: keyword ``overrides`` > ``options`` > the profile ``url`` selects >
-    :func:`cloudckpt.configure` (see :func:`cloudckpt.options.resolve_options`).
+    A :class:`Target` (an opened URL) is returned as it is, a :class:`Resolved` opened.
     """
-    text = os.fspath(url) if isinstance(url, os.PathLike) else url
-    resolved = resolve_options(options, url=text, **overrides)
-    store, key = open_url(text, resolved)
-    return Target(str(text), store, key, resolved)
+    if isinstance(url, Target) and options is None and not overrides:
+        return url
+    return _resolve(url, options, overrides).open()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Settings given once for many URLs (an integration's constructor arguments, a
+    command's flags): checked here, resolved for each URL by :meth:`resolve` so the
+    profile a URL selects applies beneath them. A local path takes none of their
+    storage options, which are the object stores'.
+    """
+
+    options: TransferOptions | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        resolve_options(self.options, **self.overrides)  # a bad setting fails here
+
+    def __repr__(self) -> str:
+        """The dataclass repr with secret storage options masked (cloudckpt.redact)."""
+        return dataclass_repr(self)
+
+    def resolve(self, url: str | os.PathLike[str], **extra: Any) -> Resolved:
+        """``url`` with these settings resolved, ``extra`` (a call's own) over them; a
+        URL resolved already is used as it is."""
+        if isinstance(url, (Resolved, Target)) and not extra:
+            return _already(url, None, {})
+        return _resolve(url, self.options, {**self.overrides, **extra}, shared=True)
+
+    def open(self, url: str | os.PathLike[str], **extra: Any) -> Target:
+        """:meth:`resolve`, and the store opened."""
+        if isinstance(url, Target) and not extra:
+            return url
+        return self.resolve(url, **extra).open()

@@ -1,30 +1,132 @@
-"""File-system verbs on store keys, written once: is it an object, a prefix, neither."""
+"""File-system verbs on store keys, written once: is it an object, a prefix, neither;
+what lies one level below a prefix.
+
+An object store has no directories: a "directory" is a prefix ``key/`` that other keys
+start with (on the filesystem store, also a real directory, which is never an object).
+``load``, the Lightning and NeMo file systems and ``cloudckpt ls`` / ``rm`` ask these
+questions here rather than each with a HEAD and a listing of its own. Deleting a whole
+tree needs concurrent requests, so it lives above this layer
+(``cloudckpt.manager.gc.delete_prefix``, over ``cloudckpt.io.bulk.delete_keys``).
+"""
 
 from __future__ import annotations
+
+from typing import Literal, NamedTuple
 
 from ..errors import BucketNotFoundError, NotAnObjectError, NotFoundError
 from .base import ObjectInfo, Store
 
-__all__ = ["head_object"]
+__all__ = [
+    "Children",
+    "Entry",
+    "Kind",
+    "children",
+    "classify",
+    "dir_prefix",
+    "exists",
+    "head_object",
+    "is_prefix",
+]
+
+#: What a key names: one object, a prefix other objects start with, or nothing.
+Kind = Literal["object", "prefix", "missing"]
+
+
+class Entry(NamedTuple):
+    """What :func:`classify` found: the kind, and the object's info when it is one."""
+
+    kind: Kind
+    info: ObjectInfo | None = None
+
+
+class Children(NamedTuple):
+    """What lies one level under a key (:func:`children`)."""
+
+    #: Each next path part that has objects under it, with all of them (any depth).
+    dirs: dict[str, list[ObjectInfo]]
+    #: Each object directly under the key, by name.
+    files: dict[str, ObjectInfo]
+
+
+def dir_prefix(key: str) -> str:
+    """The prefix of the keys under ``key`` as a directory: ``key/``; "" for the root."""
+    key = key.strip("/")
+    return key + "/" if key else ""
+
+
+def _bucket_missing(store: Store, key: str) -> BucketNotFoundError:
+    return BucketNotFoundError(f"bucket does not exist: {store.root_url} (for {store.url(key)})")
+
+
+def _object(store: Store, key: str) -> ObjectInfo | None:
+    """The object at ``key``, or None (the root and a filesystem directory are none)."""
+    if not key.strip("/"):
+        return None
+    try:
+        return store.head(key)
+    except BucketNotFoundError:
+        raise _bucket_missing(store, key) from None
+    except (NotFoundError, NotAnObjectError):
+        return None
+
+
+def _first_under(store: Store, key: str) -> ObjectInfo | None:
+    """One object under ``key/`` (the first page of one listing), or None."""
+    try:
+        return next(iter(store.list(dir_prefix(key))), None)
+    except BucketNotFoundError:
+        raise _bucket_missing(store, key) from None
 
 
 def head_object(store: Store, key: str) -> ObjectInfo:
     """``Store.head``, with errors that say a bucket is missing or a URL is a prefix."""
-    url = store.url(key)
     try:
         return store.head(key)
     except BucketNotFoundError:
-        raise BucketNotFoundError(f"bucket does not exist: {store.root_url} (for {url})") from None
+        raise _bucket_missing(store, key) from None
     except NotFoundError:
-        # An object store has no directories: say so if the URL is really a prefix.
-        try:
-            first = next(iter(store.list(key.rstrip("/") + "/")), None)
-        except BucketNotFoundError:
-            raise BucketNotFoundError(
-                f"bucket does not exist: {store.root_url} (for {url})"
-            ) from None
-        if first is not None:
+        if _first_under(store, key) is not None:
             raise NotAnObjectError(
-                f"{url} is a prefix holding other objects, not a checkpoint object"
+                f"{store.url(key)} is a prefix holding other objects, not a checkpoint object"
             ) from None
         raise
+
+
+def exists(store: Store, key: str) -> bool:
+    """Whether an object lies at ``key`` (one HEAD); a prefix or directory is not one.
+
+    A missing bucket raises BucketNotFoundError: the URL or the credentials are wrong,
+    which is not an answer.
+    """
+    return _object(store, key) is not None
+
+
+def is_prefix(store: Store, key: str) -> bool:
+    """Whether any object lies under ``key/`` (one listing request)."""
+    return _first_under(store, key) is not None
+
+
+def classify(store: Store, key: str) -> Entry:
+    """What ``key`` names, with at most one HEAD and one listing request; an object
+    wins over a prefix of the same name."""
+    info = _object(store, key)
+    if info is not None:
+        return Entry("object", info)
+    return Entry("prefix") if is_prefix(store, key) else Entry("missing")
+
+
+def children(store: Store, key: str) -> Children:
+    """What lies one level under ``key``, from one listing of everything under it."""
+    prefix = dir_prefix(key)
+    dirs: dict[str, list[ObjectInfo]] = {}
+    files: dict[str, ObjectInfo] = {}
+    try:
+        for obj in store.list(prefix):
+            name, slash, _ = obj.key[len(prefix) :].partition("/")
+            if slash:
+                dirs.setdefault(name, []).append(obj)
+            else:
+                files[name] = obj
+    except BucketNotFoundError:
+        raise _bucket_missing(store, key) from None
+    return Children(dirs, files)

@@ -18,7 +18,8 @@ each shared by every transfer of the process (and replaced in a forked child):
 
 A transfer group (the engine's scheduler) stops the retries of its requests by
 running them inside :func:`cancel_scope`: a backoff wait or a rate-limit wait ends at
-once with :class:`Cancelled` when the scope's event is set.
+once with :class:`Cancelled` when the scope's event is set. Inside an operation's
+deadline (cloudckpt.store.deadline) no retry starts that could not begin before it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from ..errors import ConfigError, RetriesExhaustedError, ThrottledError, TransientError
+from ..errors import (
+    ConfigError,
+    DeadlineExceededError,
+    RetriesExhaustedError,
+    ThrottledError,
+    TransientError,
+)
+from .deadline import current_deadline
 
 if TYPE_CHECKING:
     from ..options import TransferOptions
@@ -330,7 +338,9 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before attempt ``attempt + 1`` (full jitter, capped)."""
-        return random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt))
+        # The exponent is capped first: 2**attempt alone overflows a float at 1024.
+        growth = 2.0 ** min(attempt, 64)
+        return random.uniform(0, min(self.backoff_max, self.backoff_base * growth))
 
     def run(self, fn: Callable[[], T], what: str, *, scope: str = "") -> T:
         """Run ``fn`` until it succeeds, retrying transient faults with jittered backoff.
@@ -359,6 +369,12 @@ class RetryPolicy:
                         f"{what} failed after {attempt} attempts; last error: {exc}"
                     ) from exc
                 delay = self.delay(attempt)
+                deadline = current_deadline()
+                if deadline is not None and deadline.remaining() <= delay:
+                    raise DeadlineExceededError(
+                        f"{what} not retried: the operation's {deadline.seconds:g} s deadline "
+                        f"passes first (after {attempt} attempt(s); last error: {exc})"
+                    ) from exc
                 log.debug("retrying %s in %.2fs (attempt %d): %s", what, delay, attempt + 1, exc)
                 try:
                     _wait(delay, cancel)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ..errors import CloudCkptError
 
@@ -33,6 +33,8 @@ HOST = "127.0.0.1"
 READY_TIMEOUT_S = 30.0  # how long a server may take to answer HTTP
 STOP_TIMEOUT_S = 10.0  # grace period between SIGTERM and SIGKILL
 START_ATTEMPTS = 3  # retries if the chosen port got taken before the server bound it
+
+_C = TypeVar("_C")  # a client type
 
 
 class ServerStartError(CloudCkptError, OSError):
@@ -57,6 +59,9 @@ class LocalServer:
     )
     startup_s: float = field(default=0.0, repr=False, compare=False, kw_only=True)
     version: str = field(default="", repr=False, compare=False, kw_only=True)
+    #: (pid, client) of :meth:`shared_client`: one per process, so a forked child never
+    #: shares its parent's pooled connections.
+    _shared: tuple[int, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def running(self) -> bool:
@@ -70,6 +75,19 @@ class LocalServer:
     def log_offset(self) -> int:
         """The log's current size: where the lines of the next requests will start."""
         return self.log_path.stat().st_size if self.log_path is not None else 0
+
+    def shared_client(self, make: Callable[[], _C]) -> _C:
+        """The client ``make()`` returns, made once per server and process and reused.
+
+        Making an SDK client costs far more than a request to a local server (boto3
+        loads its service model: ~0.25 s), so bucket setup and checks share one. Two
+        threads racing here at first use make two and keep one: harmless.
+        """
+        pid = os.getpid()
+        shared = self._shared
+        if shared is None or shared[0] != pid:
+            shared = self._shared = (pid, make())
+        return cast("_C", shared[1])
 
     def __enter__(self: _S) -> _S:
         return self

@@ -119,7 +119,11 @@ class AzureServer(LocalServer):
         return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string()}
 
     def client(self) -> Any:
-        """An ``azure.storage.blob.BlobServiceClient`` for this emulator."""
+        """An ``azure.storage.blob.BlobServiceClient`` for this emulator: the same one for
+        every call in a process (its connection pool is reused)."""
+        return self.shared_client(self._new_client)
+
+    def _new_client(self) -> Any:
         try:
             from azure.storage.blob import BlobServiceClient
         except ImportError:

@@ -24,7 +24,10 @@ bucket empty gets a 503 ``SlowDown`` and is not forwarded. The prefix of a reque
 (``/bucket/run/step-1/x`` -> ``run``; bucket-level requests and top-level keys: ``""``).
 ``throttled[prefix]`` counts the 503s the limit sent, ``forwarded[prefix]`` the requests
 sent upstream (faults injected by kind are counted in ``injected``), ``body_bytes[method]``
-the bytes of the answers' bodies upstream sent (what clients fetched).
+the bytes of the answers' bodies upstream sent (what clients fetched). ``stall_ends``
+holds the ``time.monotonic()`` at which each ``slow`` stall ended (its time up, or the
+proxy stopped): a client that gave up while ``stall_ends`` was still empty did so before
+any stalled request was answered, however busy the machine.
 
 Request loops are bounded: the proxy serves at most ``max_requests`` requests and stops
 with the context manager.
@@ -91,6 +94,8 @@ class FaultProxy:
         self.forwarded: Counter[str] = Counter()
         #: Bytes of the answers' bodies from upstream, by request method.
         self.body_bytes: Counter[str] = Counter()
+        #: ``time.monotonic()`` when each ``slow`` stall ended, in order.
+        self.stall_ends: list[float] = []
         self._buckets: dict[str, tuple[float, float]] = {}  # prefix -> (tokens, stamp)
         self._server: socketserver.ThreadingTCPServer | None = None
         self._stop = threading.Event()
@@ -178,6 +183,8 @@ class FaultProxy:
                     return
                 if kind == "slow":
                     self._stop.wait(self.slow_seconds)
+                    with self._lock:
+                        self.stall_ends.append(time.monotonic())
                     _reset(sock)
                     return
                 status, resp_headers, resp_body = self._forward(method, target, headers, body)

@@ -19,9 +19,10 @@ zip64 fields (under 4 GiB), on a little-endian host, with torch's serialization 
 at their defaults. Anything else (a tensor subclass, a quantized, sparse, nested,
 conjugate or negative-bit tensor, one that requires grad, ``skip_data``...) gives
 ``None`` and the caller uses ``torch.save``. The first call checks the builder against
-the running torch (:func:`archive_builder_on`): one that writes other bytes (a
-torch release with another layout) turns the builder off for the process, so the
-archive is always what that torch would write.
+the running torch (the ``tensor_archive`` check, _runtime/probes.py): one that writes
+other bytes (a torch release with another layout) turns the builder off for the
+process, so the archive is always what that torch would write. With the fast paths off
+the builder is not used at all.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from __future__ import annotations
 import collections
 import ctypes
 import io
-import logging
 import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..._runtime import probes
 from ..checksum import crc32
 from ..torch.ziprecords import (
     AFTER,
@@ -62,8 +63,6 @@ from .checks import block_crcs, block_size_for
 from .layout import WHOLE_LIMIT
 
 __all__ = ["TensorArchive", "archive_builder_on", "tensor_archive"]
-
-log = logging.getLogger("cloudckpt")
 
 #: The records ``torch.save`` writes for one tensor, in order; ``data/0`` is the storage.
 _STORAGE = "data/0"
@@ -350,36 +349,30 @@ def _probe_tensors() -> list[torch.Tensor]:
     ]
 
 
-#: The probe's outcome, once made: the constants, or None (the builder is off).
-_probed: list[Constants | None] = []
-
-
 def _constants() -> Constants | None:
     """The running torch's constants, once the builder has been shown to write exactly
     what ``torch.save`` writes for the probe tensors; None (builder off) otherwise.
-    Probed the first time torch's serialization options are the defaults."""
-    if not _probed:
-        if not defaults():
-            return None
-        _probed.append(_probe())
-    return _probed[0]
-
-
-def _probe() -> Constants | None:
-    try:
-        constants = shared_constants()
-        if constants is None:
-            raise ValueError("torch.save writes other records")
-        for t in _probe_tensors():
-            storage = t.untyped_storage()
-            view = memoryview(ctypes.string_at(storage.data_ptr(), storage.nbytes()))
-            built = _build(t, view, constants, WHOLE_LIMIT)
-            if built is None or built.tobytes() != torch_save(t):
-                raise ValueError(f"the archive of a {t.dtype} tensor differs from torch.save's")
-    except Exception as exc:  # any surprise: use torch.save, as before
-        log.debug("cloudckpt: tensor archives go through torch.save (%s)", exc)
+    Checked the first time torch's serialization options are the defaults (they are
+    read only until then: per tensor they cost more than the rest of the call)."""
+    if probes.outcome("tensor_archive") is None and not defaults():
         return None
-    return constants
+    return shared_constants() if probes.on("tensor_archive") else None
+
+
+def _check() -> None:
+    """The builder's archive of each probe tensor is ``torch.save``'s, byte for byte."""
+    constants = shared_constants()
+    if constants is None:
+        raise ValueError("torch.save writes other records")
+    for t in _probe_tensors():
+        storage = t.untyped_storage()
+        view = memoryview(ctypes.string_at(storage.data_ptr(), storage.nbytes()))
+        built = _build(t, view, constants, WHOLE_LIMIT)
+        if built is None or built.tobytes() != torch_save(t):
+            raise ValueError(f"the archive of a {t.dtype} tensor differs from torch.save's")
+
+
+probes.register("tensor_archive", _check)
 
 
 def archive_builder_on() -> bool:

@@ -13,8 +13,9 @@ large storages passed as views of their own memory.
 The bytes are ``torch.save``'s, record for record (``data.pkl``, the small records, one
 ``data/N`` per storage in the order the pickle first names them, ``version``, the
 serialization id, the directory), so ``torch.load`` and every reader of torch archives
-reads them as before. That is checked against the running torch at first use
-(:func:`writer_on`), and the builder stays off for the process if they differ.
+reads them as before. That is checked against the running torch at first use (the
+``archive_writer`` check, _runtime/probes.py), and the builder stays off for the
+process if they differ; with the fast paths off it is not used at all.
 
 ``None`` from :func:`plan_archive` means ``torch.save`` must write the object: a storage
 that is not in CPU memory (``torch.save`` copies it off the device first), a fake or
@@ -37,8 +38,8 @@ from typing import Any
 
 import torch
 
-from ..._runtime.gcpause import paused_gc
-from ..._runtime.memview import buffer_address, copy_memory, writable_view
+from ..._runtime import probes
+from ..._runtime.memview import buffer_address, copy_memory, copy_on, views_on, writable_view
 from ...io.buffers import register_pool
 from ..checksum import crc32
 from .tensors import plain_strided
@@ -393,14 +394,12 @@ def _plan(obj: Any, found: Constants) -> ArchivePlan | None:
     buffer = io.BytesIO()
     pickler = _ArchivePickler(buffer)
     try:
-        # Thousands of small tuples: the collector would walk the whole heap for them.
-        with paused_gc():
-            try:
-                pickler.dump(obj)
-            finally:
-                # The memo holds every tuple the pickle made: freed now, they are not
-                # walked by the collection that resuming the collector sets off.
-                pickler.clear_memo()
+        try:
+            pickler.dump(obj)
+        finally:
+            # The memo holds every tuple the pickle made: freed now, they are not
+            # walked by the collection that resuming the collector sets off.
+            pickler.clear_memo()
     except _Unsupported as exc:
         log.debug("cloudckpt: torch.save writes this object (%s)", exc)
         return None
@@ -433,30 +432,22 @@ def _build(obj: Any, found: Constants) -> bytes | None:
     return b"".join(bytes(view) for view, _ in plan.pieces(borrow_min=16 << 10))
 
 
-#: The probe's outcome, once made.
-_checked: list[bool] = []
-
-
 def writer_on() -> bool:
-    """Whether :func:`plan_archive` writes what ``torch.save`` would write now: the
-    builder matched this torch's ``torch.save`` on a probe object (checked once per
-    process), and torch's serialization options are the defaults it copies."""
-    if not defaults():
-        return False
-    if not _checked:
-        _checked.append(_probe())
-    return _checked[0]
+    """Whether :func:`plan_archive` writes what ``torch.save`` would write now: the fast
+    paths it uses are on, the builder matched this torch's ``torch.save`` on a probe
+    object (checked once per process), and torch's serialization options are the
+    defaults it copies."""
+    return defaults() and views_on() and copy_on() and probes.on("archive_writer")
 
 
-def _probe() -> bool:
-    try:
-        found = constants()
-        if found is None:
-            raise ValueError("torch.save writes other records")
-        obj = _probe_object()
-        if _build(obj, found) != torch_save(obj):
-            raise ValueError("the archive differs from torch.save's")
-    except Exception as exc:  # any surprise: torch.save writes, as before
-        log.debug("cloudckpt: archives are written by torch.save (%s)", exc)
-        return False
-    return True
+def _check() -> None:
+    """The builder's archive of :func:`_probe_object` is ``torch.save``'s, byte for byte."""
+    found = constants()
+    if found is None:
+        raise ValueError("torch.save writes other records")
+    obj = _probe_object()
+    if _build(obj, found) != torch_save(obj):
+        raise ValueError("the archive differs from torch.save's")
+
+
+probes.register("archive_writer", _check)

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from ..._runtime.gcpause import paused_gc
 from ...errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [
@@ -572,8 +571,7 @@ def run_restricted(
     (their storages are still being read), moved into it for the caller to check."""
     machine = RestrictedUnpickler(data, policy, persistent_load)
     try:
-        with paused_gc(kept=True):
-            result = machine.load()
+        result = machine.load()  # the caller's entry point pauses the collector
     except BaseException as exc:
         # torch's _rebuild_sparse_tensor queues what it built in a list of torch's; a
         # load that stops must not leave it there (the next load would validate it)

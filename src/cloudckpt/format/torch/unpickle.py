@@ -16,10 +16,14 @@ full pickle for files you trust.
 Plain CPU tensors are rebuilt by the function :func:`_rebuilder` makes, which does what
 ``torch._utils._rebuild_tensor_v2`` does without its per-tensor fake-mode lookup (made
 once per load instead); everything else goes through torch's own rebuild functions.
+That, and :func:`typed_storage`'s shortcut, are fast paths: each checks itself against
+torch's own function once (``fast_rebuild``, ``typed_storage``: _runtime/probes.py), and
+with the fast paths off torch's functions do all the work.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -30,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..._runtime import probes
+from ..._runtime.memview import storage_view
 from ...errors import CloudCkptError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
 from .restricted_pickle import (
     TORCH_OPCODES,
@@ -134,23 +140,30 @@ def parse_persistent_id(saved_id: Any, url: str) -> StorageRef:
 
 _TypedStorage = torch.storage.TypedStorage
 _new_object = object.__new__
-_fast_typed: list[bool] = []
+
+
+def _check_typed() -> None:
+    """The shortcut makes what the constructor makes (the same attributes, the same
+    objects in them)."""
+    storage = torch.UntypedStorage(8)
+    slow = _TypedStorage(wrap_storage=storage, dtype=torch.float16, _internal=True)
+    fast = _new_object(_TypedStorage)
+    fast.dtype, fast._untyped_storage = torch.float16, storage
+    if vars(slow).keys() != vars(fast).keys() or any(
+        vars(slow)[k] is not vars(fast)[k] for k in vars(slow)
+    ):
+        raise ValueError("TypedStorage's constructor sets other attributes")
+
+
+probes.register("typed_storage", _check_typed)
 
 
 def typed_storage(storage: torch.UntypedStorage, dtype: torch.dtype) -> Any:
     """``TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)``, a third of
     the cost: its ``__init__`` only checks its arguments and sets these two attributes.
-    The first call compares the result with the constructor's; if they differ, the
-    constructor is used from then on."""
-    if not _fast_typed:
-        slow = _TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-        fast = _new_object(_TypedStorage)
-        fast.dtype, fast._untyped_storage = dtype, storage
-        _fast_typed.append(
-            vars(slow).keys() == vars(fast).keys()
-            and all(vars(slow)[k] is vars(fast)[k] for k in vars(slow))
-        )
-    if _fast_typed[0]:
+    Checked once against the constructor (``typed_storage``, _runtime/probes.py); the
+    constructor is used where that failed or the fast paths are off."""
+    if probes.on("typed_storage"):
         typed = _new_object(_TypedStorage)
         typed.dtype = dtype
         typed._untyped_storage = storage
@@ -259,6 +272,34 @@ def _bounded(rebuild: Callable[..., Any], dtype_at: int | None = None) -> Callab
     return checked
 
 
+def _check_rebuild() -> None:
+    """The fast rebuild makes the tensor ``torch._utils._rebuild_tensor_v2`` makes, over
+    the same storage, for the cases a load meets."""
+    storage = torch.arange(24, dtype=torch.float32).untyped_storage()
+    rebuild = _rebuilder({})
+    cases = [(0, (2, 3), (3, 1), False), (5, (3, 2), (1, 4), True), (24, (0,), (1,), False)]
+    for offset, size, stride, grad in cases:
+        hooks: dict[Any, Any] = collections.OrderedDict()
+        theirs = _torch_rebuild_v2(
+            typed_storage(storage, torch.float32), offset, size, stride, grad, hooks
+        )
+        ours = rebuild(typed_storage(storage, torch.float32), offset, size, stride, grad, hooks)
+        layout = (ours.dtype, ours.shape, ours.stride(), ours.storage_offset())
+        same = (
+            type(ours) is type(theirs)
+            and layout == (theirs.dtype, theirs.shape, theirs.stride(), theirs.storage_offset())
+            and ours.requires_grad == theirs.requires_grad
+            and ours.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
+            and ours._backward_hooks is theirs._backward_hooks
+            and torch.equal(ours.detach(), theirs.detach())
+        )
+        if not same:
+            raise ValueError(f"a tensor at {offset}, {size}, {stride} differs from torch's")
+
+
+probes.register("fast_rebuild", _check_rebuild)
+
+
 #: torch's rebuild functions over a storage, by name: the one whose dtype argument says
 #: how to read an untyped storage gives its position.
 _OVER_A_STORAGE = {
@@ -298,7 +339,9 @@ def weights_only_policy(spares: dict[int, torch.Tensor] | None = None) -> Policy
     for path, dtype_at in _OVER_A_STORAGE.items():
         if path in allowed:
             calls[id(allowed[path])] = _bounded(allowed[path], dtype_at)
-    if allowed.get("torch._utils._rebuild_tensor_v2") is _torch_rebuild_v2:
+    if allowed.get("torch._utils._rebuild_tensor_v2") is _torch_rebuild_v2 and probes.on(
+        "fast_rebuild"
+    ):
         from torch._guards import detect_fake_mode
 
         if detect_fake_mode(None) is None:
@@ -456,7 +499,6 @@ def load_torch_bytes(
 ) -> Any:
     """Load a whole ``torch.save`` archive held in memory (a DCP byte item, a test's
     file) through the boundary: every record checked by its CRC-32 first."""
-    from ..._runtime.memview import writable_view
     from .zipdir import check_records, inflate
 
     view = memoryview(data)
@@ -492,7 +534,7 @@ def load_torch_bytes(
             )
         storage = torch.UntypedStorage(ref.nbytes)
         if ref.nbytes:  # (the record may be read-only: copied, never wrapped)
-            writable_view(storage.data_ptr(), ref.nbytes)[:] = raw
+            storage_view(storage)[:] = raw
         if swap:
             storage.byteswap(ref.dtype)
         storage = restore_location(restore, storage, ref.location, map_location, url)

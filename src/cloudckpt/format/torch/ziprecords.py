@@ -22,6 +22,7 @@ from typing import IO, cast
 
 import torch
 
+from ..._runtime import probes
 from ..checksum import crc32
 
 __all__ = [
@@ -229,16 +230,23 @@ def storage_types() -> dict[torch.dtype, str]:
     return dict(torch.storage._dtype_to_storage_type_map())
 
 
-#: The probe's outcome, once made: the constants, or None (no builder can be used).
-_probed: list[Constants | None] = []
+#: The running torch's constants, once its check has read them.
+_found: list[Constants] = []
+
+
+def _check_constants() -> None:
+    """Read the constants off ``torch.save`` of a probe tensor (_runtime/probes.py)."""
+    found = probe_constants(torch_save(torch.zeros(1)))
+    if found is None:
+        raise ValueError("torch.save writes other records than the builders lay out")
+    _found[:] = [found]
+
+
+probes.register("torch_zip_records", _check_constants)
 
 
 def constants() -> Constants | None:
     """The running torch's constants, read once from ``torch.save`` of a probe tensor;
-    None when its archive holds other records than the builders write."""
-    if not _probed:
-        try:
-            _probed.append(probe_constants(torch_save(torch.zeros(1))))
-        except Exception:  # any surprise: the builders stay off, torch.save writes
-            _probed.append(None)
-    return _probed[0]
+    None when its archive holds other records than the builders write, or with the
+    fast paths off (then ``torch.save`` writes every archive)."""
+    return _found[0] if probes.on("torch_zip_records") else None

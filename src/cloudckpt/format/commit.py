@@ -1,0 +1,55 @@
+"""The commit protocol: data first, the marker last, created once.
+
+A checkpoint is committed when its marker exists: DCP's ``.metadata``, the manager's
+``step-N/_CHECKPOINT.json``, Megatron's ``metadata.json``. Every writer keeps one order:
+
+1. every data object is written and durable first (a put, or a completed multipart
+   upload, appears whole or not at all);
+2. then the marker, by :func:`commit_marker`: a create-only put (``if_none_match``), so
+   a save never replaces the marker of another save that wrote the same prefix;
+3. readers decide "is it committed?" from the marker alone (:func:`read_committed`): a
+   prefix without one is not a checkpoint, however many bytes it holds. Deleting a
+   checkpoint removes its marker first.
+
+A retried write: the store retries a put whose answer was lost (a reset connection, a
+timeout). When the lost attempt had landed, the retry finds the marker in place and the
+create-only put fails with AlreadyExistsError. :func:`commit_marker` then reads the
+marker back: the same bytes are this save's own earlier attempt, and the commit
+succeeded; other bytes are another save's marker, and AlreadyExistsError names its URL.
+Markers hold something of their own save (DCP's save id, the manager's commit time),
+so two saves never write the same bytes; Megatron's ``metadata.json`` is the same for
+every save, so its writer deletes an old one before writing any data.
+"""
+
+from __future__ import annotations
+
+from ..errors import AlreadyExistsError, BucketNotFoundError, NotFoundError
+from ..store import Store
+
+__all__ = ["commit_marker", "read_committed"]
+
+
+def commit_marker(store: Store, key: str, payload: bytes) -> None:
+    """Commit by creating the marker ``key`` holding ``payload`` (call it after every
+    data object is durable). Raises AlreadyExistsError naming the marker's URL when it
+    already holds other bytes; the same bytes (this call's own retried write) succeed."""
+    try:
+        store.put(key, payload, if_none_match=True)
+    except AlreadyExistsError:
+        if read_committed(store, key) == bytes(payload):
+            return  # an earlier attempt of this put landed before its answer was lost
+        raise AlreadyExistsError(
+            f"another save committed {store.url(key)} while this one was writing; the "
+            "data objects under the same prefix may be mixed, save again to a new URL"
+        ) from None
+
+
+def read_committed(store: Store, key: str) -> bytes | None:
+    """The marker's bytes, or None when there is none (the checkpoint is not
+    committed). A missing bucket is an error (BucketNotFoundError), not "no marker"."""
+    try:
+        return store.get(key)
+    except BucketNotFoundError:
+        raise
+    except NotFoundError:
+        return None
