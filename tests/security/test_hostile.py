@@ -16,6 +16,7 @@ what the file asks.
 from __future__ import annotations
 
 import copyreg
+import gc
 import io
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ import re
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +76,10 @@ PEAK_LIMIT = 256 << 20
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _warm() -> None:
-    """Both loaders' lazy state made here once, before any child snapshots globals."""
+def _warm() -> Iterator[None]:
+    """Both loaders' lazy state made here once, before any child snapshots globals; then
+    the test process's heap frozen while children fork from it (a child's first
+    collection would otherwise walk, and copy, every object the suite left behind)."""
     buf = io.BytesIO()
     torch.save({"w": torch.arange(4.0), "p": torch.nn.Parameter(torch.ones(2))}, buf)
     with warnings.catch_warnings():
@@ -86,6 +90,12 @@ def _warm() -> None:
         fuzz.canary_objects()
         # torch fills this memo of its own layouts on first use, under torch.load too
         torch.serialization._get_layout("torch.strided")
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _rss_peak_reset() -> None:
