@@ -80,12 +80,17 @@ def _exact(out: dict[str, Any]) -> bool:
     )
 
 
+PACKAGE = Path(cloudckpt.__file__).resolve().parent
+
+
 def _check_failure(exc: BaseException, frames: traceback.StackSummary) -> None:
     """A failure is a cloudckpt error, or torch's own, raised with no cloudckpt code on
     the stack (its planner refusing a well-formed metadata that does not fit)."""
     if isinstance(exc, CloudCkptError):
         return
-    ours = [f for f in frames if f"{os.sep}cloudckpt{os.sep}" in f.filename]
+    # The package's own files, wherever the checkout is (a clone named "cloudckpt" holds
+    # torch under cloudckpt/.venv/ too).
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(PACKAGE)]
     assert not ours, f"cloudckpt code raised {type(exc).__name__}: {exc}\n{ours}"
 
 
