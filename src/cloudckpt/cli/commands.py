@@ -17,7 +17,6 @@ from typing import Any
 
 from ..engine.bench import run_bench
 from ..engine.copy import PARTIAL_SUFFIX, copy_object
-from ..engine.verify import dcp_tensor_slices, describe, verify_archive, verify_archive_bytes
 from ..errors import CloudCkptError, ConfigError, NotFoundError
 from ..manager.gc import collect_garbage, delete_prefix, delete_tree
 from ..manager.marker import (
@@ -225,6 +224,8 @@ def _archive_keys(c: CheckpointInfo, prefix: str) -> list[str]:
 
 
 def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    from ..engine.verify import describe  # imports torch: only the commands that read
+
     t = resolve(args.url, opts)
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
@@ -300,6 +301,8 @@ def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    from ..engine.verify import dcp_tensor_slices, verify_archive, verify_archive_bytes
+
     t = resolve(args.url, opts)
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)

@@ -29,9 +29,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from ..errors import CollectiveError
+
+
+def _dist() -> Any:
+    """``torch.distributed``, imported when first needed (the command line never is)."""
+    import torch.distributed
+
+    return torch.distributed
+
 
 __all__ = [
     "Agreement",
@@ -51,42 +57,45 @@ T = TypeVar("T")
 
 # -- ranks -------------------------------------------------------------------------------
 def _initialized() -> bool:
+    if "torch" not in sys.modules:  # nothing can have started a process group
+        return False
+    dist = _dist()
     return bool(dist.is_available() and dist.is_initialized())
 
 
 def is_distributed() -> bool:
     """True when torch.distributed is initialized with more than one rank."""
-    return _initialized() and dist.get_world_size() > 1
+    return _initialized() and _dist().get_world_size() > 1
 
 
 def rank() -> int:
     """This process's global rank (0 without an initialized process group)."""
-    return int(dist.get_rank()) if _initialized() else 0
+    return int(_dist().get_rank()) if _initialized() else 0
 
 
 def world_size() -> int:
     """The job's ranks (1 without an initialized process group)."""
-    return int(dist.get_world_size()) if _initialized() else 1
+    return int(_dist().get_world_size()) if _initialized() else 1
 
 
 def group_rank(group: Any) -> tuple[int, int]:
     """``(rank, size)`` of this process in ``group`` (None: the world)."""
-    return int(dist.get_rank(group)), int(dist.get_world_size(group))
+    return int(_dist().get_rank(group)), int(_dist().get_world_size(group))
 
 
 def first_rank(group: Any = None) -> int:
     """The global rank of ``group``'s first rank (the world's: 0)."""
-    return 0 if group is None or not _initialized() else int(dist.get_global_rank(group, 0))
+    return 0 if group is None or not _initialized() else int(_dist().get_global_rank(group, 0))
 
 
 def _global(group: Any, index: int) -> int:
     """The global rank of the ``index``-th rank of ``group``."""
-    return index if group is None else int(dist.get_global_rank(group, index))
+    return index if group is None else int(_dist().get_global_rank(group, index))
 
 
 def _alone(group: Any) -> bool:
     """No one to talk to: no process group, or a group of one."""
-    return not _initialized() or dist.get_world_size(group) < 2
+    return not _initialized() or _dist().get_world_size(group) < 2
 
 
 def _text(error: BaseException) -> str:
@@ -96,7 +105,7 @@ def _text(error: BaseException) -> str:
 def barrier(group: Any = None) -> None:
     """Wait until every rank of ``group`` (None: the world) got here."""
     if not _alone(group):
-        dist.barrier(group=group)
+        _dist().barrier(group=group)
 
 
 # -- act on the first rank ----------------------------------------------------------------
@@ -119,7 +128,7 @@ def on_first(
     box: list[Any] = [None]
     failed: BaseException | None = None
     result: Any = None
-    if dist.get_rank() == first:
+    if _dist().get_rank() == first:
         try:
             result = fn()
             # Pickled here: a result that cannot be sent fails this rank too.
@@ -127,10 +136,10 @@ def on_first(
         except Exception as exc:  # sent to the others, raised here below
             failed = exc
             box[0] = ("error", _pickled(exc), _text(exc))
-    dist.broadcast_object_list(box, src=first, group=group)
+    _dist().broadcast_object_list(box, src=first, group=group)
     if failed is not None:
         raise failed
-    if dist.get_rank() == first:
+    if _dist().get_rank() == first:
         return result  # type: ignore[no-any-return]
     status, payload, text = box[0]
     if status == "ok":
@@ -139,7 +148,7 @@ def on_first(
     if error is None:
         raise error_type.of(what, {first: text})
     if sys.version_info >= (3, 11):
-        error.add_note(f"raised on rank {first} ({what}), received by rank {dist.get_rank()}")
+        error.add_note(f"raised on rank {first} ({what}), received by rank {_dist().get_rank()}")
     raise error
 
 
@@ -207,8 +216,8 @@ def agree(error: BaseException | None = None, value: Any = None, *, group: Any =
         value = None
     if _alone(group):
         return Agreement({} if mine is None else {rank(): mine}, (value,))
-    got: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(got, (mine, value), group=group)
+    got: list[Any] = [None] * _dist().get_world_size(group)
+    _dist().all_gather_object(got, (mine, value), group=group)
     failures = {_global(group, i): text for i, (text, _) in enumerate(got) if text is not None}
     return Agreement(failures, tuple(v for _, v in got))
 

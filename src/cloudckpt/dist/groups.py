@@ -22,7 +22,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
+
+def _dist() -> Any:
+    """``torch.distributed``, imported when first needed (the command line never is)."""
+    import torch.distributed
+
+    return torch.distributed
+
 
 __all__ = ["DEFAULT_TIMEOUT", "checkpoint_group", "group_ranks", "partition_group"]
 
@@ -39,21 +45,21 @@ _parts: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 def group_ranks(process_group: Any = None) -> tuple[int, ...]:
     """The global ranks of ``process_group`` (the whole world when None)."""
-    if process_group is None or process_group is dist.GroupMember.WORLD:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(process_group))
+    if process_group is None or process_group is _dist().GroupMember.WORLD:
+        return tuple(range(_dist().get_world_size()))
+    return tuple(_dist().get_process_group_ranks(process_group))
 
 
 def checkpoint_group(process_group: Any = None) -> Any:
     """The dedicated gloo group over ``process_group``'s ranks (created once, then reused)."""
     ranks = group_ranks(process_group)
-    world = dist.group.WORLD
+    world = _dist().group.WORLD
     with _lock:
         made = _groups.get(ranks)
         group = made[1] if made is not None and made[0] is world else None
         if group is None:
-            whole = len(ranks) == dist.get_world_size()
-            group = dist.new_group(
+            whole = len(ranks) == _dist().get_world_size()
+            group = _dist().new_group(
                 ranks=None if whole else list(ranks),
                 backend="gloo",
                 timeout=DEFAULT_TIMEOUT,
@@ -85,14 +91,16 @@ def partition_group(parts: Sequence[tuple[int, ...]]) -> Any:
     """
     if len(parts) == 1:
         return checkpoint_group()
-    me = dist.get_rank()
-    world = dist.group.WORLD
+    me = _dist().get_rank()
+    world = _dist().group.WORLD
     mine: Any = None
     with _lock:
         for ranks in parts:
             made = _parts.get(ranks)
             if made is None or made[0] is not world:
-                group = dist.new_group(ranks=list(ranks), backend="gloo", timeout=DEFAULT_TIMEOUT)
+                group = _dist().new_group(
+                    ranks=list(ranks), backend="gloo", timeout=DEFAULT_TIMEOUT
+                )
                 made = _parts[ranks] = (world, group if me in ranks else None)
             if me in ranks:
                 mine = made[1]
