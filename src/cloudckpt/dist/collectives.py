@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from ..errors import CollectiveError
 
 
-def _dist() -> Any:
+def torch_distributed() -> Any:
     """``torch.distributed``, imported when first needed (the command line never is)."""
     import torch.distributed
 
@@ -49,6 +49,7 @@ __all__ = [
     "on_first",
     "rank",
     "settle",
+    "torch_distributed",
     "world_size",
 ]
 
@@ -59,43 +60,47 @@ T = TypeVar("T")
 def _initialized() -> bool:
     if "torch" not in sys.modules:  # nothing can have started a process group
         return False
-    dist = _dist()
+    dist = torch_distributed()
     return bool(dist.is_available() and dist.is_initialized())
 
 
 def is_distributed() -> bool:
     """True when torch.distributed is initialized with more than one rank."""
-    return _initialized() and _dist().get_world_size() > 1
+    return _initialized() and torch_distributed().get_world_size() > 1
 
 
 def rank() -> int:
     """This process's global rank (0 without an initialized process group)."""
-    return int(_dist().get_rank()) if _initialized() else 0
+    return int(torch_distributed().get_rank()) if _initialized() else 0
 
 
 def world_size() -> int:
     """The job's ranks (1 without an initialized process group)."""
-    return int(_dist().get_world_size()) if _initialized() else 1
+    return int(torch_distributed().get_world_size()) if _initialized() else 1
 
 
 def group_rank(group: Any) -> tuple[int, int]:
     """``(rank, size)`` of this process in ``group`` (None: the world)."""
-    return int(_dist().get_rank(group)), int(_dist().get_world_size(group))
+    return int(torch_distributed().get_rank(group)), int(torch_distributed().get_world_size(group))
 
 
 def first_rank(group: Any = None) -> int:
     """The global rank of ``group``'s first rank (the world's: 0)."""
-    return 0 if group is None or not _initialized() else int(_dist().get_global_rank(group, 0))
+    return (
+        0
+        if group is None or not _initialized()
+        else int(torch_distributed().get_global_rank(group, 0))
+    )
 
 
 def _global(group: Any, index: int) -> int:
     """The global rank of the ``index``-th rank of ``group``."""
-    return index if group is None else int(_dist().get_global_rank(group, index))
+    return index if group is None else int(torch_distributed().get_global_rank(group, index))
 
 
 def _alone(group: Any) -> bool:
     """No one to talk to: no process group, or a group of one."""
-    return not _initialized() or _dist().get_world_size(group) < 2
+    return not _initialized() or torch_distributed().get_world_size(group) < 2
 
 
 def _text(error: BaseException) -> str:
@@ -105,7 +110,7 @@ def _text(error: BaseException) -> str:
 def barrier(group: Any = None) -> None:
     """Wait until every rank of ``group`` (None: the world) got here."""
     if not _alone(group):
-        _dist().barrier(group=group)
+        torch_distributed().barrier(group=group)
 
 
 # -- act on the first rank ----------------------------------------------------------------
@@ -128,7 +133,7 @@ def on_first(
     box: list[Any] = [None]
     failed: BaseException | None = None
     result: Any = None
-    if _dist().get_rank() == first:
+    if torch_distributed().get_rank() == first:
         try:
             result = fn()
             # Pickled here: a result that cannot be sent fails this rank too.
@@ -136,10 +141,10 @@ def on_first(
         except Exception as exc:  # sent to the others, raised here below
             failed = exc
             box[0] = ("error", _pickled(exc), _text(exc))
-    _dist().broadcast_object_list(box, src=first, group=group)
+    torch_distributed().broadcast_object_list(box, src=first, group=group)
     if failed is not None:
         raise failed
-    if _dist().get_rank() == first:
+    if torch_distributed().get_rank() == first:
         return result  # type: ignore[no-any-return]
     status, payload, text = box[0]
     if status == "ok":
@@ -148,7 +153,9 @@ def on_first(
     if error is None:
         raise error_type.of(what, {first: text})
     if sys.version_info >= (3, 11):
-        error.add_note(f"raised on rank {first} ({what}), received by rank {_dist().get_rank()}")
+        error.add_note(
+            f"raised on rank {first} ({what}), received by rank {torch_distributed().get_rank()}"
+        )
     raise error
 
 
@@ -216,8 +223,8 @@ def agree(error: BaseException | None = None, value: Any = None, *, group: Any =
         value = None
     if _alone(group):
         return Agreement({} if mine is None else {rank(): mine}, (value,))
-    got: list[Any] = [None] * _dist().get_world_size(group)
-    _dist().all_gather_object(got, (mine, value), group=group)
+    got: list[Any] = [None] * torch_distributed().get_world_size(group)
+    torch_distributed().all_gather_object(got, (mine, value), group=group)
     failures = {_global(group, i): text for i, (text, _) in enumerate(got) if text is not None}
     return Agreement(failures, tuple(v for _, v in got))
 

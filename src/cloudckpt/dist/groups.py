@@ -22,13 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-
-def _dist() -> Any:
-    """``torch.distributed``, imported when first needed (the command line never is)."""
-    import torch.distributed
-
-    return torch.distributed
-
+from .collectives import torch_distributed
 
 __all__ = ["DEFAULT_TIMEOUT", "checkpoint_group", "group_ranks", "partition_group"]
 
@@ -45,21 +39,21 @@ _parts: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 def group_ranks(process_group: Any = None) -> tuple[int, ...]:
     """The global ranks of ``process_group`` (the whole world when None)."""
-    if process_group is None or process_group is _dist().GroupMember.WORLD:
-        return tuple(range(_dist().get_world_size()))
-    return tuple(_dist().get_process_group_ranks(process_group))
+    if process_group is None or process_group is torch_distributed().GroupMember.WORLD:
+        return tuple(range(torch_distributed().get_world_size()))
+    return tuple(torch_distributed().get_process_group_ranks(process_group))
 
 
 def checkpoint_group(process_group: Any = None) -> Any:
     """The dedicated gloo group over ``process_group``'s ranks (created once, then reused)."""
     ranks = group_ranks(process_group)
-    world = _dist().group.WORLD
+    world = torch_distributed().group.WORLD
     with _lock:
         made = _groups.get(ranks)
         group = made[1] if made is not None and made[0] is world else None
         if group is None:
-            whole = len(ranks) == _dist().get_world_size()
-            group = _dist().new_group(
+            whole = len(ranks) == torch_distributed().get_world_size()
+            group = torch_distributed().new_group(
                 ranks=None if whole else list(ranks),
                 backend="gloo",
                 timeout=DEFAULT_TIMEOUT,
@@ -91,14 +85,14 @@ def partition_group(parts: Sequence[tuple[int, ...]]) -> Any:
     """
     if len(parts) == 1:
         return checkpoint_group()
-    me = _dist().get_rank()
-    world = _dist().group.WORLD
+    me = torch_distributed().get_rank()
+    world = torch_distributed().group.WORLD
     mine: Any = None
     with _lock:
         for ranks in parts:
             made = _parts.get(ranks)
             if made is None or made[0] is not world:
-                group = _dist().new_group(
+                group = torch_distributed().new_group(
                     ranks=list(ranks), backend="gloo", timeout=DEFAULT_TIMEOUT
                 )
                 made = _parts[ranks] = (world, group if me in ranks else None)

@@ -88,10 +88,7 @@ def within(deadline: Deadline | None) -> Iterator[Deadline | None]:
 @contextlib.contextmanager
 def deadline_scope(seconds: float | None) -> Iterator[Deadline | None]:
     """An operation bounded by ``seconds`` from now (the earlier of it and any outer one)."""
-    if seconds is None:
-        yield _current.get()
-        return
-    with within(Deadline(seconds, time.monotonic() + seconds)) as deadline:
+    with within(start_deadline(seconds)) as deadline:
         yield deadline
 
 
