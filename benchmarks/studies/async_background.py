@@ -31,15 +31,9 @@ from cloudckpt.engine.staging import Snapshot, StagingPool, snapshot
 from cloudckpt.testing import launch, stop
 
 
-class SharedPool(StagingPool):
+def _shared_buffer(key: tuple[int, bool]) -> torch.UntypedStorage:
     """Staging buffers in shared memory, so a worker process can read them without a copy."""
-
-    def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
-        with self._lock:
-            free = self._free.get((nbytes, pinned))
-            if free:
-                return free.pop()
-        return torch.UntypedStorage(nbytes).share_memory_()
+    return torch.UntypedStorage(key[0]).share_memory_()
 
 
 def worker(conn) -> None:  # runs in the spawned process
@@ -105,7 +99,7 @@ def main() -> None:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker, args=(child,), daemon=True)
         proc.start()
-        pool = SharedPool()
+        pool = StagingPool(make=_shared_buffer)
         cloudckpt.save({"warm": torch.zeros(1)}, f"{base}/warm.pt", storage_options=opts)
 
         rows: dict[str, list[float]] = {"baseline": [], "thread": [], "process": []}

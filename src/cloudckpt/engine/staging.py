@@ -26,6 +26,11 @@ record per original storage, as it would for the live object.
 
 Staged tensors are CPU tensors, so an async-saved archive records CPU as every
 storage's location (``map_location`` is not needed to load it on a CPU-only host).
+
+``stage_tensors(tensors)`` is the same copy for a list of tensors (Megatron's async
+save): each into a pool buffer of its own, CUDA ones pinned and on the side stream,
+waited for once. The pool (``StagingPool``) is io/buffers.py's ``BufferPool``, keyed by
+``(nbytes, pinned)``.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ from __future__ import annotations
 import ctypes
 import io
 import pickle
-import threading
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,9 +47,18 @@ import torch
 
 from .._runtime.memview import copy_memory, copy_on
 from ..format.torch.tensors import plain_strided
-from ..io.buffers import register_pool
+from ..io.buffers import BufferPool
 
-__all__ = ["SLAB_BYTES", "SMALL_MAX", "Snapshot", "StagingPool", "get_pool", "snapshot"]
+__all__ = [
+    "SLAB_BYTES",
+    "SMALL_MAX",
+    "Snapshot",
+    "StagedTensors",
+    "StagingPool",
+    "get_pool",
+    "snapshot",
+    "stage_tensors",
+]
 
 #: Size of one slab: the pool buffer that small CPU storages share.
 SLAB_BYTES = 4 << 20
@@ -56,57 +70,129 @@ _ALIGN = 64  # each part of a slab starts on a 64-byte boundary, as torch's allo
 _Tensor = torch.Tensor
 
 
-class StagingPool:
-    """Host buffers reused across saves, keyed by size (and pinning)."""
+def _host_buffer(key: tuple[int, bool]) -> torch.UntypedStorage:
+    """A host buffer of ``nbytes``, pinned (for copies from CUDA) when asked."""
+    nbytes, pinned = key
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+    return torch.UntypedStorage(nbytes)
 
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = defaultdict(list)
-        self._lock = threading.Lock()
-        self.allocated_bytes = 0
 
-    def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
-        with self._lock:
-            free = self._free.get((nbytes, pinned))
-            if free:
-                return free.pop()
-            self.allocated_bytes += nbytes
-        if pinned:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
-        return torch.UntypedStorage(nbytes)
+def _key_bytes(key: tuple[int, bool]) -> int:
+    """The size of a staging buffer, from its key."""
+    return key[0]
 
-    def give_back(self, storages: list[torch.UntypedStorage], pinned: list[bool]) -> None:
-        with self._lock:
-            for storage, pin in zip(storages, pinned, strict=True):
-                self._free[(storage.nbytes(), pin)].append(storage)
 
-    def clear(self) -> None:
-        """Drop every idle buffer (memory held for the next save is released)."""
-        with self._lock:
-            for free in self._free.values():
-                self.allocated_bytes -= sum(s.nbytes() for s in free)
-            self._free.clear()
+class StagingPool(BufferPool[tuple[int, bool], torch.UntypedStorage]):
+    """Host buffers reused across saves, keyed by ``(nbytes, pinned)``, none dropped
+    until :func:`cloudckpt.release_buffers` (io/buffers.py's one pool class).
 
-    @property
-    def idle_bytes(self) -> int:
-        with self._lock:
-            return sum(s.nbytes() for free in self._free.values() for s in free)
+    ``make`` makes a buffer for a key (default: plain host memory, pinned if asked).
+    """
+
+    def __init__(
+        self, make: Callable[[tuple[int, bool]], torch.UntypedStorage] = _host_buffer
+    ) -> None:
+        super().__init__(make, _key_bytes)
+
+    def give_back_all(self, storages: list[torch.UntypedStorage], pinned: list[bool]) -> None:
+        """Give back each of ``storages`` (``pinned`` says which are pinned)."""
+        for storage, pin in zip(storages, pinned, strict=True):
+            self.give_back(storage, (storage.nbytes(), pin))
 
 
 _pool = StagingPool()
 
 
-def _release_staging() -> int:
-    released = _pool.idle_bytes
-    _pool.clear()
-    return released
-
-
-register_pool(_release_staging)
-
-
 def get_pool() -> StagingPool:
     """The process's staging pool."""
     return _pool
+
+
+class _HostCopies:
+    """Copies into buffers from a pool, recorded in ``storages`` and ``pinned``.
+
+    A CUDA source is copied without blocking into pinned memory on one side stream
+    (after the work already queued on the current stream); :meth:`wait` waits for
+    every such copy at once. A CPU source is copied at once.
+    """
+
+    def __init__(
+        self, pool: StagingPool, storages: list[torch.UntypedStorage], pinned: list[bool]
+    ) -> None:
+        self.pool = pool
+        self.storages = storages
+        self.pinned = pinned
+        self.stream: Any = None
+
+    def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
+        """A pool buffer of ``nbytes``, recorded to be given back."""
+        buffer = self.pool.take((nbytes, pinned))
+        self.storages.append(buffer)
+        self.pinned.append(pinned)
+        return buffer
+
+    def copy(self, dst: Any, src: Any, cuda: bool) -> None:
+        """``dst.copy_(src)``: on the side stream, without blocking, for a CUDA ``src``."""
+        if not cuda:
+            dst.copy_(src)
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+            self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def wait(self) -> None:
+        """Return once every copy has landed (the CUDA ones are asynchronous)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+@dataclass
+class StagedTensors:
+    """Host copies of tensors (:func:`stage_tensors`) and the pool buffers they lie in."""
+
+    pool: StagingPool
+    copies: list[torch.Tensor] = field(default_factory=list)
+    storages: list[torch.UntypedStorage] = field(default_factory=list)
+    pinned: list[bool] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Give the buffers back to the pool once nothing reads the copies any more."""
+        self.pool.give_back_all(self.storages, self.pinned)
+        self.copies, self.storages, self.pinned = [], [], []
+
+
+def stage_tensors(
+    tensors: Sequence[torch.Tensor], pool: StagingPool | None = None
+) -> StagedTensors:
+    """CPU copies of ``tensors`` (same dtype and shape, each in a pool buffer of its own).
+
+    CUDA tensors are copied into pinned buffers without blocking, and waited for once
+    before this returns: the copies are complete, and the sources free to change. The
+    caller gives the buffers back with :meth:`StagedTensors.release`; on a failure they
+    go back before the error is raised.
+    """
+    staged = StagedTensors(pool or _pool)
+    copies = _HostCopies(staged.pool, staged.storages, staged.pinned)
+    try:
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes == 0:
+                staged.copies.append(torch.empty(tensor.shape, dtype=tensor.dtype))
+                continue
+            cuda = tensor.is_cuda
+            buffer = copies.take(nbytes, cuda)
+            copy = torch.empty(0, dtype=torch.uint8).set_(buffer).view(tensor.dtype)
+            copy = copy.view(tensor.shape)
+            copies.copy(copy, tensor.detach(), cuda)
+            staged.copies.append(copy)
+        copies.wait()
+    except BaseException:
+        staged.release()
+        raise
+    return staged
 
 
 #: A staged tensor: (staged storage, storage offset, size, stride, requires_grad, dtype).
@@ -198,7 +284,7 @@ class Snapshot:
 
     def release(self, pool: StagingPool | None = None) -> None:
         """Return the buffers to the pool once the save no longer needs them."""
-        (pool or _pool).give_back(self.storages, self.pinned)
+        (pool or _pool).give_back_all(self.storages, self.pinned)
         self.storages, self.pinned, self.parts, self.tensors = [], [], [], []
 
 
@@ -221,11 +307,10 @@ class _SnapshotLoader(pickle.Unpickler):
 class _StagingPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, pool: StagingPool, snap: Snapshot) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.pool = pool
+        self.copies = _HostCopies(pool, snap.storages, snap.pinned)
         self.snap = snap
         self.index: dict[int, int] = {}
         self.tensors = snap.tensors
-        self.stream: Any = None
         self.slab = -1  # index in snap.storages of the slab being filled
         self.slab_address = 0
         self.slab_used = SLAB_BYTES
@@ -275,20 +360,11 @@ class _StagingPickler(pickle.Pickler):
             part = self._stage_small(storage, nbytes)
         else:
             if device == "cpu" or device == "cuda":
-                pinned = device == "cuda"
-                copy = self.pool.take(nbytes, pinned)
-                if pinned:
-                    if self.stream is None:
-                        self.stream = torch.cuda.Stream()
-                        self.stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(self.stream):
-                        copy.copy_(storage, non_blocking=True)
-                else:
-                    copy.copy_(storage)
+                cuda = device == "cuda"
+                self.copies.copy(self.copies.take(nbytes, cuda), storage, cuda)
             else:  # other devices (mps, xla, ...): a plain synchronous copy to host
-                copy, pinned = storage.cpu(), False
-            snap.storages.append(copy)
-            snap.pinned.append(pinned)
+                snap.storages.append(storage.cpu())
+                snap.pinned.append(False)
             part = (len(snap.storages) - 1, -1, nbytes)
         snap.parts.append(part)
         snap.nbytes += nbytes
@@ -308,9 +384,7 @@ class _StagingPickler(pickle.Pickler):
 
     def _new_slab(self) -> int:
         """Take a slab from the pool and make it the current one; returns offset 0."""
-        slab = self.pool.take(SLAB_BYTES, False)
-        self.snap.storages.append(slab)
-        self.snap.pinned.append(False)
+        slab = self.copies.take(SLAB_BYTES, False)
         self.slab, self.slab_address = len(self.snap.storages) - 1, slab.data_ptr()
         self.slab_used = 0
         return 0
@@ -333,8 +407,7 @@ def snapshot(obj: Any, pool: StagingPool | None = None) -> Snapshot:
             pickler.dump(obj)
         finally:
             pickler.clear_memo()  # its tuples freed now, not walked by the next collection
-        if pickler.stream is not None:
-            pickler.stream.synchronize()  # the snapshot is complete only when copies land
+        pickler.copies.wait()  # the snapshot is complete only when the copies land
     except BaseException:
         snap.release(pool)
         raise

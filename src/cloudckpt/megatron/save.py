@@ -14,8 +14,9 @@ order makes a half-written checkpoint impossible to load, with cloudckpt or mega
 
 Steps 2-4 run on a gloo group made for checkpointing (dist/groups.py), through the
 collectives of dist/collectives.py; with ``async_save=True`` they run on a background
-thread, after the tensors were copied into one pooled host buffer, so training can
-change its parameters right away.
+thread, after the tensors were copied into pooled host buffers
+(``engine/staging.stage_tensors``, the async save's own copy), so training can change
+its parameters right away.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..dcp.writer import CloudStorageWriter
 from ..dist.collectives import first_rank, on_first, rank, settle
 from ..dist.groups import checkpoint_group, group_ranks
 from ..engine.handle import SaveHandle, in_flight
-from ..engine.staging import StagingPool, get_pool
+from ..engine.staging import StagedTensors, stage_tensors
 from ..errors import CloudCkptError, DistributedSaveError
 from ..format.commit import commit_marker
 from ..format.torch.picklability import raise_if_unpicklable
@@ -49,8 +50,6 @@ from .layout import COMMON_NAME, CONFIG_NAME, encode_config
 __all__ = ["DistributedSaveError", "MegatronSaveHandle", "save"]
 
 CONTENT_METADATA_KEY = "content_metadata"
-
-_ALIGN = 64  # byte alignment of each staged tensor inside the pooled buffer
 
 
 class MegatronSaveHandle(SaveHandle[None]):
@@ -191,7 +190,7 @@ class _SaveJob:
         self.pyt_state: dict[str, Any] | None = None
         self.common_bytes: bytes | None = None
         self.error: BaseException | None = None
-        self.staged: tuple[StagingPool, torch.UntypedStorage, bool] | None = None
+        self.staged: StagedTensors | None = None
 
     # -- caller's thread ---------------------------------------------------------------
     def prepare(
@@ -219,29 +218,15 @@ class _SaveJob:
             self.release()
 
     def _stage(self, mc: Any, flat: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        """Copies of ``flat``'s ShardedTensors whose data sits in one pooled host buffer."""
+        """Copies of ``flat``'s ShardedTensors whose data sits in pooled host buffers."""
         tensors = [
             t.data
             for group in flat.values()
             for t in group
             if isinstance(t, mc.ShardedTensor) and t.data is not None
         ]
-        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
-        pinned = torch.cuda.is_available() and any(t.is_cuda for t in tensors)
-        pool = get_pool()
-        storage = pool.take(max(sum(sizes), _ALIGN), pinned)
-        self.staged = (pool, storage, pinned)
-        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
-        copies: dict[int, torch.Tensor] = {}
-        offset = 0
-        for tensor, size in zip(tensors, sizes, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor.detach(), non_blocking=pinned)
-            copies[id(tensor)] = view
-            offset += size
-        if pinned:
-            torch.cuda.synchronize()
+        self.staged = stage_tensors(tensors)
+        copies = {id(t): c for t, c in zip(tensors, self.staged.copies, strict=True)}
 
         def staged(value: Any) -> Any:
             if isinstance(value, mc.ShardedTensor) and value.data is not None:
@@ -253,11 +238,10 @@ class _SaveJob:
         return {key: [staged(v) for v in group] for key, group in flat.items()}
 
     def release(self) -> None:
-        """Give the staging buffer back to the pool for the next save."""
-        if self.staged is not None:
-            pool, storage, pinned = self.staged
-            self.staged = None
-            pool.give_back([storage], [pinned])
+        """Give the staging buffers back to the pool for the next save."""
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged.release()
 
     # -- the save's collectives (caller's thread or background) ------------------------
     def run(self, handle: MegatronSaveHandle, previous: MegatronSaveHandle | None) -> None:
@@ -302,10 +286,6 @@ class _SaveJob:
         assert where is not None and self.common_bytes is not None
         where.store.put(where.key(COMMON_NAME), self.common_bytes)
         commit_marker(where.store, where.key(CONFIG_NAME), encode_config())
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _serialize_common(common: dict[str, Any], url: str) -> bytes:
