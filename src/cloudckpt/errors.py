@@ -12,6 +12,7 @@ builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``
     ├── AlreadyExistsError (FileExistsError)      conditional create lost
     ├── MissingKeyError (KeyError)                a requested top-level key is absent
     ├── NotAnObjectError (IsADirectoryError)      URL names a directory/prefix
+    ├── NotAPrefixError (NotADirectoryError)      URL names one object, not a prefix
     ├── CredentialsError (PermissionError)        missing or rejected credentials
     ├── AccessDeniedError (PermissionError)       credentials lack permission
     ├── StorageError (OSError)                    the store failed a request
@@ -55,6 +56,7 @@ __all__ = [
     "DistributedSaveError",
     "InvalidURLError",
     "MissingKeyError",
+    "NotAPrefixError",
     "NotAnObjectError",
     "NotFoundError",
     "RetriesExhaustedError",
@@ -101,6 +103,10 @@ class MissingKeyError(CloudCkptError, KeyError):
 
 class NotAnObjectError(CloudCkptError, IsADirectoryError):
     """A URL that should name one object names a directory or prefix."""
+
+
+class NotAPrefixError(CloudCkptError, NotADirectoryError):
+    """A URL that should name a prefix (a run root, a DCP checkpoint) names one object."""
 
 
 class CredentialsError(CloudCkptError, PermissionError):

@@ -127,7 +127,7 @@ def test_missing_credentials(monkeypatch, tmp_path, s3_server):
     [
         ("gopher://host/x.pt", "unsupported URL scheme 'gopher'"),
         ("s3:///key-without-bucket", "missing bucket"),
-        ("s3://bucket", "refusing unsafe object key"),
+        ("s3://bucket", "names a bucket, not an object"),
         ("s3://bucket/a/../b.pt", "refusing unsafe object key"),
         ("file://remote-host/x.pt", "must be local"),
     ],

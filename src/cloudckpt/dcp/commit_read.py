@@ -23,6 +23,7 @@ from ..format.dcp.index import LayoutIndex, parse_index, read_document
 from ..format.dcp.layout import layout_name, metadata_name
 from ..format.dcp.metadata import decode_metadata
 from ..io.scheduler import TransferGroup
+from ..store.paths import check_prefix
 from .location import CheckpointLocation
 
 __all__ = ["adopt", "layout_document", "read_commit", "save_id_of"]
@@ -67,6 +68,7 @@ def read_commit(
     group.wait()
     payload, raw = marker.result(), layout.result()
     if payload is None:
+        check_prefix(store, location.root_key, "a DCP checkpoint")  # an object's URL
         raise NotFoundError(
             f"no committed checkpoint at {location.url}: {url} does not exist (a save that "
             "did not finish leaves none)"

@@ -76,6 +76,11 @@ class CheckpointLocation:
         """The store holding the checkpoint, opened on first use in this process."""
         return self._open()[0]
 
+    @property
+    def root_key(self) -> str:
+        """The checkpoint prefix's own key (without a trailing ``/``)."""
+        return self._open()[1]
+
     def key(self, relative: str) -> str:
         """Store key of ``relative`` (refusing names that escape the prefix)."""
         return join_key(self._open()[1], relative, self.url)

@@ -21,7 +21,7 @@ from typing import Any
 from .._runtime.gcpause import paused_gc
 from ..format.torch.picklability import PICKLE_ERRORS, raise_if_unpicklable
 from ..options import TransferOptions
-from ..store import open_target
+from ..store import object_url, open_target
 from .handle import SaveHandle, in_flight, wait_all
 from .save import SaveResult, write_object
 from .staging import get_pool, snapshot
@@ -56,7 +56,7 @@ def async_save(
         raise ConfigError(f"max_in_flight={max_in_flight} must be at least 1")
     started = time.perf_counter()
     in_flight.raise_unreported()
-    where = open_target(url, options, **overrides)
+    where = open_target(object_url(url), options, **overrides)
     store, key, opts = where.store, where.key, where.options
     target = store.url(key)
     # Room for this save: wait for the oldest ones beyond max_in_flight.

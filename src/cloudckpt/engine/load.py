@@ -52,7 +52,7 @@ from ..format.torch.zipdir import Entry
 from ..io.progress import progress_bar
 from ..io.ranges import RangeReader
 from ..options import TransferOptions
-from ..store import Store, Target, open_target
+from ..store import Store, Target, object_url, open_target
 from ..store.deadline import deadline_scope
 from ..store.paths import head_object
 from .directory import read_directory
@@ -355,7 +355,7 @@ def load(
         from .safetensors import load_safetensors  # it imports this module
 
         return load_safetensors(url, keys=keys, device=map_location, options=options, **overrides)
-    where = open_target(url, options, **overrides)
+    where = open_target(object_url(url), options, **overrides)
     with deadline_scope(where.options.deadline):  # bounds the whole load (store/deadline.py)
         return _load(where, map_location, weights_only, keys, share, process_group)
 

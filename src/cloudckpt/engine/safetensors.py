@@ -73,7 +73,7 @@ from ..io.ranges import RangeReader
 from ..io.scheduler import TransferGroup, run_cleanup
 from ..io.sink import BORROW_MIN, BorrowingSink
 from ..options import TransferOptions
-from ..store import Store, Target, join_key, open_target
+from ..store import Store, Target, join_key, object_url, open_target
 from ..store.deadline import deadline_scope
 from ..store.paths import head_object
 from .save import SaveResult
@@ -85,6 +85,16 @@ log = logging.getLogger("cloudckpt")
 #: What a folder URL is searched for first (transformers' names).
 DEFAULT_STEM = "model"
 _Place = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _open(
+    url: str | os.PathLike[str], options: TransferOptions | None, overrides: Mapping[str, Any]
+) -> Target:
+    """``url`` opened: a file or index URL as one object (so ``model.safetensors/`` is
+    refused before anything is opened), a folder as it is."""
+    if isinstance(url, (str, os.PathLike)) and is_safetensors_url(os.fspath(url).rstrip("/")):
+        object_url(url)
+    return open_target(url, options, **overrides)
 
 
 # -- load --------------------------------------------------------------------------------
@@ -293,7 +303,7 @@ def load_safetensors(
     """
     keys = [keys] if isinstance(keys, str) else keys
     prefixes = [prefix] if isinstance(prefix, str) else prefix
-    where = open_target(url, options, **overrides)
+    where = _open(url, options, overrides)
     with deadline_scope(where.options.deadline):  # the whole load (store/deadline.py)
         return _load_safetensors(where, keys, prefixes, device)
 
@@ -554,7 +564,7 @@ def save_safetensors(
     ``SerializationError`` before anything is written.
     """
     started = time.perf_counter()
-    where = open_target(url, options, **overrides)
+    where = _open(url, options, overrides)
     with deadline_scope(where.options.deadline):  # the whole save (store/deadline.py)
         return _save_safetensors(where, state_dict, max_shard_size, metadata, started)
 

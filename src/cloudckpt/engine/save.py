@@ -16,7 +16,7 @@ from ..format.torch.tensors import scan_storages
 from ..io.progress import progress_bar
 from ..io.sink import BORROW_MIN, BorrowingSink, BorrowingWriter, ObjectSink
 from ..options import TransferOptions
-from ..store import Store, open_target
+from ..store import Store, object_url, open_target
 from ..store.deadline import deadline_scope
 
 __all__ = ["SaveResult", "save", "write_object"]
@@ -113,5 +113,5 @@ def save(
     ``overrides`` are :class:`~cloudckpt.TransferOptions` fields for this call (e.g.
     ``part_size``, ``write_concurrency``, ``storage_options``).
     """
-    where = open_target(url, options, **overrides)
+    where = open_target(object_url(url), options, **overrides)
     return write_object(obj, where.store, where.key, where.options)

@@ -22,6 +22,7 @@ from ..format.commit import commit_marker, read_committed
 from ..io.scheduler import TransferGroup
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, check_key
+from ..store.paths import check_prefix
 
 __all__ = [
     "MARKER_FORMAT",
@@ -237,6 +238,8 @@ def list_checkpoints(
     found: list[tuple[str, int]] = []
     if listing is None:
         listing = list(store.list(prefix))
+        if not listing and root_key:  # say why an object's URL holds no checkpoints
+            check_prefix(store, root_key, "a CheckpointManager root")
     for obj in listing:
         rest = obj.key[len(prefix) :]
         parts = rest.split("/")

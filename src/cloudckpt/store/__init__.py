@@ -3,7 +3,8 @@
 :func:`resolve` is the one place a URL and a call's settings (an options object,
 keyword overrides, the profile the URL selects) become the store URL it names and the
 options in force; the profile is looked up once, for both. :func:`open_target` opens
-what it resolved, and :class:`Settings` holds settings given once for many URLs (an
+what it resolved (:func:`object_url` first where the URL must name one object, not
+a prefix), and :class:`Settings` holds settings given once for many URLs (an
 integration's, a command's) and resolves them for each. Stores are cached per process
 (and per set of storage options and connection settings) so connections are reused
 across calls; each call gets a view of the cached store that retries by its own options.
@@ -12,10 +13,11 @@ across calls; each call gets a view of the cached store that retries by its own 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from ..errors import ConfigError, InvalidURLError
@@ -30,7 +32,17 @@ from .base import (
     check_key,
     join_key,
 )
-from .registry import register_store, schemes, store_factory, unsupported
+from .registry import (
+    ALIASES,
+    PROFILE,
+    closest_scheme,
+    register_store,
+    scheme_names,
+    schemes,
+    store_factory,
+    suggest_url,
+    unsupported,
+)
 from .retry import RetryPolicy
 
 __all__ = [
@@ -47,6 +59,7 @@ __all__ = [
     "check_key",
     "join_key",
     "locate",
+    "object_url",
     "open_target",
     "open_url",
     "register_store",
@@ -59,38 +72,60 @@ PROFILE_SCHEME = "profile://"
 SUPPORTED_SCHEMES = ("file", "s3", "gs", "az", "abfs", "memory")
 
 _cache: dict[tuple[Any, ...], Store] = {}
+#: A URL in any form an entry point takes.
+_URL = TypeVar("_URL", bound="str | os.PathLike[str]")
 _cache_lock = threading.Lock()
 
 
+#: A URL's scheme and its colon (RFC 3986: a letter, then letters, digits, ``+-.``).
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+
+
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str, str]:
-    """``(scheme, bucket, key)`` of a URL; plain paths become ``("file", "", abs_path)``."""
-    if isinstance(url, os.PathLike):
+    """``(scheme, bucket, key)`` of a URL; plain paths become ``("file", "", abs_path)``.
+
+    Checked here, before any I/O: a known scheme without its ``//`` (``s3:/b/k``,
+    ``s3:b/k``, also as the first part of a relative path) and an unknown scheme
+    (``s4://b/k``) are refused with the URL most likely meant (docs/stores.md, URLs).
+    """
+    pathlike = isinstance(url, os.PathLike)
+    if pathlike:
         url = os.fspath(url)
     if not isinstance(url, str) or not url:
         raise InvalidURLError(f"expected a URL or path string, got {redact_text(repr(url))}")
     if url.startswith(PROFILE_SCHEME):
         url = str(_profile_for(url).rewrite(url))
-    if "://" not in url:
+    head = _SCHEME.match(url)
+    if head is None or not url.startswith("//", head.end()):
+        _check_local_path(url, pathlike)
         return "file", "", os.path.abspath(os.path.expanduser(url))
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     shown = display_url(url)  # messages never echo a query string (a SAS) or a password
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
-            raise InvalidURLError(f"file URLs must be local (file:///path): {shown}")
+            host = parts.netloc.rpartition("@")[2]  # never echo a user or password
+            guess = display_url(suggest_url("file", f"{host}{parts.path}"))
+            raise InvalidURLError(
+                f"file URLs must be local (file:///path): {shown}; did you mean {guess!r}?"
+            )
         return "file", "", os.path.abspath(unquote(parts.path))
     if scheme in ("s3", "s3a"):
         if not parts.netloc:
-            raise InvalidURLError(f"missing bucket name in {shown} (expected s3://bucket/key)")
+            raise InvalidURLError(
+                f"missing bucket name in {shown} (expected s3://bucket/key)"
+                + _did_you_mean(scheme, parts.path)
+            )
         if parts.query or parts.fragment:
             raise _query_error(shown)
         return "s3", parts.netloc, parts.path.lstrip("/")
     if scheme in ("gs", "gcs", "az", "azure", "abfs", "abfss"):
-        canonical = {"gcs": "gs", "azure": "az", "abfss": "abfs"}.get(scheme, scheme)
+        canonical = ALIASES.get(scheme, scheme)
         if not parts.netloc:
             what = "bucket" if canonical == "gs" else "container"
             raise InvalidURLError(
                 f"missing {what} name in {shown} (expected {canonical}://{what}/key)"
+                + _did_you_mean(scheme, parts.path)
             )
         if parts.query or parts.fragment:
             raise _query_error(shown)
@@ -106,9 +141,51 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str, str]:
         if not parts.netloc:
             raise InvalidURLError(
                 f"missing bucket name in {shown} (expected {scheme}://bucket/key)"
+                + _did_you_mean(scheme, parts.path)
             )
         return scheme, parts.netloc, parts.path.lstrip("/")
+    if scheme == PROFILE:  # profile:// in another case: profile names are exact
+        raise InvalidURLError(
+            f"{head.group(1)}://: write profile:// in lower case"
+            + _did_you_mean(PROFILE, url[head.end() :])
+        )
     raise unsupported(scheme, url)
+
+
+def _did_you_mean(scheme: str, rest: str) -> str:
+    """``; did you mean '...'?`` with ``rest`` after ``scheme://``; "" when it is empty."""
+    guess = suggest_url(scheme, rest)
+    return f"; did you mean {display_url(guess)!r}?" if rest.strip("/") else ""
+
+
+def _check_local_path(path: str, pathlike: bool) -> None:
+    """Refuse a path that is a URL with a typo: a relative path whose first part is a
+    known scheme and a colon (``s3:/b/k``, ``s3:b``), or any ``word:`` alone
+    (``s4:/b/k``). An absolute path, or one starting ``./``, is taken as it is."""
+    first = path.partition("/")[0]
+    head = _SCHEME.match(first)
+    if head is None:
+        if first == ":":
+            raise InvalidURLError(f"{path!r} has no scheme before its ':' (expected s3://...)")
+        return
+    word, rest = head.group(1), path[head.end() :]
+    # Shown as display_url shows URLs: no query (a signature), user or password.
+    after = rest.lstrip("/")
+    slashes = rest[: len(rest) - len(after)]
+    shown = f"{word}:{slashes}" + display_url(f"{word}://{after}").partition("://")[2]
+    local = f" (a local path starting '{word}:' is written ./{shown})"
+    folded = "; a pathlib path folds '//' into '/': pass URLs as strings" if pathlike else ""
+    if word.lower() in scheme_names():
+        guess = _did_you_mean(word, rest) or f"; expected {suggest_url(word, 'bucket/key')}"
+        raise InvalidURLError(f"{shown!r} lacks the '//' after '{word}:'{guess}{folded}{local}")
+    if head.end() == len(first):  # word: and nothing else in the first part
+        closest = closest_scheme(word)
+        guess = _did_you_mean(closest, rest) if closest else ""
+        raise InvalidURLError(
+            f"{shown!r} looks like a URL, but {word!r} is no known scheme (known: "
+            + ", ".join(f"{s}://" for s in schemes())
+            + f"){guess}{folded}{local}"
+        )
 
 
 def _query_error(shown: str) -> InvalidURLError:
@@ -288,6 +365,43 @@ def open_target(
     if isinstance(url, Target) and options is None and not overrides:
         return url
     return _resolve(url, options, overrides).open()
+
+
+#: A URL naming a bucket alone: ``scheme://bucket``.
+_BUCKET_ONLY = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://[^/?#]+")
+
+
+def object_url(url: _URL) -> _URL:
+    """``url``, checked to name one object (``save``, ``load``...), before it is resolved
+    or its store opened: returned as it is, or refused (InvalidURLError).
+
+    A URL ending in ``/`` names a prefix: refused, for local paths as for object
+    stores, rather than written as an object named ``e/`` or a file named for the
+    folder; so is a URL naming a bucket alone. Where a prefix is meant (a manager root,
+    a DCP checkpoint) a trailing ``/`` is fine: those do not call this.
+    """
+    text: Any = url
+    given = os.fspath(text) if isinstance(text, (str, os.PathLike)) else None
+    if isinstance(text, (Resolved, Target)) and text.location.endswith("/"):
+        given = text.location  # the store URL a profile's URL names
+    if not isinstance(given, str):
+        return url  # not a URL: resolve says so
+    if given.endswith("/"):
+        shown = display_url(given)
+        stripped = shown.rstrip("/")
+        example = f"{stripped}/model.pt"
+        name = stripped.rpartition("/")[2]
+        keyed = "/" in stripped.partition("://")[2] if "://" in stripped else bool(stripped)
+        if keyed and "." in name.strip("."):  # "x.pt/": the object is most likely "x.pt"
+            example = stripped
+        raise InvalidURLError(f"{shown} ends in '/': name the object, e.g. {example}")
+    bucket = _BUCKET_ONLY.fullmatch(given)
+    if bucket is not None and bucket.group(1).lower() not in ("file", PROFILE):
+        shown = display_url(given)
+        raise InvalidURLError(
+            f"{shown} names a bucket, not an object: name the object, e.g. {shown}/model.pt"
+        )
+    return url
 
 
 @dataclass(frozen=True)

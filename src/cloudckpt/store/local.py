@@ -20,6 +20,7 @@ from ..errors import (
     AlreadyExistsError,
     CorruptCheckpointError,
     NotAnObjectError,
+    NotAPrefixError,
     NotFoundError,
     StorageError,
 )
@@ -60,6 +61,8 @@ class LocalStore(Store):
         url = self.url(key)
         if exc.errno == errno.ENOENT:
             return NotFoundError(f"no such object: {url}")
+        if exc.errno == errno.ENOTDIR:  # as an object store answers: no object there
+            return NotFoundError(f"no such object: {url} (a part of its path is a file)")
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return AccessDeniedError(f"permission denied: {url} ({exc.strerror})")
         if exc.errno == errno.EISDIR:
@@ -139,7 +142,10 @@ class LocalStore(Store):
                     tmp.unlink(missing_ok=True)
             else:
                 if path.is_dir():
-                    raise NotAnObjectError(f"{self.url(key)} is a directory")
+                    raise NotAnObjectError(
+                        f"{self.url(key)} is a directory, not an object: name the object, "
+                        f"e.g. {self.url(key)}/model.pt"
+                    )
                 os.replace(tmp, path)
             _fsync_dir(path.parent)
         except (AlreadyExistsError, NotAnObjectError):
@@ -149,11 +155,23 @@ class LocalStore(Store):
             tmp.unlink(missing_ok=True)
             raise self._oserror(exc, key) from None
 
+    def _make_parents(self, path: Path, key: str) -> None:
+        """The directories above ``path``; one of them being a file is NotAPrefixError
+        (an object store would take the key, a filesystem cannot)."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise NotAPrefixError(
+                f"cannot write {self.url(key)}: a part of its path is a file, not a directory"
+            ) from None
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+
     def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
         path = self._path(key)
         tmp = self._temp_for(path)
+        self._make_parents(path, key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "xb") as f:
                 f.write(data)
                 f.flush()
@@ -179,8 +197,8 @@ class LocalStore(Store):
     def _create_multipart(self, key: str) -> MultipartUpload:
         path = self._path(key)
         tmp = self._temp_for(path)
+        self._make_parents(path, key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise self._oserror(exc, key) from None

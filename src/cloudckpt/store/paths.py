@@ -11,15 +11,17 @@ tree needs concurrent requests, so it lives above this layer
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Literal, NamedTuple
 
-from ..errors import BucketNotFoundError, NotAnObjectError, NotFoundError
+from ..errors import BucketNotFoundError, NotAnObjectError, NotAPrefixError, NotFoundError
 from .base import ObjectInfo, Store
 
 __all__ = [
     "Children",
     "Entry",
     "Kind",
+    "check_prefix",
     "children",
     "classify",
     "dir_prefix",
@@ -30,6 +32,9 @@ __all__ = [
 
 #: What a key names: one object, a prefix other objects start with, or nothing.
 Kind = Literal["object", "prefix", "missing"]
+
+#: Objects counted under a prefix for a message (one listing page on every store).
+_COUNT_LIMIT = 1000
 
 
 class Entry(NamedTuple):
@@ -78,18 +83,51 @@ def _first_under(store: Store, key: str) -> ObjectInfo | None:
         raise _bucket_missing(store, key) from None
 
 
+def _count_under(store: Store, key: str) -> str:
+    """How many objects lie under ``key/``, in words ("3 objects", "1000 or more")."""
+    try:
+        n = sum(1 for _ in islice(store.list(dir_prefix(key)), _COUNT_LIMIT))
+    except BucketNotFoundError:
+        raise _bucket_missing(store, key) from None
+    more = " or more" if n == _COUNT_LIMIT else ""
+    return f"{n}{more} object{'' if n == 1 else 's'}"
+
+
 def head_object(store: Store, key: str) -> ObjectInfo:
-    """``Store.head``, with errors that say a bucket is missing or a URL is a prefix."""
+    """``Store.head``, with errors that say a bucket is missing or a URL is a prefix.
+
+    A URL naming a directory, or a prefix with objects under it and none at the key,
+    raises NotAnObjectError saying how many objects it holds and how to load the
+    checkpoints such prefixes hold; a URL naming nothing raises NotFoundError.
+    """
     try:
         return store.head(key)
     except BucketNotFoundError:
         raise _bucket_missing(store, key) from None
+    except NotAnObjectError:  # a directory on the filesystem store
+        kind = "directory"
     except NotFoundError:
-        if _first_under(store, key) is not None:
-            raise NotAnObjectError(
-                f"{store.url(key)} is a prefix holding other objects, not a checkpoint object"
-            ) from None
-        raise
+        if _first_under(store, key) is None:
+            raise
+        kind = "prefix"
+    url = store.url(key)
+    raise NotAnObjectError(
+        f"{url} is a {kind} with {_count_under(store, key)} under it, not an object: "
+        "name one object under it; to load a DCP checkpoint use "
+        f"torch.distributed.checkpoint.load(state, storage_reader=CloudStorageReader({url!r})) "
+        f"(cloudckpt.dcp); a manager run: CheckpointManager({url!r}).restore()"
+    ) from None
+
+
+def check_prefix(store: Store, key: str, what: str) -> None:
+    """Raise NotAPrefixError when ``key`` names one object: for a caller that expects a
+    prefix (``what``, e.g. "a CheckpointManager root") and found nothing under
+    ``key/``, so that it says why instead of "nothing there" (one HEAD)."""
+    if _object(store, key) is not None:
+        raise NotAPrefixError(
+            f"{store.url(key)} is an object, not a prefix: {what} is a prefix (a folder) "
+            "holding objects; load one object with cloudckpt.load"
+        )
 
 
 def exists(store: Store, key: str) -> bool:

@@ -25,7 +25,18 @@ from ..options import TransferOptions
 from ..redact import display_url
 from .base import Store
 
-__all__ = ["ENTRY_POINT_GROUP", "StoreFactory", "register_store", "schemes", "store_factory"]
+__all__ = [
+    "ALIASES",
+    "ENTRY_POINT_GROUP",
+    "PROFILE",
+    "StoreFactory",
+    "closest_scheme",
+    "register_store",
+    "scheme_names",
+    "schemes",
+    "store_factory",
+    "suggest_url",
+]
 
 #: Entry-point group that third-party stores register their schemes in.
 ENTRY_POINT_GROUP = "cloudckpt.stores"
@@ -91,6 +102,10 @@ _BUILTIN: dict[str, StoreFactory] = {
     "abfs": _azure,
     "memory": _memory,
 }
+#: Other names of built-in schemes, as other tools spell them -> the built-in scheme.
+ALIASES = {"s3a": "s3", "gcs": "gs", "azure": "az", "abfss": "abfs"}
+#: ``profile://NAME/key``: a URL through a named profile (cloudckpt.profiles).
+PROFILE = "profile"
 _registered: dict[str, StoreFactory] = {}
 _lock = threading.Lock()
 _entry_points_loaded = False
@@ -99,7 +114,7 @@ _entry_points_loaded = False
 def register_store(scheme: str, factory: StoreFactory) -> None:
     """Serve ``scheme://bucket/key`` URLs with stores made by ``factory``."""
     scheme = scheme.lower()
-    if not scheme.isidentifier() or scheme in _BUILTIN:
+    if not scheme.isidentifier() or scheme in _BUILTIN or scheme in (*ALIASES, PROFILE):
         raise ConfigError(f"cannot register the URL scheme {scheme!r}")
     with _lock:
         _registered[scheme] = factory
@@ -139,10 +154,51 @@ def schemes() -> tuple[str, ...]:
     return (*_BUILTIN, *sorted(_registered))
 
 
+def scheme_names() -> tuple[str, ...]:
+    """Every word a URL may start with: the schemes, their aliases and ``profile``.
+
+    Names are case-insensitive (``S3://`` is ``s3://``), as RFC 3986 has them.
+    """
+    return (*schemes(), *ALIASES, PROFILE)
+
+
+def _distance(a: str, b: str) -> int:
+    """The edit distance of two words (insertions, deletions, substitutions)."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def closest_scheme(word: str) -> str | None:
+    """The known scheme ``word`` is most likely a typo of (one edit away, two for
+    words of four letters or more), or None when none is that close."""
+    word = word.lower()
+    limit = 1 if len(word) <= 3 else 2
+    best = min(scheme_names(), key=lambda name: _distance(word, name))
+    return best if 0 < _distance(word, best) <= limit else None
+
+
+def suggest_url(scheme: str, rest: str) -> str:
+    """The URL ``scheme`` + ``rest`` most likely meant: ``rest`` after ``scheme://``
+    (``file:///`` for a file URL, whose host part is empty)."""
+    rest = rest.lstrip("/")
+    return f"file:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+
+
 def unsupported(scheme: str, url: str) -> InvalidURLError:
-    """The error for a URL whose scheme no store serves."""
+    """The error for a URL whose scheme no store serves: the known schemes, and the
+    URL with the closest one when there is one."""
+    closest = closest_scheme(scheme)
+    hint = ""
+    if closest is not None:
+        guess = suggest_url(closest, url.partition(":")[2])
+        hint = f"; did you mean {display_url(guess)!r}?"
     return InvalidURLError(
         f"unsupported URL scheme {scheme!r} in {display_url(url)}; supported: "
         + ", ".join(f"{s}://" for s in schemes())
         + " and plain paths"
+        + hint
     )
