@@ -8,6 +8,7 @@ parts, 10 concurrent writes, 15 concurrent reads.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ __all__ = [
     "MiB",
     "TransferOptions",
     "apply_profile",
+    "check_flag",
+    "check_text",
     "configure",
     "get_defaults",
     "resolve_options",
@@ -140,6 +143,21 @@ class TransferOptions:
         """Return a copy with ``changes`` applied (unknown names raise ConfigError)."""
         _check_names(changes)
         return dataclasses.replace(self, **changes)
+
+
+def check_flag(backend: str, name: str, value: Any) -> bool:
+    """A boolean storage option, or a ConfigError naming it (``"1"`` is not ``True``)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{backend} storage option {name}={value!r} must be True or False")
+    return value
+
+
+def check_text(backend: str, name: str, value: Any, pattern: str, expected: str) -> str:
+    """A string storage option that fully matches ``pattern``, or a ConfigError naming it
+    and saying what was ``expected`` (for plain settings: a secret is never checked here)."""
+    if not isinstance(value, str) or not re.fullmatch(pattern, value):
+        raise ConfigError(f"{backend} storage option {name}={value!r} must be {expected}")
+    return value
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TransferOptions))

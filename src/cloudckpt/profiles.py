@@ -14,6 +14,10 @@ The file is ``$CLOUDCKPT_CONFIG``, else ``$XDG_CONFIG_HOME/cloudckpt/config.toml
     endpoint_url = "http://minio.internal:9000"
     profile_name = "minio"           # credentials from the shared AWS config
 
+``storage_options`` takes any storage option of the URL's store, the object options
+too (``sse``, ``storage_class``, ``tags = { team = "ml" }``...: docs/stores.md); the
+store checks each when it opens.
+
 Precedence: a call's own arguments win over the profile, the profile wins over
 ``cloudckpt.configure()`` and the environment. An unknown key, an unknown profile
 name in ``profile://NAME/...``, or a malformed value is a ``ConfigError``, never

@@ -32,6 +32,7 @@ from ..errors import (
     ThrottledError,
     TransientError,
 )
+from ..options import check_text
 from ..redact import redact_text
 from .base import (
     MultipartUpload,
@@ -44,7 +45,7 @@ from .base import (
 from .body import body_skip
 from .status import error_for
 
-__all__ = ["AZURE_OPTIONS", "AzureStore"]
+__all__ = ["ACCESS_TIERS", "AZURE_OPTIONS", "AzureStore"]
 
 #: Storage options the Azure backend understands (anything else is a ConfigError).
 AZURE_OPTIONS = frozenset(
@@ -57,8 +58,12 @@ AZURE_OPTIONS = frozenset(
         "credential",
         "anonymous",
         "checksum",
+        "encryption_scope",
+        "access_tier",
     }
 )
+#: Access tiers the ``access_tier`` option may name.
+ACCESS_TIERS = ("Hot", "Cool", "Cold", "Archive")
 
 _MAX_BLOCK = 4000 * 1024 * 1024  # the service's largest block
 _BLOCK_ID_DIGITS = 6  # block ids must all have the same length within a blob
@@ -96,7 +101,7 @@ try:
         ServiceResponseError,
     )
     from azure.core.pipeline.transport import RequestsTransport
-    from azure.storage.blob import BlobBlock, BlobServiceClient
+    from azure.storage.blob import BlobBlock, BlobServiceClient, StandardBlobTier
     from requests.adapters import HTTPAdapter
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     _IMPORT_ERROR: ImportError | None = _exc
@@ -140,6 +145,27 @@ class AzureStore(Store):
         self._validate: str | bool = {"none": False, "md5": True}.get(checksum, checksum)
         self.container = container
         self.root_url = f"az://{container}"
+        # The one place the writes' object settings are chosen: the encryption scope goes
+        # on every write (each block must name the scope its blob is committed with), the
+        # tier on the requests that make a blob (Put Blob, Put Block List).
+        self._scope: dict[str, Any] = {}
+        if opts.get("encryption_scope") is not None:
+            self._scope["encryption_scope"] = check_text(
+                "Azure",
+                "encryption_scope",
+                opts["encryption_scope"],
+                r"[A-Za-z0-9](?:[A-Za-z0-9-]{1,61}[A-Za-z0-9])",
+                "an encryption scope name (3-63 letters, digits and hyphens)",
+            )
+        self._creating = dict(self._scope)
+        tier = opts.get("access_tier")
+        if tier is not None:
+            if tier not in ACCESS_TIERS:
+                raise ConfigError(
+                    f"Azure storage option access_tier={tier!r} must be one of "
+                    + ", ".join(ACCESS_TIERS)
+                )
+            self._creating["standard_blob_tier"] = StandardBlobTier(tier)
         session = requests.Session()
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=max_connections, max_retries=0)
         session.mount("https://", adapter)
@@ -286,6 +312,7 @@ class AzureStore(Store):
             overwrite=not if_none_match,
             validate_content=self._validate or None,
             max_concurrency=1,
+            **self._creating,
         )
 
     def _delete(self, key: str) -> None:
@@ -313,12 +340,19 @@ class AzureStore(Store):
             _body(view),
             length=view.nbytes,
             validate_content=self._validate or None,
+            **self._scope,
         )
         return UploadedPart(number=number, etag=block_id, size=view.nbytes)
 
     def _complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
         blocks = [BlobBlock(block_id=p.etag) for p in sorted(parts, key=lambda p: p.number)]
-        self._call("complete", upload.key, self._blob(upload.key).commit_block_list, blocks)
+        self._call(
+            "complete",
+            upload.key,
+            self._blob(upload.key).commit_block_list,
+            blocks,
+            **self._creating,
+        )
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
         """Discard staged blocks where the service allows it.
@@ -336,6 +370,7 @@ class AzureStore(Store):
                 blob.commit_block_list,
                 [],
                 if_none_match="*",
+                **self._scope,
             )
         except (AlreadyExistsError, StorageError):
             return  # a committed blob is there: leave it alone

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import re
 import time
@@ -36,6 +37,7 @@ from ..errors import (
     StorageError,
     TransientError,
 )
+from ..options import check_text
 from ..redact import redact_text
 from .base import (
     Buffer,
@@ -54,7 +56,16 @@ __all__ = ["GCS_OPTIONS", "UPLOADS_PREFIX", "GCSStore"]
 
 #: Storage options the GCS backend understands (anything else is a ConfigError).
 GCS_OPTIONS = frozenset(
-    {"endpoint_url", "project", "credentials_file", "anonymous", "checksum", "verify"}
+    {
+        "endpoint_url",
+        "project",
+        "credentials_file",
+        "anonymous",
+        "checksum",
+        "verify",
+        "kms_key_name",
+        "storage_class",
+    }
 )
 
 #: Where the parts of open multipart uploads live; ``list`` never shows this prefix.
@@ -63,11 +74,6 @@ UPLOADS_PREFIX = ".cloudckpt-uploads/"
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 _DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 _CRC_SLICE = 1 << 20
-_BOUNDARY = "cloudckpt-empty-object"
-_EMPTY_MULTIPART_BODY = (
-    f"--{_BOUNDARY}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{{}}\r\n"
-    f"--{_BOUNDARY}\r\nContent-Type: application/octet-stream\r\n\r\n\r\n--{_BOUNDARY}--\r\n"
-).encode()
 _COMPOSE_FANIN = 32  # the most sources one compose call accepts
 _MARKER = "upload"  # name of the empty object that records an open upload
 _PART = re.compile(r"part-(\d{5,})")
@@ -116,6 +122,27 @@ class GCSStore(Store):
         self.bucket = bucket
         self.root_url = f"gs://{bucket}"
         self._crc = checksum == "crc32c"
+        # CMEK goes on every upload and compose (a policy requiring it covers the parts
+        # too); the storage class only on the objects a caller sees, never on the parts,
+        # which a colder class would bill for a minimum duration after their deletion.
+        self._kms: dict[str, str] = {}
+        if opts.get("kms_key_name") is not None:
+            self._kms["kmsKeyName"] = check_text(
+                "GCS",
+                "kms_key_name",
+                opts["kms_key_name"],
+                r"projects/[^/\s]+/locations/[^/\s]+/keyRings/[^/\s]+/cryptoKeys/[^/\s]+",
+                "projects/P/locations/L/keyRings/R/cryptoKeys/K",
+            )
+        self._class: dict[str, str] = {}
+        if opts.get("storage_class") is not None:
+            self._class["storageClass"] = check_text(
+                "GCS",
+                "storage_class",
+                opts["storage_class"],
+                r"[A-Z][A-Z_]*",
+                "a GCS storage class in capitals (STANDARD, NEARLINE, COLDLINE, ARCHIVE)",
+            )
         self._timeout = (connect_timeout, read_timeout)
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
         if emulator and "://" not in emulator:
@@ -256,23 +283,32 @@ class GCSStore(Store):
                 return
 
     # -- writes ---------------------------------------------------------------------------
-    def _upload(self, key: str, data: Buffer, *, if_none_match: bool) -> dict[str, Any]:
-        """One media upload with its CRC32C, checked against the service's own."""
+    def _upload(
+        self, key: str, data: Buffer, *, if_none_match: bool, final: bool = False
+    ) -> dict[str, Any]:
+        """One upload with its CRC32C, checked against the service's own: the one place
+        every object is written (``final``: one a caller sees, not a part of an upload).
+
+        A plain media upload takes no object metadata; a storage class, and an empty
+        body (which trips some emulators), go as a multipart upload: metadata, then data.
+        """
         view = byte_view(data)
-        params = {"uploadType": "media", "name": key}
+        params = {"uploadType": "media", "name": key, **self._kms}
         if if_none_match:
             params["ifGenerationMatch"] = "0"
-        headers = {"Content-Type": "application/octet-stream"}
         crc = _crc32c(view) if self._crc else None
-        if crc is not None:
-            headers["X-Goog-Hash"] = f"crc32c={crc}"
+        metadata = {**self._class} if final else {}
         body: Any = view
-        if not view.nbytes:
-            # An empty media upload trips some emulators; a multipart one (metadata plus
-            # empty data) means the same to the service and is tiny.
+        if metadata or not view.nbytes:
             params["uploadType"] = "multipart"
-            headers["Content-Type"] = f"multipart/related; boundary={_BOUNDARY}"
-            body = _EMPTY_MULTIPART_BODY
+            if crc is not None:
+                metadata["crc32c"] = crc
+            body = _Related({"name": key, **metadata}, view)
+            headers = {"Content-Type": f"multipart/related; boundary={body.boundary}"}
+        else:
+            headers = {"Content-Type": "application/octet-stream"}
+            if crc is not None:
+                headers["X-Goog-Hash"] = f"crc32c={crc}"
         resp = self._request(
             "POST", self._upload_api, key, "put", params=params, data=body, headers=headers
         )
@@ -283,7 +319,7 @@ class GCSStore(Store):
         return meta
 
     def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
-        self._upload(key, data, if_none_match=if_none_match)
+        self._upload(key, data, if_none_match=if_none_match, final=True)
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
@@ -309,7 +345,7 @@ class GCSStore(Store):
             for p in sorted(parts, key=lambda p: p.number)
         ]
         if not sources:  # an empty object: compose needs at least one source
-            self._upload(upload.key, b"", if_none_match=False)
+            self._upload(upload.key, b"", if_none_match=False, final=True)
         else:
             level = 0
             while len(sources) > _COMPOSE_FANIN:
@@ -332,11 +368,19 @@ class GCSStore(Store):
                 {"name": s["name"], **_generation_precondition(s.get("generation"))}
                 for s in sources
             ],
-            "destination": {"contentType": "application/octet-stream"},
+            "destination": {
+                "contentType": "application/octet-stream",
+                **(self._class if dest == key else {}),
+            },
         }
         try:
             resp = self._request(
-                "POST", self._object_url(dest) + "/compose", key, "complete", json=body
+                "POST",
+                self._object_url(dest) + "/compose",
+                key,
+                "complete",
+                json=body,
+                params=self._kms,
             )
         except AlreadyExistsError:
             raise StorageError(
@@ -440,6 +484,29 @@ def _timestamp(value: Any) -> float | None:
         return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
+
+
+class _Related:
+    """A ``multipart/related`` upload body: object metadata as JSON, then the data sent
+    from caller memory (``len`` gives requests its Content-Length; each iteration sends
+    the three pieces again, so a request repeated after a credential refresh is whole)."""
+
+    def __init__(self, metadata: Mapping[str, Any], data: memoryview) -> None:
+        self.boundary = f"cloudckpt-{uuid.uuid4().hex}"
+        self._head = (
+            f"--{self.boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+            f"{json.dumps(dict(metadata))}\r\n"
+            f"--{self.boundary}\r\nContent-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        self._data = data
+        self._tail = f"\r\n--{self.boundary}--\r\n".encode()
+
+    def __len__(self) -> int:
+        return len(self._head) + self._data.nbytes + len(self._tail)
+
+    def __iter__(self) -> Iterator[Any]:
+        pieces = (self._head, self._data, self._tail)
+        return iter([p for p in pieces if len(p)])
 
 
 def _crc32c(view: memoryview) -> str:

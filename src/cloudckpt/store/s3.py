@@ -8,10 +8,16 @@ own CRC-32 inside the archive), and reads that land straight in tensor memory.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
+import copy
+import hashlib
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlencode
 
 import botocore.session
 from botocore import UNSIGNED
@@ -34,13 +40,16 @@ from ..errors import (
     AlreadyExistsError,
     BucketNotFoundError,
     CloudCkptError,
+    ConfigError,
     CorruptCheckpointError,
     CredentialsError,
+    InvalidURLError,
     NotFoundError,
     StorageError,
     ThrottledError,
     TransientError,
 )
+from ..options import check_flag, check_text
 from ..redact import redact_text
 from .base import (
     MultipartUpload,
@@ -55,7 +64,7 @@ from .body import body_skip, content_range_total, read_body_into
 from .s3_signed_reads import SignedReads
 from .status import error_for
 
-__all__ = ["S3_OPTIONS", "S3Store"]
+__all__ = ["S3_OPTIONS", "SSE_ALGORITHMS", "S3Store", "check_bucket_name"]
 
 #: Storage options the S3 backend understands (anything else is a ConfigError).
 S3_OPTIONS = frozenset(
@@ -69,7 +78,31 @@ S3_OPTIONS = frozenset(
         "anonymous",
         "addressing_style",
         "verify",
+        *(
+            "sse",
+            "sse_kms_key_id",
+            "sse_bucket_key",
+            "sse_customer_key",
+            "storage_class",
+            "tags",
+            "requester_pays",
+        ),
     }
+)
+#: Server-side encryption the ``sse`` option may name.
+SSE_ALGORITHMS = ("AES256", "aws:kms", "aws:kms:dsse")
+#: The requests that create an object: they carry encryption, storage class and tags.
+_CREATING = ("put_object", "create_multipart_upload")
+#: The requests that read or add to an SSE-C object: they carry its key again.
+_SSE_C_OPS = ("upload_part", "complete_multipart_upload", "head_object", "get_object")
+#: Every request the store makes (requester-pays goes on each).
+_ALL_OPS = (
+    *_CREATING,
+    *_SSE_C_OPS,
+    "abort_multipart_upload",
+    "delete_object",
+    "list_objects_v2",
+    "list_multipart_uploads",
 )
 
 #: S3 error codes whose meaning the status alone does not give (store/status.py).
@@ -138,8 +171,12 @@ class S3Store(Store):
         max_connections: int = 64,
     ) -> None:
         opts = check_storage_options("S3", storage_options or {}, S3_OPTIONS)
-        self.bucket = bucket
+        self.bucket = check_bucket_name(bucket)
         self.root_url = f"s3://{bucket}"
+        #: Parameters each kind of request adds (encryption, class, tags, payer): the one
+        #: place they are chosen; ``_call`` adds them to every request of that kind.
+        self._params = _request_params(opts)
+        self._sse_c = "sse_customer_key" in opts
         endpoint = (
             opts.get("endpoint_url")
             or os.environ.get("AWS_ENDPOINT_URL_S3")
@@ -184,7 +221,7 @@ class S3Store(Store):
             verify=opts.get("verify"),
             config=config,
         )
-        self._fast_reads = SignedReads(self._client, bucket)
+        self._fast_reads = SignedReads(self._client, bucket, _read_headers(self._params))
 
     # -- error mapping -------------------------------------------------------------------
     def _map_error(self, exc: Exception, key: str | None, op: str) -> Exception:
@@ -201,6 +238,13 @@ class S3Store(Store):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if code == "NoSuchUpload":
                 return NotFoundError(f"no such multipart upload: {op} {url}")
+            if status == 400 and op in ("head_object", "get_object") and not self._sse_c:
+                # S3's answer to a read of an SSE-C object without its key (a HEAD's has
+                # no body, so the code alone cannot say).
+                return StorageError(
+                    f"{op} {url} failed: {code or status} (an object written with SSE-C "
+                    "reads only with the same sse_customer_key storage option)"
+                )
             return error_for(
                 status,
                 code,
@@ -219,7 +263,8 @@ class S3Store(Store):
     def _call(self, op: str, key: str | None, **kwargs: Any) -> Any:
         """One client call; failures come back as typed errors (the primitives need them)."""
         try:
-            return getattr(self._client, op)(Bucket=self.bucket, **kwargs)
+            extra = self._params.get(op, {})  # bucket-level calls take none
+            return getattr(self._client, op)(Bucket=self.bucket, **extra, **kwargs)
         except Exception as exc:
             mapped = self._map_error(exc, key, op)
             if mapped is exc:
@@ -386,8 +431,184 @@ class S3Store(Store):
             kwargs["KeyMarker"] = resp.get("NextKeyMarker")
             kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker")
 
+    # -- buckets -------------------------------------------------------------------------
+    def create_bucket(self, bucket: str | None = None) -> None:
+        """Create ``bucket`` (default: this store's) in the client's region with this
+        store's client (``cloudckpt mb``; the local test servers make many buckets with
+        one); :class:`AlreadyExistsError` if it is there already."""
+        if bucket is not None and bucket != self.bucket:
+            other = copy.copy(self)  # the same client, errors naming the other bucket
+            other.bucket, other.root_url = check_bucket_name(bucket), f"s3://{bucket}"
+            other.create_bucket()
+            return
+        check_bucket_name(self.bucket, creating=True)
+        self._retrying("create bucket", "", self._create_bucket)
+
+    def _create_bucket(self) -> None:
+        # A HEAD first: us-east-1 (and moto) answer 200 to creating a bucket one owns.
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status != 404:
+                raise
+        else:
+            raise AlreadyExistsError(f"bucket {self.root_url} already exists")
+        region = self._client.meta.region_name
+        where = {"CreateBucketConfiguration": {"LocationConstraint": region}}
+        try:
+            self._client.create_bucket(
+                Bucket=self.bucket, **({} if region in (None, "us-east-1") else where)
+            )
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("BucketAlreadyExists", "BucketAlreadyOwnedByYou"):
+                raise AlreadyExistsError(
+                    f"bucket {self.root_url} already exists (bucket names are global: "
+                    "another account may own it)"
+                ) from None
+            raise
+
     def close(self) -> None:
         self._client.close()
+
+
+def _request_params(opts: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The parameters each client call adds for the object options in ``opts`` (checked
+    here, each failure a ConfigError naming the option; never echoing the SSE-C key).
+
+    Encryption, storage class and tags go where an object is created (PutObject,
+    CreateMultipartUpload); an SSE-C key also on every part, completion, HEAD and GET;
+    requester-pays on every request.
+    """
+    creating: dict[str, Any] = {}
+    sse = opts.get("sse")
+    if sse is not None and sse not in SSE_ALGORITHMS:
+        raise ConfigError(
+            f"S3 storage option sse={sse!r} must be one of {', '.join(SSE_ALGORITHMS)}"
+        )
+    kms_key = opts.get("sse_kms_key_id")
+    bucket_key = opts.get("sse_bucket_key")
+    if (kms_key is not None or bucket_key is not None) and sse not in ("aws:kms", "aws:kms:dsse"):
+        given = "sse_kms_key_id" if kms_key is not None else "sse_bucket_key"
+        raise ConfigError(f"S3 storage option {given} needs sse='aws:kms' or 'aws:kms:dsse'")
+    if sse is not None:
+        creating["ServerSideEncryption"] = sse
+    if kms_key is not None:
+        creating["SSEKMSKeyId"] = check_text(
+            "S3", "sse_kms_key_id", kms_key, r"\S+", "a KMS key id, ARN or alias"
+        )
+    if bucket_key is not None:
+        creating["BucketKeyEnabled"] = check_flag("S3", "sse_bucket_key", bucket_key)
+    if opts.get("storage_class") is not None:
+        creating["StorageClass"] = check_text(
+            "S3",
+            "storage_class",
+            opts["storage_class"],
+            r"[A-Z][A-Z0-9_]*",
+            "an S3 storage class in capitals (STANDARD, STANDARD_IA, GLACIER_IR...)",
+        )
+    if opts.get("tags") is not None:
+        creating["Tagging"] = _tagging(opts["tags"])
+    customer: dict[str, Any] = {}
+    if opts.get("sse_customer_key") is not None:
+        if sse is not None:
+            raise ConfigError("S3 storage options sse and sse_customer_key exclude each other")
+        customer = _customer_key(opts["sse_customer_key"])
+    payer = {"RequestPayer": "requester"} if _payer(opts) else {}
+    params: dict[str, dict[str, Any]] = {op: dict(payer) for op in _ALL_OPS}
+    for op in _CREATING:
+        params[op].update(creating)
+    for op in (*_CREATING, *_SSE_C_OPS):
+        params[op].update(customer)
+    return params
+
+
+def _payer(opts: Mapping[str, Any]) -> bool:
+    value = opts.get("requester_pays")
+    return value is not None and check_flag("S3", "requester_pays", value)
+
+
+def _customer_key(value: Any) -> dict[str, str]:
+    """SSE-C parameters from a base64 256-bit key: algorithm, key and the key's MD5 (sent
+    as they are: botocore then neither encodes nor logs raw key bytes)."""
+    try:
+        raw = base64.b64decode(value, validate=True) if isinstance(value, (str, bytes)) else b""
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != 32:
+        # The value itself is a secret: the message names the option only.
+        raise ConfigError("S3 storage option sse_customer_key must be a base64 32-byte key")
+    return {
+        "SSECustomerAlgorithm": "AES256",
+        "SSECustomerKey": base64.b64encode(raw).decode("ascii"),
+        "SSECustomerKeyMD5": base64.b64encode(hashlib.md5(raw).digest()).decode("ascii"),
+    }
+
+
+def _tagging(value: Any) -> str:
+    """``tags`` (a mapping, or ``k=v&k2=v2``) as the URL-encoded ``x-amz-tagging`` value."""
+    if isinstance(value, str):
+        pairs = [part.partition("=") for part in value.split("&") if part]
+        if any(not sep for _, sep, _ in pairs):
+            raise ConfigError(f"S3 storage option tags={value!r} must be k=v&k2=v2 or a mapping")
+        value = {k: v for k, _, v in pairs}
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError(f"S3 storage option tags={value!r} must be k=v&k2=v2 or a mapping")
+    tags = {str(k): "" if v is None else str(v) for k, v in value.items()}
+    if len(tags) > 10 or any(not 0 < len(k) <= 128 or len(v) > 256 for k, v in tags.items()):
+        raise ConfigError(
+            "S3 storage option tags: at most 10 tags, keys of 1-128 and values of at most "
+            "256 characters"
+        )
+    odd = sorted({c for text in (*tags, *tags.values()) for c in text if not _tag_char(c)})
+    if odd:
+        raise ConfigError(
+            f"S3 storage option tags: S3 takes letters, digits, spaces and _.:/=+-@ in "
+            f"tags, not {''.join(odd)!r}"
+        )
+    return urlencode(tags)
+
+
+def _tag_char(c: str) -> bool:
+    """Whether S3 accepts ``c`` in a tag's key or value."""
+    return c.isalnum() or c.isspace() or c in "_.:/=+-@"
+
+
+def _read_headers(params: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The headers a GET needs beyond its signature (SSE-C key, requester-pays), for the
+    fast reads, from the same parameters the client's GETs take."""
+    get = params["get_object"]
+    names = {
+        "SSECustomerAlgorithm": "x-amz-server-side-encryption-customer-algorithm",
+        "SSECustomerKey": "x-amz-server-side-encryption-customer-key",
+        "SSECustomerKeyMD5": "x-amz-server-side-encryption-customer-key-MD5",
+        "RequestPayer": "x-amz-request-payer",
+    }
+    return {header: str(get[param]) for param, header in names.items() if param in get}
+
+
+#: What botocore sends as a bucket (legacy names included); an ARN passes through.
+_BUCKET_ANY = re.compile(r"[A-Za-z0-9._-]{1,255}")
+#: A name a new bucket may take: 3-63 lowercase letters, digits, dots and hyphens,
+#: starting and ending with a letter or digit.
+_BUCKET_NEW = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def check_bucket_name(name: str, *, creating: bool = False) -> str:
+    """``name`` if S3 could hold such a bucket (with ``creating``: if a new bucket may
+    take it); otherwise :class:`InvalidURLError` saying the rule in one line."""
+    if creating and not _BUCKET_NEW.fullmatch(name):
+        raise InvalidURLError(
+            f"invalid S3 bucket name {name!r}: a new bucket needs 3-63 lowercase letters, "
+            "digits, dots and hyphens, starting and ending with a letter or digit"
+        )
+    if not (_BUCKET_ANY.fullmatch(name) or name.startswith("arn:")):
+        raise InvalidURLError(
+            f"invalid S3 bucket name {name!r}: bucket names are letters, digits, dots, "
+            "hyphens and underscores (new ones: 3-63 lowercase letters, digits, dots, hyphens)"
+        )
+    return name
 
 
 def _etag(value: str | None) -> str | None:

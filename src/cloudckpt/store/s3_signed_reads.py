@@ -20,7 +20,8 @@ which refreshes credentials, follows redirects and names the error precisely. Af
 :data:`MAX_MISSES` refusals in a row that the client then served, the fast path is
 turned off for the store (a server that wants something this path does not send).
 
-The signed headers are never logged nor put into error messages; URLs carry no secret.
+The signed headers (an SSE-C key among them) are never logged nor put into error
+messages; URLs carry no secret.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from botocore import UNSIGNED
@@ -57,9 +59,12 @@ _NO_RETRIES = Retry(False)
 class SignedReads:
     """The fast path of one S3 store's ranged reads."""
 
-    def __init__(self, client: Any, bucket: str) -> None:
+    def __init__(self, client: Any, bucket: str, headers: Mapping[str, str] | None = None) -> None:
+        """``headers``: what every GET of the store carries beyond its signature (an SSE-C
+        key, requester-pays), signed with it; the client's GETs take the same."""
         self._client = client
         self._bucket = bucket
+        self._extra = dict(headers or {})
         meta = client.meta
         self._region = meta.region_name or "us-east-1"
         self._service = meta.service_model.signing_name
@@ -99,9 +104,9 @@ class SignedReads:
             "get_object", Params={"Bucket": self._bucket, "Key": key}, ExpiresIn=60
         )
         url = presigned.split("?", 1)[0]  # endpoint, addressing style, quoted key
-        headers: dict[str, str] = {}
+        headers = dict(self._extra)
         if self._signed:
-            request = AWSRequest(method="GET", url=url)
+            request = AWSRequest(method="GET", url=url, headers=dict(self._extra))
             self._signer.get_auth_instance(self._service, self._region, "s3v4").add_auth(request)
             headers = {name: str(value) for name, value in request.headers.items()}
         parsed = parse_url(url)
