@@ -7,7 +7,9 @@ failure in a library test. Observed with moto 5.2.5 and rclone v1.75.2.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import re
 import signal
@@ -19,10 +21,12 @@ import botocore.exceptions
 import psutil
 import pytest
 
+from cloudckpt.cli.main import main as cli_main
+from cloudckpt.errors import AlreadyExistsError
 from cloudckpt.options import resolve_options
 from cloudckpt.store import open_url
 from conftest import StoreTarget
-from servers import S3Server, listening_addresses, start_server
+from servers import S3Server, listening_addresses, start_server, unique_bucket_name
 
 MiB = 1024 * 1024
 
@@ -323,3 +327,76 @@ def test_main_prints_env_and_stops_on_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     assert not any(child.is_running() for child in children)
+
+
+# ------------------------------------------------------------------- buckets
+
+
+def test_make_bucket_needs_no_boto3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buckets are made by cloudckpt's own S3 store; boto3 is not a dependency."""
+    name = unique_bucket_name()
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "boto3", None)  # `import boto3` now fails
+        assert s3_server.make_bucket(name) == name
+        with pytest.raises(AlreadyExistsError, match=f"bucket s3://{name} already exists"):
+            s3_server.make_bucket(name)
+    assert name in [b["Name"] for b in s3_server.client().list_buckets()["Buckets"]]
+    s3_server.remove_bucket(name)
+
+
+def _cloudckpt(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cloudckpt_mb(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    name = unique_bucket_name()
+    assert _cloudckpt("mb", f"s3://{name}") == (0, f"created bucket s3://{name}\n", "")
+    code, _, err = _cloudckpt("mb", f"s3://{name}")
+    assert (code, err) == (1, f"cloudckpt mb: bucket s3://{name} already exists\n")
+    assert _cloudckpt("ls", f"s3://{name}/run1")[0] == 3  # there, and empty
+    s3_server.remove_bucket(name)
+    code, _, err = _cloudckpt("mb", "s3://Not_A_New_Name")
+    assert code == 2 and "invalid S3 bucket name 'Not_A_New_Name'" in err
+    code, _, err = _cloudckpt("mb", f"s3://{name}/run1")
+    assert code == 2 and "mb takes a bucket URL" in err
+    code, _, err = _cloudckpt("mb", str(tmp_path))
+    assert code == 2 and "has no buckets to create" in err
+
+
+def _readme_block(marker: str) -> str:
+    """The fenced block right after ``<!-- marker ... -->`` in README.md."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    after = text[text.index(f"<!-- {marker}") :]
+    body = after.split("```bash\n", 1)[1]
+    return body.split("```", 1)[0]
+
+
+def test_the_readme_local_s3_snippet_runs_as_printed(tmp_path: Path) -> None:
+    """`python -m cloudckpt.testing rclone --bucket NAME` makes the bucket before it
+    prints the exports, so the README's block works line by line."""
+    script = _readme_block("local-s3")
+    assert "--bucket my-bucket" in script
+    venv_bin = str(Path(sys.executable).parent)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {
+        **os.environ,
+        "PATH": venv_bin + os.pathsep + os.environ["PATH"],
+        "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    done = subprocess.run(
+        ["bash", "-e", "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "w.pt" in done.stdout, done.stdout
+    assert "BucketNotFound" not in done.stderr and "does not exist" not in done.stderr

@@ -1,8 +1,9 @@
 """Deleting checkpoints (marker first) and collecting what failed saves left behind.
 
-Garbage is (1) a ``step-N/`` prefix with objects but no marker whose newest object is
-older than the grace period (a save that died; a younger one may still be running),
-and (2) a multipart upload under the root opened longer ago than the grace period.
+Leftovers are (1) ``step-N/`` prefixes with objects but no marker and (2) multipart
+uploads under the root never completed or aborted (:func:`find_leftovers`, with their
+ages). Garbage is the leftovers older than the grace period (a save that died); a
+younger one may still be running, so gc keeps it and says so.
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from dataclasses import dataclass, field
 
 from ..io.bulk import delete_keys
 from ..options import TransferOptions
-from ..store import ObjectInfo, Store
+from ..store import MultipartUpload, ObjectInfo, Store
 from .marker import MARKER_NAME, parse_step, root_prefix
 
-__all__ = ["GcReport", "collect_garbage", "delete_prefix", "delete_tree"]
+__all__ = [
+    "GcReport",
+    "Leftover",
+    "collect_garbage",
+    "delete_prefix",
+    "delete_tree",
+    "find_leftovers",
+]
 
 #: Default grace period: a save that has not touched its prefix for an hour is dead.
 DEFAULT_GRACE_SECONDS = 3600.0
@@ -64,9 +72,40 @@ def delete_tree(
     delete_keys(store, rest, options)
 
 
+@dataclass(frozen=True)
+class Leftover:
+    """One thing a failed (or still running) save left under a run root."""
+
+    #: ``"prefix"``: a ``step-N/`` prefix with objects but no commit marker;
+    #: ``"upload"``: a multipart upload opened and never completed or aborted.
+    kind: str
+    url: str
+    #: Seconds since the prefix's newest object was written, or since the upload was
+    #: opened (``inf`` when the store does not say).
+    age_s: float
+    #: Younger than the grace period: gc leaves it alone (the save may still be running).
+    kept: bool
+    objects: int = 0
+    bytes: int = 0
+    upload_id: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """The leftover for ``--json`` (an unknown age as None)."""
+        return {
+            "kind": self.kind,
+            "url": self.url,
+            "age_s": None if self.age_s == float("inf") else round(self.age_s, 3),
+            "kept": self.kept,
+            "objects": self.objects,
+            "bytes": self.bytes,
+            "upload_id": self.upload_id,
+        }
+
+
 @dataclass
 class GcReport:
-    """What a garbage collection removed (or, in a dry run, would remove)."""
+    """What a garbage collection removed (or, in a dry run, would remove), and what it
+    kept because it was younger than the grace period."""
 
     dry_run: bool
     #: Uncommitted step prefixes: (url, number of objects, bytes).
@@ -75,10 +114,68 @@ class GcReport:
     uploads: list[tuple[str, str, float]] = field(default_factory=list)
     #: Uncommitted prefixes left alone because they are younger than the grace period.
     skipped_young: list[str] = field(default_factory=list)
+    #: Every leftover found, removed or kept, with its age (:func:`find_leftovers`).
+    leftovers: list[Leftover] = field(default_factory=list)
 
     @property
     def bytes(self) -> int:
         return sum(n for _, _, n in self.prefixes)
+
+    @property
+    def kept(self) -> list[Leftover]:
+        """The leftovers within the grace period (left alone)."""
+        return [x for x in self.leftovers if x.kept]
+
+
+def find_leftovers(
+    store: Store,
+    root_key: str,
+    *,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    protected: Iterable[int] = (),
+    now: float | None = None,
+    listing: Iterable[ObjectInfo] | None = None,
+) -> list[Leftover]:
+    """Uncommitted ``step-N/`` prefixes and open multipart uploads under a root, each with
+    its age and whether the grace period keeps it: the plan :func:`collect_garbage` acts
+    on, and what ``cloudckpt ls --all`` shows. ``listing`` is the root's listing if the
+    caller has it already."""
+    now = time.time() if now is None else now
+    prefix = root_prefix(root_key)
+    protected = set(protected)
+    by_step: dict[str, list[ObjectInfo]] = {}
+    for obj in store.list(prefix) if listing is None else listing:
+        head, sep, _ = obj.key[len(prefix) :].partition("/")
+        step = parse_step(head)
+        if obj.key.startswith(prefix) and sep and step is not None and step not in protected:
+            by_step.setdefault(prefix + head + "/", []).append(obj)
+    found: list[Leftover] = []
+    for step_prefix, objects in sorted(by_step.items()):
+        if any(o.key == step_prefix + MARKER_NAME for o in objects):
+            continue  # committed
+        age = now - max((o.mtime or now) for o in objects)
+        found.append(
+            Leftover(
+                "prefix",
+                store.url(step_prefix),
+                age,
+                kept=age < grace_seconds,
+                objects=len(objects),
+                bytes=sum(o.size for o in objects),
+            )
+        )
+    for upload in store.list_multipart(prefix):
+        age = now - upload.initiated if upload.initiated is not None else float("inf")
+        found.append(
+            Leftover(
+                "upload",
+                store.url(upload.key),
+                age,
+                kept=age < grace_seconds,
+                upload_id=upload.upload_id,
+            )
+        )
+    return found
 
 
 def collect_garbage(
@@ -91,34 +188,25 @@ def collect_garbage(
     protected: Iterable[int] = (),
     now: float | None = None,
 ) -> GcReport:
-    """Remove uncommitted ``step-N/`` prefixes and stale multipart uploads under a root."""
-    now = time.time() if now is None else now
-    prefix = root_prefix(root_key)
-    protected = set(protected)
-    report = GcReport(dry_run=dry_run)
-    listing = list(store.list(prefix))
-    by_step: dict[str, list[ObjectInfo]] = {}
-    for obj in listing:
-        head, sep, _ = obj.key[len(prefix) :].partition("/")
-        step = parse_step(head)
-        if sep and step is not None and step not in protected:
-            by_step.setdefault(prefix + head + "/", []).append(obj)
-    for step_prefix, objects in sorted(by_step.items()):
-        if any(o.key == step_prefix + MARKER_NAME for o in objects):
-            continue  # committed
-        newest = max((o.mtime or now) for o in objects)
-        if now - newest < grace_seconds:
-            report.skipped_young.append(store.url(step_prefix))
-            continue
-        report.prefixes.append((store.url(step_prefix), len(objects), sum(o.size for o in objects)))
-        if not dry_run:
-            delete_prefix(store, step_prefix, options, objects)
-    uploads = list(store.list_multipart(prefix))
-    for upload in uploads:
-        age = now - upload.initiated if upload.initiated is not None else float("inf")
-        if age < grace_seconds:
-            continue
-        report.uploads.append((store.url(upload.key), upload.upload_id, age))
-        if not dry_run:
-            store.abort_multipart(upload)
+    """Remove uncommitted ``step-N/`` prefixes and multipart uploads older than the grace
+    period under a root; the report lists the younger ones too, as kept."""
+    leftovers = find_leftovers(
+        store, root_key, grace_seconds=grace_seconds, protected=protected, now=now
+    )
+    report = GcReport(dry_run=dry_run, leftovers=leftovers)
+    base = store.url("")
+    for item in leftovers:
+        if item.kind == "prefix" and item.kept:
+            report.skipped_young.append(item.url)
+        elif item.kind == "prefix":
+            report.prefixes.append((item.url, item.objects, item.bytes))
+            if not dry_run:
+                delete_prefix(store, item.url[len(base) :], options)
+    for item in leftovers:
+        if item.kind == "upload" and not item.kept:
+            assert item.upload_id is not None
+            report.uploads.append((item.url, item.upload_id, item.age_s))
+            if not dry_run:
+                key = item.url[len(base) :]
+                store.abort_multipart(MultipartUpload(key=key, upload_id=item.upload_id))
     return report

@@ -13,8 +13,6 @@ from typing import Any, Protocol
 
 from .._runtime.gcpause import paused_gc
 from ..dist.collectives import on_first
-from ..engine.load import load
-from ..engine.save import save
 from ..errors import ConfigError
 from ..options import TransferOptions
 
@@ -53,6 +51,8 @@ class ObjectPayload:
         self.filename = filename
 
     def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+        from ..engine.save import save  # imports torch: not at import (the CLI lists fast)
+
         url = prefix_url + self.filename
         on_first(lambda: save(state, url, options=options), what=f"the save of {url}")
 
@@ -65,6 +65,8 @@ class ObjectPayload:
         weights_only: bool,
         state: Any,
     ) -> Any:
+        from ..engine.load import load  # imports torch: not at import
+
         return load(
             prefix_url + self.filename,
             map_location=map_location,

@@ -5,7 +5,11 @@ through :meth:`RetryPolicy.run`; nothing above the store layer retries by hand. 
 request is retried on :class:`~cloudckpt.errors.TransientError` (throttling, 5xx,
 resets, timeouts, short answers) with exponential backoff and full jitter, after
 waiting for its key prefix's rate limiters, until ``max_attempts`` attempts have been
-made; then :class:`~cloudckpt.errors.RetriesExhaustedError`.
+made; then :class:`~cloudckpt.errors.RetriesExhaustedError`. Each retry is logged at
+WARNING on the ``cloudckpt`` logger with its cause and attempt number (the command line
+prints these lines). A refused connection (nothing listens at the endpoint) is retried
+only ``connect_attempts`` times within ``connect_budget`` seconds, then fails naming
+the endpoint: a wrong endpoint or a stopped server does not come back within a backoff.
 
 A key prefix (a "scope": the store's URL and the key's folder) has up to two limiters,
 each shared by every transfer of the process (and replaced in a forked child):
@@ -30,11 +34,13 @@ import logging
 import math
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
 
 from ..errors import (
     ConfigError,
@@ -43,6 +49,7 @@ from ..errors import (
     ThrottledError,
     TransientError,
 )
+from ..redact import display_url, redact_text
 from .deadline import current_deadline
 
 if TYPE_CHECKING:
@@ -57,6 +64,8 @@ __all__ = [
     "cancel_scope",
     "current_cancel",
     "rate_limiter",
+    "refused_endpoint",
+    "retry_cause",
 ]
 
 log = logging.getLogger("cloudckpt")
@@ -305,6 +314,61 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+#: A URL in an error's text (trailing punctuation left out).
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://[^\s\"'<>]*[^\s\"'<>.,:;)]", re.IGNORECASE)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling (each once)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+
+
+def _endpoint_of(exc: BaseException) -> str | None:
+    """The ``scheme://host:port`` a failed connection was made to, if the error says."""
+    for e in _chain(exc):
+        kwargs = getattr(e, "kwargs", None)  # botocore's errors keep their fields here
+        url = kwargs.get("endpoint_url") if isinstance(kwargs, dict) else None
+        if isinstance(url, str) and "://" in url:
+            parts = urlsplit(url)
+            return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+    for e in _chain(exc):
+        for found in _URL.findall(str(e)):
+            parts = urlsplit(found)
+            if parts.scheme.lower() in ("http", "https") and parts.netloc:
+                return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+    return None
+
+
+def refused_endpoint(exc: BaseException) -> str | None:
+    """For a failure to connect because nothing listens there (``ECONNREFUSED``), the
+    endpoint (``scheme://host:port``; ``"the endpoint"`` when the error does not say
+    which); None for any other failure."""
+    if not any(isinstance(e, ConnectionRefusedError) for e in _chain(exc)):
+        return None
+    return _endpoint_of(exc) or "the endpoint"
+
+
+def retry_cause(exc: BaseException) -> str:
+    """A short, safe cause for a retry message: "connection refused", or the error's
+    text with every URL shown without its query string and secrets masked."""
+    if refused_endpoint(exc) is not None:
+        return "connection refused"
+    return _shown(str(exc).strip() or type(exc).__name__)
+
+
+def _shown(text: str) -> str:
+    """``text`` for a log line: URLs without query strings, secrets masked."""
+    return redact_text(_URL.sub(lambda m: display_url(m.group(0)), text))
+
+
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """How often and how patiently a store retries; built from the transfer options."""
@@ -320,10 +384,18 @@ class RetryPolicy:
     #: Slow a key prefix down when the store throttles it (:class:`AdaptiveRate`), never
     #: above ``requests_per_second``.
     adaptive_rate: bool = True
+    #: Attempts in all (never more than ``max_attempts``) once one finds nothing
+    #: listening (a refused connection): a wrong endpoint or a stopped server rarely
+    #: starts to listen within a backoff.
+    connect_attempts: int = 3
+    #: Seconds from the first attempt after which a refused connection is not retried.
+    connect_budget: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts={self.max_attempts} must be at least 1")
+        if self.connect_attempts < 1:
+            raise ConfigError(f"connect_attempts={self.connect_attempts} must be at least 1")
 
     @classmethod
     def from_options(cls, options: TransferOptions) -> RetryPolicy:
@@ -352,6 +424,7 @@ class RetryPolicy:
         adaptive = adaptive_limiter(scope, self.requests_per_second) if self.adaptive_rate else None
         cancel = current_cancel()
         attempt = 0
+        started = time.monotonic()
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
@@ -364,18 +437,38 @@ class RetryPolicy:
                 if adaptive is not None and isinstance(exc, ThrottledError):
                     adaptive.throttled(stamp)
                 attempt += 1
-                if attempt >= self.max_attempts:
+                endpoint = refused_endpoint(exc)
+                limit = self.max_attempts
+                delay = self.delay(attempt)
+                if endpoint is not None:  # nothing listens there: a short budget
+                    limit = min(limit, self.connect_attempts)
+                    spent = time.monotonic() - started
+                    if attempt < limit and spent + delay > self.connect_budget:
+                        limit = attempt
+                    if attempt >= limit:
+                        raise RetriesExhaustedError(
+                            f"{what} failed: cannot connect to {endpoint}: connection "
+                            f"refused ({attempt} attempt(s) in {spent:.1f} s; is the endpoint "
+                            "right and its server running?)"
+                        ) from exc
+                if attempt >= limit:
                     raise RetriesExhaustedError(
                         f"{what} failed after {attempt} attempts; last error: {exc}"
                     ) from exc
-                delay = self.delay(attempt)
                 deadline = current_deadline()
                 if deadline is not None and deadline.remaining() <= delay:
                     raise DeadlineExceededError(
                         f"{what} not retried: the operation's {deadline.seconds:g} s deadline "
                         f"passes first (after {attempt} attempt(s); last error: {exc})"
                     ) from exc
-                log.debug("retrying %s in %.2fs (attempt %d): %s", what, delay, attempt + 1, exc)
+                log.warning(
+                    "retrying %s in %.1f s (attempt %d of %d): %s",
+                    _shown(what),
+                    delay,
+                    attempt + 1,
+                    limit,
+                    retry_cause(exc),
+                )
                 try:
                     _wait(delay, cancel)
                 except Cancelled:

@@ -1,6 +1,7 @@
 """``python -m cloudckpt.testing NAME``: run one local server by hand until killed.
 
-Prints ``export K=V`` lines for a shell (``eval``-able), then waits for Ctrl-C,
+Creates the buckets given with ``--bucket``, then prints ``export K=V`` lines for a
+shell (``eval``-able; once they appear the buckets exist), then waits for Ctrl-C,
 SIGTERM or SIGHUP and stops the server cleanly. ``install-azurite`` only installs
 Azurite (for CI set-up) and prints the launcher's path.
 """
@@ -32,19 +33,34 @@ def main(
     parser.add_argument("name", choices=[*SERVER_NAMES, *EMULATOR_NAMES, "install-azurite"])
     parser.add_argument("--node-prefix", default=node_prefix, help="where npm installs Azurite")
     parser.add_argument("--log-level", help="rclone's --log-level (DEBUG logs every request)")
+    parser.add_argument(
+        "--bucket",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="create this bucket (container) before printing the exports; repeatable",
+    )
     args = parser.parse_args(argv)
     try:
         if args.name == "install-azurite":
+            if args.bucket:
+                raise ConfigError("--bucket needs a server, not install-azurite")
             print(azurite_binary(args.node_prefix))
             return 0
-        return _serve(args.name, args.node_prefix, args.log_level)
-    except ConfigError as exc:  # a server that is not installed, a wrong option
+        return _serve(args.name, args.node_prefix, args.log_level, args.bucket)
+    except ConfigError as exc:  # a server that is not installed, a wrong option, a bad name
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
 
 
-def _serve(name: str, node_prefix: str | os.PathLike[str] | None, log_level: str | None) -> int:
-    """Start ``name``, print how to reach it, and stop it when a signal arrives."""
+def _serve(
+    name: str,
+    node_prefix: str | os.PathLike[str] | None,
+    log_level: str | None,
+    buckets: Sequence[str] = (),
+) -> int:
+    """Start ``name``, make ``buckets``, print how to reach it, and stop it when a signal
+    arrives."""
     done = threading.Event()
     # SIGTERM/SIGINT/SIGHUP wake the wait below so the server is stopped cleanly.
     for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
@@ -57,12 +73,17 @@ def _serve(name: str, node_prefix: str | os.PathLike[str] | None, log_level: str
     else:
         server = launch(name, log_level=log_level)  # type: ignore[arg-type]
     try:
+        for bucket in buckets:
+            server.make_bucket(bucket)
         for key, value in server.env().items():
             print(f"export {key}={shlex.quote(value)}")
         print(f"# {server.version} ready in {server.startup_s:.2f}s, log: {server.log_path}",
               file=sys.stderr)  # fmt: skip
         if isinstance(server, S3Server) and server.data_dir is not None:
             print(f"# buckets are directories under {server.data_dir}", file=sys.stderr)
+        scheme = {"gcs": "gs", "azure": "az"}.get(name, "s3")
+        for bucket in buckets:
+            print(f"# bucket {scheme}://{bucket} created", file=sys.stderr)
         print("# Ctrl-C to stop", file=sys.stderr)
         sys.stdout.flush()
         while not done.wait(0.5):
