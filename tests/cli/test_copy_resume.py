@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from cloudckpt.engine.copy import PARTIAL_SUFFIX, copy_object
-from cloudckpt.errors import StorageError
+from cloudckpt.engine.copy import PARTIAL_SUFFIX, CopyState, copy_object
+from cloudckpt.errors import DeadlineExceededError, StorageError
+from cloudckpt.io.scheduler import TransferGroup
 from cloudckpt.options import MiB, resolve_options
 from cloudckpt.store import open_url
 from faults import FaultyStore
@@ -116,4 +119,84 @@ def test_upload_starts_over_when_the_upload_was_aborted(
     again = FaultyStore(dst)
     result = copy_object(src, src_key, again, dst_key, opts, state_dir=tmp_path / "state")
     assert result.resumed_bytes == 0 and again.calls["upload_part"] == 3
+    assert dst.get(dst_key) == data
+
+
+def _stall_at(
+    call: int, release: threading.Event, then: Callable[[], None] = lambda: None
+) -> Callable[[int], BaseException | None]:
+    """A fault rule: request ``call`` runs ``then`` and hangs until ``release`` (the
+    network stopped answering), then goes on; other requests pass."""
+
+    def rule(n: int) -> BaseException | None:
+        if n == call:
+            then()
+            release.wait()
+        return None
+
+    return rule
+
+
+#: A generous bound: the watchdog ends the stall after this long, so a copy that waits
+#: for the stalled request returns only after it (and fails the test) instead of hanging.
+WATCHDOG_S = 60.0
+
+
+def _watchdog(release: threading.Event) -> threading.Timer:
+    timer = threading.Timer(WATCHDOG_S, release.set)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def test_cancel_on_ctrl_c_does_not_wait_for_a_stalled_request() -> None:
+    group = TransferGroup(resolve_options(), 2)
+    release, entered = threading.Event(), threading.Event()
+    group.submit(lambda: _stall_at(1, release, entered.set)(1), "a request the network holds")
+    timer = _watchdog(release)
+    try:
+        entered.wait()
+        try:
+            raise KeyboardInterrupt  # what Ctrl-C raises while the group's caller waits
+        except KeyboardInterrupt:
+            group.cancel()
+        assert not release.is_set(), "cancel waited for the stalled request"
+    finally:
+        timer.cancel()
+        release.set()
+
+
+def test_deadline_stops_an_upload_with_a_stalled_part(
+    moto_server: S3Server, tmp_path: Path
+) -> None:
+    bucket = moto_server.make_bucket("cp-deadline-stalled")
+    opts = resolve_options(
+        part_size=5 * MiB,
+        write_concurrency=1,
+        max_attempts=1,
+        deadline=2.0,
+        storage_options=moto_server.storage_options(),
+    )
+    data = os.urandom(16 * MiB)  # 4 parts
+    (tmp_path / "src.bin").write_bytes(data)
+    src, src_key = open_url(str(tmp_path / "src.bin"), opts.replace(storage_options={}))
+    dst, dst_key = open_url(f"s3://{bucket}/src.bin", opts)
+    release = threading.Event()
+    faulty = FaultyStore(dst)
+    faulty.faults["upload_part"] = _stall_at(2, release)
+    state_dir = tmp_path / "state"
+    state = CopyState()
+    timer = _watchdog(release)
+    try:
+        with pytest.raises(DeadlineExceededError):
+            copy_object(src, src_key, faulty, dst_key, opts, state_dir=state_dir, state=state)
+        assert not release.is_set(), "the copy waited for the stalled part"
+    finally:
+        timer.cancel()
+        release.set()
+    assert state.kept() == "1 of 4 parts kept"
+    assert len(list(dst.list_multipart(""))) == 1  # kept open, journaled, for the rerun
+    again = opts.replace(deadline=None)
+    result = copy_object(src, src_key, dst, dst_key, again, state_dir=state_dir)
+    assert result.resumed_bytes == 5 * MiB
     assert dst.get(dst_key) == data

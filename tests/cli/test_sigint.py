@@ -28,7 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cloudckpt.options import MiB
+import pytest
+
+from cloudckpt.engine.copy import copy_object
+from cloudckpt.options import MiB, resolve_options
+from cloudckpt.store import open_url
 from cloudckpt.testing.fault_proxy import FaultProxy
 from servers import S3Server, unique_bucket_name
 
@@ -122,6 +126,12 @@ def _journal(state: Path) -> dict[str, Any] | None:
     return None
 
 
+def _parts(state: Path) -> dict[str, Any]:
+    """The parts the upload journal records as stored (none before it is written)."""
+    journal = _journal(state)
+    return dict(journal["parts"]) if journal else {}
+
+
 def _stored_parts(client: Any, bucket: str, key: str, upload_id: str) -> list[int]:
     listed = client.list_parts(Bucket=bucket, Key=key, UploadId=upload_id)
     return sorted(p["PartNumber"] for p in listed.get("Parts", []))
@@ -150,7 +160,8 @@ def test_ctrl_c_stops_cp_and_the_same_command_resumes(
 
     assert done.returncode == 130, (done.returncode, done.stdout, done.stderr)
     assert "cloudckpt cp: interrupted" in done.stderr, done.stderr
-    assert "run the same command again to resume it" in done.stderr, done.stderr
+    kept = f"interrupted: {LET_THROUGH} of {PARTS} parts kept; run the same command to resume"
+    assert kept in done.stderr, done.stderr
     # Nothing committed; the upload the journal names is open, with the parts it records.
     assert client.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
     journal = _journal(state)
@@ -169,11 +180,154 @@ def test_ctrl_c_stops_cp_and_the_same_command_resumes(
             capture_output=True, timeout=300, check=False,
         )  # fmt: skip
     assert again.returncode == 0, (again.stdout, again.stderr)
-    assert json.loads(again.stdout)["resumed_bytes"] == LET_THROUGH * PART
+    summary = json.loads(again.stdout)
+    assert summary["resumed_bytes"] == LET_THROUGH * PART
+    assert summary["moved_bytes"] == len(data) - LET_THROUGH * PART  # the rate's bytes
     assert counted.seen == PARTS - LET_THROUGH
     assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == data
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert _journal(state) is None  # the finished copy removed its journal
+
+
+#: A stalled part: no answer for far longer than the client's request timeout (120 s),
+#: so a process that waits for it cannot exit before STALLED_EXIT_TIMEOUT_S.
+STALL_S = 600.0
+STALLED_EXIT_TIMEOUT_S = 60.0
+
+
+@pytest.mark.parametrize("recursive", [False, True], ids=["object", "prefix"])
+def test_ctrl_c_stops_cp_without_waiting_for_a_stalled_part(
+    moto_server: S3Server, tmp_path: Path, recursive: bool
+) -> None:
+    bucket = moto_server.make_bucket(unique_bucket_name("sigint-stall"))
+    data = os.urandom((PARTS - 1) * PART + MiB)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.txt").write_bytes(b"small, sent in one request")
+    (tree / "big.bin").write_bytes(data)
+    state = tmp_path / "state"
+    if recursive:
+        command = _cp(tree, f"s3://{bucket}/copy", state, "-r")
+    else:
+        command = _cp(tree / "big.bin", f"s3://{bucket}/copy/big.bin", state)
+    held = _PartsAfter(LET_THROUGH)
+    proxy = FaultProxy(
+        moto_server.endpoint_url, rate=1.0, kinds=("slow",), slow_seconds=STALL_S, match=held
+    )
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with proxy, out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(
+            command, env=_env(moto_server, proxy.url), text=True, stdout=stdout, stderr=stderr
+        )
+        try:
+            deadline = time.monotonic() + PROGRESS_TIMEOUT_S
+            while not (held.seen > LET_THROUGH and len(_parts(state)) >= LET_THROUGH):
+                assert proc.poll() is None, f"it ended before the interrupt: {err.read_text()}"
+                assert time.monotonic() < deadline, "no upload progress"
+                time.sleep(0.05)  # polling for the progress above, not waiting for a time
+            proc.send_signal(signal.SIGINT)
+            # Fails (TimeoutExpired) if the process still waits for the stalled part.
+            code = proc.wait(timeout=STALLED_EXIT_TIMEOUT_S)
+            assert proxy.stall_ends == []  # no stalled request had been answered
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr_text = err.read_text()
+    assert code == 130, (code, stderr_text)
+    journal = _journal(state)
+    assert journal is not None and len(journal["parts"]) == LET_THROUGH
+    kept = f"{LET_THROUGH} of {PARTS} parts kept"
+    if recursive:
+        kept = f"1 of 2 objects copied, {kept} of s3://{bucket}/copy/big.bin"
+    assert f"cloudckpt cp: interrupted: {kept}; run the same command to resume" in stderr_text
+    client = moto_server.client()
+    uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert [u["UploadId"] for u in uploads] == [journal["upload_id"]]  # kept for the rerun
+
+    again = subprocess.run(
+        [*command, "--json"], env=_env(moto_server, moto_server.endpoint_url), text=True,
+        capture_output=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0, (again.stdout, again.stderr)
+    summary = json.loads(again.stdout)
+    resumed = LET_THROUGH * PART
+    assert summary["resumed_bytes"] == resumed
+    if recursive:
+        assert (summary["copied"], summary["skipped"]) == (1, 1)
+    assert summary["moved_bytes"] == len(data) - resumed
+    assert client.get_object(Bucket=bucket, Key="copy/big.bin")["Body"].read() == data
+
+
+DOWNLOAD = textwrap.dedent(
+    """
+    import pathlib, sys, threading
+    from faults import FaultyStore
+    from cloudckpt.engine.copy import copy_object
+    from cloudckpt.options import MiB, resolve_options
+    from cloudckpt.store import open_url
+
+    opts = resolve_options(read_chunk_size=MiB, read_concurrency=2, max_attempts=1)
+    src, src_key = open_url(sys.argv[1], opts)
+    dst, dst_key = open_url(sys.argv[2], opts)
+    held = pathlib.Path(sys.argv[3])
+
+    def stall(n):
+        if n == 1:  # the first read: the network never answers it
+            held.touch()
+            threading.Event().wait()
+
+    faulty = FaultyStore(src)
+    faulty.faults["read_into"] = stall
+    copy_object(faulty, src_key, dst, dst_key, opts)
+    """
+)
+
+
+def test_ctrl_c_stops_a_download_without_waiting_for_a_stalled_read(tmp_path: Path) -> None:
+    data = os.urandom(3 * MiB)  # three chunks, two at a time
+    (tmp_path / "src.bin").write_bytes(data)
+    dst = tmp_path / "dst.bin"
+    journal = tmp_path / "dst.bin.cloudckpt-partial.json"
+    held = tmp_path / "held"
+    env = dict(os.environ)
+    tests = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([SRC, tests, env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-c", DOWNLOAD, str(tmp_path / "src.bin"), str(dst), str(held)]
+
+    def progressed() -> bool:  # one read hangs, and another chunk is on disk
+        try:
+            return held.exists() and bool(json.loads(journal.read_text())["done"])
+        except (OSError, ValueError):
+            return False
+
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + PROGRESS_TIMEOUT_S
+        while not progressed():
+            assert proc.poll() is None, "it ended before the interrupt"
+            assert time.monotonic() < deadline, "no download progress"
+            time.sleep(0.05)  # polling for the progress above, not waiting for a time
+        proc.send_signal(signal.SIGINT)
+        # Fails (TimeoutExpired) if the process still waits for the read that never ends.
+        code = proc.wait(timeout=STALLED_EXIT_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        stderr = proc.stderr.read().decode(errors="replace")
+        proc.stderr.close()
+    assert code == -signal.SIGINT, (code, stderr)
+    assert "KeyboardInterrupt" in stderr, stderr
+    assert not dst.exists()  # nothing at the destination; the partial file stays
+
+    opts = resolve_options(read_chunk_size=MiB, max_attempts=1)
+    src_store, src_key = open_url(str(tmp_path / "src.bin"), opts)
+    dst_store, dst_key = open_url(str(dst), opts)
+    result = copy_object(src_store, src_key, dst_store, dst_key, opts)
+    assert result.resumed_bytes >= MiB  # the chunks finished before Ctrl-C were kept
+    assert dst.read_bytes() == data
 
 
 SAVE = textwrap.dedent(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -20,4 +22,17 @@ def test_verify_finds_a_flipped_bit_in_a_dcp_data_object(tmp_path, capsys):
     data.write_bytes(bytes(raw))
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "run")]) == 4
-    assert "fails its CRC-32 check" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"FAILED {data.as_uri()}" in out and "CRC-32 check" in out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_info_of_a_dcp_step_lists_its_tensors_and_scalars(tmp_path, capsys):
+    manager = CheckpointManager(tmp_path / "run", kind="dcp")
+    manager.save(3, {"w": torch.randn(20, 5), "step": 3, "opt": {"lr": 0.5}})
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "run"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["checkpoint"]["step"] == 3 and info["kind"] == "dcp"
+    assert info["tensors"] == [{"name": "w", "dtype": "float32", "shape": [20, 5], "bytes": 400}]
+    assert info["scalars"] == {"step": 3, "opt.lr": 0.5}

@@ -8,17 +8,17 @@ print for people goes through :class:`~cloudckpt.cli.output.Printer`, and with
 from __future__ import annotations
 
 import argparse
-import os
 import posixpath
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.bench import run_bench
-from ..engine.copy import PARTIAL_SUFFIX, copy_object
-from ..errors import CloudCkptError, ConfigError, NotFoundError
-from ..manager.gc import collect_garbage, delete_prefix, delete_tree
+from ..engine.copy import CopyState, TreeCopyResult, copy_object, copy_tree
+from ..errors import CloudCkptError, ConfigError, DeadlineExceededError, NotFoundError
+from ..manager.gc import Leftover, collect_garbage, delete_prefix, delete_tree, find_leftovers
 from ..manager.marker import (
     MARKER_NAME,
     CheckpointInfo,
@@ -34,8 +34,12 @@ from ..store import Target as Opened
 from ..store.local import LocalStore
 from ..store.paths import dir_prefix, exists
 from .export import cmd_export
-from .output import Printer, human_bytes, human_time, progress
+from .output import Printer, human_age, human_bytes, human_time, progress
 from .settings import Settings
+
+if TYPE_CHECKING:  # the engine's readers import torch: only the commands that read do
+    from ..engine.inspect import Inspection
+    from ..engine.verify import ArchiveInfo, TensorInfo
 
 __all__ = ["COMMANDS", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_VERIFY_FAILED", "Settings"]
 
@@ -121,18 +125,30 @@ def _metrics_text(metrics: Any) -> str:
 
 def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     t = resolve(args.url, opts)
-    if t.kind == "missing":
+    # --all: a run root or prefix also shows open uploads and uncommitted step prefixes
+    # (what a killed save leaves), with their ages, even when nothing else is there yet.
+    leftovers = None
+    if args.all and t.kind in ("run", "prefix", "missing"):
+        leftovers = find_leftovers(t.store, t.key, listing=t.objects)
+    if t.kind == "missing" and not leftovers:
         return _not_found(p, "nothing at", t.url)
+    if t.kind == "missing":
+        if p.json_mode:
+            p.json({"kind": "leftovers", "url": t.dir_url, "leftovers": _json(leftovers)})
+        else:
+            _print_leftovers(p, t.dir_url, leftovers or [])
+        return EXIT_OK
     if t.kind == "run":
         if p.json_mode:
-            p.json(
-                {
-                    "kind": "run",
-                    "url": t.dir_url,
-                    "checkpoints": [c.as_dict() for c in t.checkpoints],
-                    "uncommitted": t.uncommitted,
-                }
-            )
+            body: dict[str, Any] = {
+                "kind": "run",
+                "url": t.dir_url,
+                "checkpoints": [c.as_dict() for c in t.checkpoints],
+                "uncommitted": t.uncommitted,
+            }
+            if leftovers is not None:
+                body["leftovers"] = _json(leftovers)
+            p.json(body)
             return EXIT_OK
         total = sum(c.size for c in t.checkpoints)
         p.line(
@@ -151,10 +167,13 @@ def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
             for c in t.checkpoints
         ]
         p.table(["step", "saved", "size", "kind", "files", "metrics"], rows)
-        if t.uncommitted:
+        if leftovers is not None:
+            _print_leftovers(p, t.dir_url, leftovers)
+        elif t.uncommitted:
             p.line(
                 f"{len(t.uncommitted)} uncommitted step prefix(es) (a save that failed or is "
-                "still running; `cloudckpt gc` removes old ones):"
+                "still running; `cloudckpt gc` removes old ones; `ls --all` shows their "
+                "ages and open uploads):"
             )
             for u in t.uncommitted:
                 p.line(f"  {u}")
@@ -175,15 +194,16 @@ def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     if t.kind == "object":
         objects = [t.store.head(t.key)]
     if p.json_mode:
-        p.json(
-            {
-                "kind": t.kind,
-                "url": t.url if t.kind == "object" else t.dir_url,
-                "objects": [
-                    {"url": t.store.url(o.key), "size": o.size, "mtime": o.mtime} for o in objects
-                ],
-            }
-        )
+        listed: dict[str, Any] = {
+            "kind": t.kind,
+            "url": t.url if t.kind == "object" else t.dir_url,
+            "objects": [
+                {"url": t.store.url(o.key), "size": o.size, "mtime": o.mtime} for o in objects
+            ],
+        }
+        if leftovers is not None:
+            listed["leftovers"] = _json(leftovers)
+        p.json(listed)
         return EXIT_OK
     base = root_prefix(t.key) if t.kind == "prefix" else ""
     rows = [
@@ -195,7 +215,38 @@ def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
         for o in objects
     ]
     p.table(["size", "modified", "name"], rows, title=t.dir_url if t.kind == "prefix" else None)
+    if leftovers is not None:
+        _print_leftovers(p, t.dir_url, leftovers)
     return EXIT_OK
+
+
+def _json(leftovers: list[Leftover] | None) -> list[dict[str, object]]:
+    return [x.as_dict() for x in leftovers or []]
+
+
+def _leftover_text(x: Leftover) -> str:
+    """One leftover for people: what it is, its size or upload id, its age, its fate."""
+    if x.kind == "upload":
+        what = f"open multipart upload to {x.url} (upload {(x.upload_id or '?')[:16]}...)"
+        age = f"opened {human_age(x.age_s)} ago"
+    else:
+        what = f"uncommitted {x.url} ({x.objects} objects, {human_bytes(x.bytes)})"
+        age = f"newest object {human_age(x.age_s)} old"
+    fate = "within grace period (kept)" if x.kept else "older than the grace period"
+    return f"{what}, {age}: {fate}"
+
+
+def _print_leftovers(p: Printer, root_url: str, leftovers: list[Leftover]) -> None:
+    """The ``ls --all`` section: every leftover under a root, or that there is none."""
+    if not leftovers:
+        p.line(f"no leftovers under {root_url} (no open uploads, no uncommitted steps)")
+        return
+    p.line(
+        f"{len(leftovers)} leftover(s) under {root_url} (a save that failed or is still "
+        "running; `cloudckpt gc` removes those older than its grace period, 1h by default):"
+    )
+    for x in leftovers:
+        p.line(f"  {_leftover_text(x)}")
 
 
 # -- latest --------------------------------------------------------------------------------
@@ -223,53 +274,87 @@ def _archive_keys(c: CheckpointInfo, prefix: str) -> list[str]:
     return [prefix + f.name for f in c.files if f.name.endswith((".pt", ".pth", ".ckpt", ".bin"))]
 
 
-def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
-    from ..engine.verify import describe  # imports torch: only the commands that read
+def _tensor_json(x: TensorInfo) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "name": x.path,
+        "dtype": x.dtype,
+        "shape": list(x.shape),
+        "bytes": x.nbytes,
+    }
+    if x.file:
+        body["file"] = x.file
+    return body
 
+
+def _archive_json(a: ArchiveInfo) -> dict[str, Any]:
+    return {
+        "url": a.url,
+        "size": a.size,
+        "format": a.format,
+        "records": a.records,
+        "top_level_type": a.top_level_type,
+        "top_level_keys": a.top_level_keys,
+        "tensor_bytes": a.tensor_bytes,
+        "tensors": [_tensor_json(x) for x in a.tensors],
+        "scalars": a.scalars,
+        "note": a.note,
+    }
+
+
+def _inspect_target(
+    t: Target, args: argparse.Namespace, p: Printer
+) -> tuple[CheckpointInfo | None, Inspection]:
+    """The checkpoint marker (for a run or a step) and the engine's description."""
+    from ..engine.inspect import Inspection, detect, inspect
+    from ..engine.verify import describe
+
+    weights_only = not args.unsafe
+    if t.kind in ("object", "prefix"):
+        found = detect(t.store, t.key + ("/" if t.kind == "prefix" else ""))
+        if found.kind == "prefix":
+            raise ConfigError(f"{t.dir_url} is a prefix, not a checkpoint (try `cloudckpt ls`)")
+        return None, inspect(found, t.options, weights_only=weights_only)
+    c = t.checkpoints[-1] if t.kind == "run" else t.checkpoint
+    assert c is not None
+    if t.kind == "run":
+        p.note(f"{t.dir_url} is a run; showing its latest checkpoint, step {c.step}")
+    prefix = c.url[len(t.store.url("")) :]
+    if c.kind == "dcp":
+        return c, inspect(detect(t.store, prefix), t.options, weights_only=weights_only)
+    archives = [describe(t.store, k, weights_only=weights_only) for k in _archive_keys(c, prefix)]
+    out = Inspection("checkpoint", c.url, c.size, len(c.files), c.kind, archives=archives)
+    for a in archives:
+        out.tensors += a.tensors
+        name = a.url.rpartition("/")[2]
+        out.scalars.update(
+            {(k if len(archives) == 1 else f"{name}:{k}"): v for k, v in a.scalars.items()}
+        )
+    return c, out
+
+
+def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     t = resolve(args.url, opts)
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
-    checkpoint: CheckpointInfo | None = None
-    if t.kind == "run":
-        checkpoint = t.checkpoints[-1]
-        p.note(f"{t.dir_url} is a run; showing its latest checkpoint, step {checkpoint.step}")
-    elif t.kind == "checkpoint":
-        checkpoint = t.checkpoint
-    elif t.kind == "prefix":
-        raise ConfigError(f"{t.dir_url} is a prefix, not a checkpoint (try `cloudckpt ls`)")
-    keys = [t.key]
-    if checkpoint is not None:
-        step_prefix = t.store.url("")  # root of the store
-        prefix = checkpoint.url[len(step_prefix) :]
-        keys = _archive_keys(checkpoint, prefix)
-    archives = [describe(t.store, k, weights_only=not args.unsafe) for k in keys]
+    checkpoint, info = _inspect_target(t, args, p)  # imports torch: only commands that read
     if p.json_mode:
-        body: dict[str, Any] = {
-            "checkpoint": checkpoint.as_dict() if checkpoint is not None else None,
-            "archives": [
-                {
-                    "url": a.url,
-                    "size": a.size,
-                    "format": a.format,
-                    "records": a.records,
-                    "top_level_type": a.top_level_type,
-                    "top_level_keys": a.top_level_keys,
-                    "tensor_bytes": a.tensor_bytes,
-                    "tensors": [
-                        {
-                            "name": x.path,
-                            "dtype": x.dtype,
-                            "shape": list(x.shape),
-                            "bytes": x.nbytes,
-                        }
-                        for x in a.tensors
-                    ],
-                    "note": a.note,
-                }
-                for a in archives
-            ],
-        }
-        p.json(body)
+        p.json(
+            {
+                "kind": info.kind,
+                "url": info.url,
+                "format": info.format,
+                "size": info.size,
+                "files": info.files,
+                "checkpoint": checkpoint.as_dict() if checkpoint is not None else None,
+                "tensor_bytes": info.tensor_bytes,
+                "tensors": [_tensor_json(x) for x in info.tensors],
+                "items": [{"name": i.name, "bytes": i.nbytes} for i in info.items],
+                "scalars": info.scalars,
+                "metadata": info.metadata,
+                "archives": [_archive_json(a) for a in info.archives],
+                "note": info.note,
+            }
+        )
         return EXIT_OK
     if checkpoint is not None:
         c = checkpoint
@@ -280,7 +365,11 @@ def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
         p.line(f"metrics: {_metrics_text(c.metrics)}")
         if c.metadata:
             p.line(f"metadata: {c.metadata}")
-    for a in archives:
+    if info.kind not in ("torch", "checkpoint"):
+        p.line(f"{info.url}: {info.format}, {info.files} file(s), {human_bytes(info.size)}")
+        for k, v in info.metadata.items():
+            p.line(f"{k}: {v}")
+    for a in info.archives:
         p.line(f"{a.url}: {human_bytes(a.size)}, {a.format}, {a.records} records")
         if a.top_level_keys is not None:
             p.line(f"top-level keys ({len(a.top_level_keys)}): {', '.join(a.top_level_keys)}")
@@ -288,12 +377,23 @@ def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
             p.line(f"top level: {a.top_level_type}")
         if a.note:
             p.line(a.note)
-        p.line(f"{len(a.tensors)} tensors, {human_bytes(a.tensor_bytes)}")
-        rows = [
-            [x.path, x.dtype, "x".join(map(str, x.shape)) or "scalar", human_bytes(x.nbytes)]
-            for x in a.tensors
-        ]
-        p.table(["name", "dtype", "shape", "bytes"], rows)
+    if info.note:
+        p.line(info.note)
+    if info.scalars:
+        p.line("values: " + ", ".join(f"{k}={v!r}" for k, v in info.scalars.items()))
+    if info.kind == "dcp-data":
+        return EXIT_OK
+    p.line(f"{len(info.tensors)} tensors, {human_bytes(info.tensor_bytes)}")
+    sharded = any(x.file for x in info.tensors)
+    rows = [
+        [x.path, x.dtype, "x".join(map(str, x.shape)) or "scalar", human_bytes(x.nbytes)]
+        + ([x.file] if sharded else [])
+        for x in info.tensors
+    ]
+    p.table(["name", "dtype", "shape", "bytes"] + (["file"] if sharded else []), rows)
+    if info.items:
+        p.line(f"{len(info.items)} non-tensor items")
+        p.table(["name", "bytes"], [[i.name, human_bytes(i.nbytes)] for i in info.items])
     return EXIT_OK
 
 
@@ -301,64 +401,83 @@ def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
-    from ..engine.verify import dcp_tensor_slices, verify_archive, verify_archive_bytes
+    from ..engine.inspect import Checked, detect, verify
 
     t = resolve(args.url, opts)
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
-    if t.kind == "prefix":
-        raise ConfigError(f"{t.dir_url} holds no committed checkpoint and is not an object")
-    store_root = t.store.url("")
-    # (url of what is checked, key, expected size, expected etag, check CRCs?)
-    jobs: list[tuple[str, int | None, str | None, bool]] = []
-    # DCP data objects: key -> (offset, length) of each tensor archive inside them.
-    dcp_slices: dict[str, list[tuple[int, int]]] = {}
-    if t.kind == "object":
-        jobs.append((t.key, None, None, True))
-    else:
-        checkpoints = t.checkpoints if t.kind == "run" else [t.checkpoint]
-        for c in checkpoints:
-            assert c is not None
-            prefix = c.url[len(store_root) :]
-            for f in c.files:
-                archive = f.name.endswith((".pt", ".pth", ".ckpt", ".bin"))
-                jobs.append((prefix + f.name, f.size, f.etag, archive))
-            if any(f.name == ".metadata" for f in c.files):
-                dcp_slices.update(dcp_tensor_slices(t.store, prefix))
-    results: list[dict[str, Any]] = []
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
+    note = ""
+    results: list[Checked] = []
     with progress("verify", enabled and not p.json_mode) as (advance, _set_total):
-        for key, size, etag, archive in jobs:
-            url = t.store.url(key)
-            entry: dict[str, Any] = {"url": url, "ok": True, "bytes": 0, "error": None}
-            try:
-                info = t.store.head(key)
-                if size is not None and info.size != size:
-                    raise _Mismatch(f"{url} holds {info.size} bytes; its marker says {size}")
-                if etag and info.etag and etag.strip('"') != info.etag.strip('"'):
-                    raise _Mismatch(f"{url} changed since it was committed (ETag differs)")
-                entry["bytes"] = info.size
-                if archive:
-                    entry["bytes"] = verify_archive(t.store, key, t.options, advance=advance)
-                for offset, length in dcp_slices.get(key, ()):
-                    data = t.store.get_range(key, offset, offset + length)
-                    verify_archive_bytes(data, f"{url} bytes {offset}+{length}")
-                    advance(length)
-            except (_Mismatch, NotFoundError, CloudCkptError) as exc:
-                if not isinstance(exc, (_Mismatch, NotFoundError)) and not _is_corrupt(exc):
-                    raise
-                entry["ok"] = False
-                entry["error"] = str(exc)
-            results.append(entry)
-    ok = all(r["ok"] for r in results)
+        if t.kind in ("object", "prefix"):
+            found = detect(t.store, t.key + ("/" if t.kind == "prefix" else ""))
+            if found.kind == "prefix":
+                raise ConfigError(
+                    f"{t.dir_url} holds no committed checkpoint of a kind cloudckpt knows "
+                    "(a manager run, DCP, Megatron, safetensors) and is not an object"
+                )
+            report = verify(found, t.options, advance=advance)
+            results, note = report.checked, report.note
+        else:
+            checkpoints = t.checkpoints if t.kind == "run" else [t.checkpoint]
+            for c in checkpoints:
+                assert c is not None
+                results += _verify_managed(t, c, advance)
+    ok = all(r.ok for r in results)
     if p.json_mode:
-        p.json({"ok": ok, "checked": results})
+        p.json(
+            {
+                "ok": ok,
+                "url": t.url if t.kind == "object" else t.dir_url,
+                "note": note,
+                "checked": [
+                    {"url": r.url, "ok": r.ok, "bytes": r.bytes, "error": r.error} for r in results
+                ],
+            }
+        )
     else:
         for r in results:
-            status = "ok" if r["ok"] else "FAILED"
-            p.line(f"{status:6} {r['url']}" + (f"  {r['error']}" if r["error"] else ""))
+            status = "ok" if r.ok else "FAILED"
+            p.line(f"{status:6} {r.url}" + (f"  {r.error}" if r.error else ""))
+        if note:
+            p.line(note)
         p.line(f"{'all' if ok else 'NOT all'} {len(results)} object(s) verified")
     return EXIT_OK if ok else EXIT_VERIFY_FAILED
+
+
+def _verify_managed(t: Target, c: CheckpointInfo, advance: Callable[[int], None]) -> list[Any]:
+    """One manager checkpoint: each file's size and ETag against its marker, every
+    archive's records, and a DCP payload's own checks (engine/inspect.py)."""
+    from ..engine.inspect import Checked, detect, verify_dcp
+    from ..engine.verify import verify_archive
+
+    prefix = c.url[len(t.store.url("")) :]
+    dcp: dict[str, Checked] = {}
+    if c.kind == "dcp":
+        dcp = {r.url: r for r in verify_dcp(detect(t.store, prefix), t.options, advance=advance)}
+    results = []
+    for f in c.files:
+        key = prefix + f.name
+        entry = Checked(t.store.url(key))
+        try:
+            info = t.store.head(key)
+            if info.size != f.size:
+                raise _Mismatch(f"{entry.url} holds {info.size} bytes; its marker says {f.size}")
+            if f.etag and info.etag and f.etag.strip('"') != info.etag.strip('"'):
+                raise _Mismatch(f"{entry.url} changed since it was committed (ETag differs)")
+            entry.bytes = info.size
+            if f.name.endswith((".pt", ".pth", ".ckpt", ".bin")):
+                entry.bytes = verify_archive(t.store, key, t.options, advance=advance)
+        except (_Mismatch, NotFoundError, CloudCkptError) as exc:
+            if not isinstance(exc, (_Mismatch, NotFoundError)) and not _is_corrupt(exc):
+                raise
+            entry.fail(exc)
+        checked = dcp.get(entry.url)
+        if checked is not None and not checked.ok:
+            entry.fail(checked.error or "failed")
+        results.append(entry)
+    return results
 
 
 class _Mismatch(CloudCkptError):
@@ -374,11 +493,28 @@ def _is_corrupt(exc: BaseException) -> bool:
 # -- rm ------------------------------------------------------------------------------------
 
 
+def _rm_plan(t: Target) -> list[ObjectInfo]:
+    """What ``rm`` deletes, in its order: each checkpoint's marker before its files (so
+    none looks committed while they go), then everything else."""
+    if t.kind == "object":
+        return [t.store.head(t.key)]
+    if t.kind == "checkpoint" or parse_step(posixpath.basename(t.key)) is not None:
+        prefixes = [root_prefix(t.key)]
+    else:
+        base = t.store.url("")
+        prefixes = [c.url[len(base) :] for c in t.checkpoints]
+    first = {prefix + MARKER_NAME for prefix in prefixes}
+    markers = [o for o in t.objects if o.key in first]
+    return markers + [o for o in t.objects if o.key not in first]
+
+
 def cmd_rm(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     t = resolve(args.url, opts)
     removed: list[str] = []
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
+    if args.dry_run:
+        return _rm_dry_run(args, t, p)
     if t.kind == "object":
         t.store.delete(t.key)
         removed.append(t.url)
@@ -403,6 +539,30 @@ def cmd_rm(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     return EXIT_OK
 
 
+def _rm_dry_run(args: argparse.Namespace, t: Target, p: Printer) -> int:
+    """List what ``rm`` would delete, in its order, and delete nothing."""
+    is_step = parse_step(posixpath.basename(t.key)) is not None
+    if t.kind not in ("object", "checkpoint") and not is_step and not args.recursive:
+        raise ConfigError(
+            f"{t.dir_url} is a prefix with {len(t.objects)} object(s); "
+            "pass --recursive (-r) to delete all of them"
+        )
+    plan = _rm_plan(t)
+    if p.json_mode:
+        p.json(
+            {
+                "dry_run": True,
+                "would_remove": [{"url": t.store.url(o.key), "size": o.size} for o in plan],
+            }
+        )
+        return EXIT_OK
+    for o in plan:
+        p.line(f"would remove {t.store.url(o.key)} ({human_bytes(o.size)})")
+    total = human_bytes(sum(o.size for o in plan))
+    p.line(f"would remove {len(plan)} object(s), {total}, under {t.url} (dry run: nothing removed)")
+    return EXIT_OK
+
+
 # -- gc ------------------------------------------------------------------------------------
 
 
@@ -415,26 +575,60 @@ def cmd_gc(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
         p.json(
             {
                 "dry_run": report.dry_run,
+                "grace_s": args.grace,
                 "prefixes": [{"url": u, "objects": n, "bytes": b} for u, n, b in report.prefixes],
                 "uploads": [{"url": u, "upload_id": i, "age_s": a} for u, i, a in report.uploads],
                 "skipped_young": report.skipped_young,
+                "kept": _json(report.kept),
+                "leftovers": _json(report.leftovers),
             }
         )
         return EXIT_OK
     verb = "would remove" if report.dry_run else "removed"
+    ages = {x.url: x.age_s for x in report.leftovers if x.kind == "prefix"}
     for u, n, b in report.prefixes:
-        p.line(f"{verb} {u} ({n} objects, {human_bytes(b)}, no commit marker)")
+        p.line(
+            f"{verb} {u} ({n} objects, {human_bytes(b)}, no commit marker, newest object "
+            f"{human_age(ages.get(u, float('inf')))} old)"
+        )
     for u, i, a in report.uploads:
         p.line(
             f"{'would abort' if report.dry_run else 'aborted'} upload {i[:16]}... to {u} "
-            f"(opened {a / 3600:.1f} h ago)"
+            f"(opened {human_age(a)} ago)"
         )
-    for u in report.skipped_young:
-        p.line(f"kept {u}: uncommitted but younger than the grace period")
+    for x in report.kept:
+        p.line(f"kept {_leftover_text(x)}")
     p.line(
         f"{verb} {len(report.prefixes)} uncommitted prefix(es), {human_bytes(report.bytes)}; "
-        f"{len(report.uploads)} stale upload(s)"
+        f"{'would abort' if report.dry_run else 'aborted'} {len(report.uploads)} stale "
+        f"upload(s); kept {len(report.kept)} within the grace period ({human_age(args.grace)})"
     )
+    return EXIT_OK
+
+
+# -- mb ------------------------------------------------------------------------------------
+
+
+def cmd_mb(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    o = opts.open(args.url)
+    create = getattr(o.store, "create_bucket", None)
+    if create is None:
+        raise ConfigError(
+            f"cloudckpt mb cannot create {display_url(args.url)}: its store "
+            f"({type(o.store).__name__}) has no buckets to create (S3 and S3-compatible "
+            "stores do)"
+        )
+    if o.key.strip("/"):
+        raise ConfigError(
+            f"{display_url(args.url)} names a path inside a bucket; mb takes a bucket URL "
+            "such as s3://NAME"
+        )
+    create()
+    url = o.store.root_url
+    if p.json_mode:
+        p.json({"created": url})
+    else:
+        p.line(f"created bucket {url}")
     return EXIT_OK
 
 
@@ -453,16 +647,39 @@ def _destination(src_key: str, dst_url: str, settings: Settings) -> tuple[Opened
     return opened, key
 
 
+def _rate(moved: int, seconds: float) -> str:
+    """The transfer rate over the bytes this run moved; '' when it moved none."""
+    return f"{moved / seconds / 1e6:.1f} MB/s" if moved > 0 and seconds > 0 else ""
+
+
+def _copy_stopped(p: Printer, exc: BaseException, state: CopyState) -> None:
+    """Say what an interrupted or failed copy kept, and that rerunning resumes it."""
+    if isinstance(exc, (ConfigError, NotFoundError)):
+        return  # nothing was started, or the source is gone: nothing to resume
+    if isinstance(exc, KeyboardInterrupt):
+        cause = "interrupted"
+    elif isinstance(exc, DeadlineExceededError):
+        cause = "deadline passed"
+    else:
+        cause = "stopped"
+    p.note(f"cloudckpt cp: {cause}: {state.kept()}; run the same command to resume")
+
+
 def cmd_cp(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    if args.recursive:
+        return _cp_tree(args, opts, p)
+    if args.dry_run:
+        raise ConfigError("--dry-run lists the objects of a recursive copy: add -r")
     src = opts.open(args.src)
     src_store, src_key = src.store, src.key
     if not src_key or args.src.endswith("/"):
-        raise ConfigError(f"{args.src} names a prefix; cp copies one object")
+        raise ConfigError(f"{args.src} names a prefix; copy a prefix with cp -r")
     dst, dst_key = _destination(src_key, args.dst, opts)
     dst_store = dst.store
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
     state_dir = Path(args.state_dir) if args.state_dir else None
     name = posixpath.basename(src_key)
+    state = CopyState()
     try:
         with progress(f"cp {name}", enabled and not p.json_mode) as (advance, set_total):
             result = copy_object(
@@ -474,12 +691,10 @@ def cmd_cp(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
                 state_dir=state_dir,
                 advance=advance,
                 on_size=set_total,
+                state=state,
             )
-    except (KeyboardInterrupt, CloudCkptError, OSError):
-        if not isinstance(dst_store, LocalStore) or os.path.exists(
-            str(dst_store.root / dst_key) + PARTIAL_SUFFIX
-        ):
-            p.note("cloudckpt: the copy stopped; run the same command again to resume it")
+    except (KeyboardInterrupt, CloudCkptError, OSError) as exc:
+        _copy_stopped(p, exc, state)
         raise
     if p.json_mode:
         p.json(
@@ -489,18 +704,84 @@ def cmd_cp(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
                 "size": result.size,
                 "seconds": result.seconds,
                 "resumed_bytes": result.resumed_bytes,
+                "moved_bytes": result.moved_bytes,
             }
         )
     else:
-        rate = result.size / result.seconds / 1e6 if result.seconds > 0 else 0.0
+        rate = _rate(result.moved_bytes, result.seconds)
         resumed = (
             f", resumed after {human_bytes(result.resumed_bytes)}" if result.resumed_bytes else ""
         )
         p.line(
-            f"copied {result.src} -> {result.dst} ({human_bytes(result.size)}, "
-            f"{rate:.1f} MB/s{resumed})"
+            f"copied {result.src} -> {result.dst} ({human_bytes(result.size)}"
+            f"{', ' + rate if rate else ''}{resumed})"
         )
     return EXIT_OK
+
+
+def _cp_tree(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    """``cp -r``: every object under the source prefix, keys relative to it."""
+    src = opts.open(args.src)
+    dst = opts.open(args.dst)
+    enabled = args.progress if args.progress is not None else sys.stderr.isatty()
+    state_dir = Path(args.state_dir) if args.state_dir else None
+    name = posixpath.basename(src.key.rstrip("/")) or src.store.url("")
+    state = CopyState()
+    try:
+        show = enabled and not p.json_mode and not args.dry_run
+        with progress(f"cp -r {name}", show) as (advance, set_total):
+            result = copy_tree(
+                src.store,
+                src.key,
+                dst.store,
+                dst.key,
+                dst.options,
+                state_dir=state_dir,
+                dry_run=args.dry_run,
+                advance=advance,
+                on_size=set_total,
+                state=state,
+            )
+    except (KeyboardInterrupt, CloudCkptError, OSError) as exc:
+        _copy_stopped(p, exc, state)
+        raise
+    _print_tree(result, p)
+    return EXIT_OK
+
+
+def _print_tree(result: TreeCopyResult, p: Printer) -> None:
+    """The summary of a recursive copy (with ``--dry-run``: its plan, object by object)."""
+    if p.json_mode:
+        p.json(
+            {
+                "src": result.src,
+                "dst": result.dst,
+                "dry_run": result.dry_run,
+                "copied": len(result.copied),
+                "skipped": len(result.skipped),
+                "bytes": result.size,
+                "moved_bytes": result.moved_bytes,
+                "resumed_bytes": result.resumed_bytes,
+                "seconds": result.seconds,
+                "objects": [
+                    {"name": e.name, "size": e.size, "action": "skip" if e.skip else "copy"}
+                    for e in result.entries
+                ],
+            }
+        )
+        return
+    verb = "would copy" if result.dry_run else "copied"
+    if result.dry_run:
+        rows = [["skip" if e.skip else "copy", human_bytes(e.size), e.name] for e in result.entries]
+        p.table(["action", "size", "name"], rows, title=f"{result.src} -> {result.dst}")
+    rate = "" if result.dry_run else _rate(result.moved_bytes, result.seconds)
+    resumed = f", resumed after {human_bytes(result.resumed_bytes)}" if result.resumed_bytes else ""
+    p.line(
+        f"{verb} {len(result.copied)} object(s) ({human_bytes(result.size)}"
+        f"{', ' + rate if rate else ''}{resumed}), skipped {len(result.skipped)} already at "
+        f"the destination: {result.src} -> {result.dst}"
+        + (" (dry run: nothing written)" if result.dry_run else "")
+    )
 
 
 # -- bench ---------------------------------------------------------------------------------
@@ -554,6 +835,7 @@ COMMANDS = {
     "rm": cmd_rm,
     "latest": cmd_latest,
     "gc": cmd_gc,
+    "mb": cmd_mb,
     "bench": cmd_bench,
     "export": cmd_export,
 }

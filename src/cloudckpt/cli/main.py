@@ -20,7 +20,7 @@ from ..errors import (
 from ..options import MiB
 from ..redact import RedactingFilter, redact_text
 from .commands import COMMANDS, Settings
-from .output import Printer
+from .output import Printer, StderrHandler
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -44,9 +44,12 @@ examples:
   cloudckpt latest s3://bucket/run1          URL of the newest committed checkpoint
   cloudckpt info s3://bucket/run1/step-000000300
   cloudckpt cp s3://bucket/run1/step-000000300/state.pt ./state.pt
+  cloudckpt cp -r s3://bucket/run1/step-000000300 ./step-300 --dry-run
   cloudckpt verify s3://bucket/run1          every checksum of every committed checkpoint
   cloudckpt export s3://bucket/run1/step-000000300 s3://bucket/hf/ --dtype bf16
+  cloudckpt ls --all s3://bucket/run1        also open uploads, uncommitted steps, ages
   cloudckpt gc s3://bucket/run1 --dry-run    what a failed save left behind
+  cloudckpt mb s3://bucket                   create a bucket (S3-compatible stores)
   cloudckpt bench s3://bucket/scratch        throughput, latency, suggested settings
 
 exit codes:
@@ -74,6 +77,20 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * unit
 
 
+def parse_storage_option(text: str) -> tuple[str, Any]:
+    """``"KEY=VALUE"`` -> ``(KEY, VALUE)``: ``true``/``false`` become booleans, anything
+    else stays text (the store checks it; ``tags=a=1&b=2`` splits at the first ``=``)."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    # The argument may hold a secret: only a name before an '=' is ever shown.
+    if not sep:
+        raise argparse.ArgumentTypeError("expected KEY=VALUE (the argument has no '=')")
+    if not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got the name {key!r}")
+    flags = {"true": True, "false": False}
+    return key, flags.get(value.lower(), value)
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -92,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--region", help="S3 region (else AWS_REGION, default us-east-1)")
     g.add_argument("--profile", help="AWS profile name (else AWS_PROFILE)")
     g.add_argument("--anonymous", action="store_true", help="unsigned requests (public buckets)")
+    g.add_argument(
+        "-o",
+        "--storage-option",
+        metavar="KEY=VALUE",
+        type=parse_storage_option,
+        action="append",
+        default=[],
+        help="any storage option of the URL's store, repeatable (sse=aws:kms, "
+        "storage_class=STANDARD_IA, tags=team=ml&env=prod, requester_pays=true: "
+        "docs/stores.md); true/false are booleans; the flags above win",
+    )
     g.add_argument(
         "-v",
         "--verbose",
@@ -130,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         "A checkpoint prefix lists its files; anything else lists objects.",
     )
     p.add_argument("url", help="run root, checkpoint prefix, prefix or object")
+    p.add_argument(
+        "-a",
+        "--all",
+        action="store_true",
+        help="also list leftovers: open multipart uploads and uncommitted step prefixes, "
+        "with their ages, young ones marked as kept by gc's grace period",
+    )
 
     p = add(
         "info",
@@ -147,15 +182,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(
         "cp",
-        "copy one object: upload, download or bucket to bucket (resumable)",
-        "Copies SRC to DST with parallel ranged reads and multipart uploads. If the copy "
-        "fails or is interrupted, run the same command again: finished chunks and parts "
-        "are kept (a .cloudckpt-partial file for downloads, an open multipart upload "
-        "for uploads) and only the rest is transferred.",
+        "copy an object, or a prefix with -r: upload, download or bucket to bucket (resumable)",
+        "Copies SRC to DST with parallel ranged reads and multipart uploads; with -r, every "
+        "object under the prefix SRC to the prefix DST (keys relative to SRC), commit "
+        "markers last, skipping objects already whole at DST. If the copy fails or is "
+        "interrupted (Ctrl-C stops it at once), run the same command again: finished "
+        "chunks and parts are kept (a .cloudckpt-partial file for downloads, an open "
+        "multipart upload for uploads) and only the rest is transferred.",
     )
-    p.add_argument("src", help="source object URL or path")
+    p.add_argument("src", help="source object URL or path (with -r: a prefix)")
     p.add_argument(
-        "dst", help="destination URL or path (ending in / or a directory: keep the name)"
+        "dst",
+        help="destination URL or path (ending in / or a directory: keep the name; "
+        "with -r: the prefix the objects land under)",
+    )
+    p.add_argument(
+        "-r", "--recursive", action="store_true", help="copy every object under the prefix SRC"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with -r: list what would be copied and skipped, with sizes; write nothing",
     )
     p.add_argument("--part-size", type=parse_size, help="multipart part size (default 64MiB)")
     p.add_argument("--concurrency", type=int, help="parts/ranges in flight (default 10/15)")
@@ -214,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("url")
     p.add_argument("-r", "--recursive", action="store_true", help="delete a whole prefix")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list what would be deleted, in order (markers first); delete nothing",
+    )
 
     p = add(
         "latest",
@@ -226,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         "remove uncommitted leftovers and stale multipart uploads of a run",
         "Removes step-N/ prefixes without a commit marker whose newest object is older "
-        "than the grace period, and aborts multipart uploads opened before it.",
+        "than the grace period, and aborts multipart uploads opened before it. Younger "
+        "ones (a save may still be running) are listed with their age as kept.",
     )
     p.add_argument("root", help="run root")
     p.add_argument(
@@ -236,6 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave anything younger than this alone (default 1h; e.g. 30m, 0)",
     )
     p.add_argument("--dry-run", action="store_true", help="only show what would be removed")
+
+    p = add(
+        "mb",
+        "make a bucket (S3 and S3-compatible stores)",
+        "Creates the bucket of URL (s3://NAME) in the configured region; exit code 1 if it "
+        "exists already, 2 for a name S3 does not allow.",
+    )
+    p.add_argument("url", help="the bucket to create, e.g. s3://my-bucket")
 
     p = add(
         "bench",
@@ -272,7 +333,7 @@ def _progress_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> Any:
-    storage: dict[str, Any] = {}
+    storage: dict[str, Any] = dict(args.storage_option)
     if args.endpoint_url:
         storage["endpoint_url"] = args.endpoint_url
     if args.region:
@@ -316,6 +377,17 @@ def _verbose_logging() -> None:
             handler.addFilter(RedactingFilter())
 
 
+def _warnings_to_stderr() -> None:
+    """cloudckpt's warnings (each retry with its cause) as lines on stderr, above the
+    progress bar while one runs; installed once per process."""
+    log = logging.getLogger("cloudckpt")
+    if not any(isinstance(h, StderrHandler) for h in log.handlers):
+        handler = StderrHandler(logging.WARNING)
+        handler.setFormatter(logging.Formatter("cloudckpt: %(message)s"))
+        handler.addFilter(RedactingFilter())
+        log.addHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``cloudckpt`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
@@ -328,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.verbose:
         _verbose_logging()
+    else:
+        _warnings_to_stderr()
     printer = Printer(args.json)
     try:
         return COMMANDS[args.command](args, _options(args), printer)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..io.progress import progress_bar
 
-__all__ = ["Printer", "human_bytes", "human_time", "progress"]
+__all__ = ["Printer", "StderrHandler", "human_age", "human_bytes", "human_time", "progress"]
 
 
 def human_bytes(n: int | float) -> str:
@@ -21,6 +22,20 @@ def human_bytes(n: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def human_age(seconds: float) -> str:
+    """An age for people: ``"12 s"``, ``"5.0 min"``, ``"2.3 h"``, ``"3.1 d"``; unknown: ``"?"``."""
+    if seconds != seconds or seconds == float("inf"):
+        return "?"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
 
 
 def human_time(ts: float | None) -> str:
@@ -63,6 +78,19 @@ class Printer:
         for r in rows:
             table.add_row(*r)
         self.out.print(table)
+
+
+class StderrHandler(logging.Handler):
+    """Log records as lines on whatever ``sys.stderr`` is when they come: while a progress
+    bar runs that is the bar's proxy, which prints them above the bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
 
 
 @contextlib.contextmanager

@@ -16,23 +16,15 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..errors import BucketNotFoundError, ChecksumError, CorruptCheckpointError, NotFoundError
-from ..format.checksum import crc32
+from ..errors import BucketNotFoundError, CorruptCheckpointError, NotFoundError
 from ..format.commit import read_committed
-from ..format.dcp.index import LayoutIndex, parse_index, read_document
+from ..format.dcp.index import LayoutIndex, decode_committed, read_document, save_id_of
 from ..format.dcp.layout import layout_name, metadata_name
-from ..format.dcp.metadata import decode_metadata
 from ..io.scheduler import TransferGroup
 from ..store.paths import check_prefix
 from .location import CheckpointLocation
 
-__all__ = ["adopt", "layout_document", "read_commit", "save_id_of"]
-
-
-def save_id_of(metadata: Metadata) -> str | None:
-    """The id cloudckpt's writer gave the save (None for other writers)."""
-    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-    return save_id if isinstance(save_id, str) else None
+__all__ = ["adopt", "layout_document", "read_commit"]
 
 
 def _layout_payload(location: CheckpointLocation, rank: int | None) -> bytes | None:
@@ -73,21 +65,9 @@ def read_commit(
             f"no committed checkpoint at {location.url}: {url} does not exist (a save that "
             "did not finish leaves none)"
         )
-    layout_url = location.url_of(layout_name(rank))
-    doc = None if raw is None else read_document(raw, layout_url)
-    expected = doc.get("metadata_crc32") if doc is not None else None
-    vouched = type(expected) is int and expected == crc32(payload)
-    metadata = decode_metadata(payload, url, scan=not vouched)
+    metadata, index = decode_committed(payload, url, raw, location.url_of(layout_name(rank)))
     save_id = save_id_of(metadata)
-    if doc is None or not save_id or doc.get("save_id") != save_id:
-        return metadata, None
-    index = parse_index(doc, layout_url)  # checks metadata_crc32 is a CRC-32
-    if expected is not None and not vouched:
-        raise ChecksumError(
-            f"{url} fails the CRC-32 check recorded in {layout_url} (stored "
-            f"{expected:08x}, read {crc32(payload):08x}): the object is corrupted"
-        )
-    return metadata, (save_id, index)
+    return metadata, None if index is None or save_id is None else (save_id, index)
 
 
 def adopt(index: LayoutIndex, storage_data: Mapping[Any, Any], layout_url: str) -> LayoutIndex:

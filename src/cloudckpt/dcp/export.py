@@ -50,6 +50,7 @@ from ..engine.safetensors import (
     streamed_file,
 )
 from ..errors import ConfigError, MissingKeyError, NotFoundError
+from ..format.dcp.index import save_id_of
 from ..format.dcp.layout import metadata_name
 from ..format.safetensors import (
     INDEX_SUFFIX,
@@ -62,7 +63,6 @@ from ..format.safetensors import (
 from ..io.progress import progress_bar
 from ..options import MiB, TransferOptions
 from ..store import Settings, Store, join_key, open_target
-from .commit_read import save_id_of
 from .reader import CloudStorageReader, MetadataOnceReader
 
 __all__ = ["SOURCE_KEY", "ExportResult", "export_safetensors", "parse_dtype"]

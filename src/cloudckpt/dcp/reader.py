@@ -45,13 +45,13 @@ from ..dist.groups import group_ranks
 from ..dist.share import broadcast_views, part_group, report, share_group_size, split_even
 from ..errors import CorruptCheckpointError, DistributedLoadError, UnsupportedFormatError
 from ..format.dcp.archive import parse_archive
-from ..format.dcp.index import LayoutIndex, parse_index
+from ..format.dcp.index import LayoutIndex, parse_index, save_id_of
 from ..format.dcp.layout import layout_name
 from ..format.dcp.metadata import ChunkIndex
 from ..format.dcp.sharing import share_in_load_plan
 from ..options import TransferOptions
 from ..store.deadline import Deadline, start_deadline, within
-from .commit_read import adopt, layout_document, read_commit, save_id_of
+from .commit_read import adopt, layout_document, read_commit
 from .destinations import Destinations
 from .fetch import RangeFetcher
 from .location import CheckpointLocation, LocatedCheckpoint

@@ -1,4 +1,5 @@
-"""``cloudckpt cp``: copy one object between any two stores, resumable after a failure.
+"""``cloudckpt cp``: copy an object, or every object under a prefix, between any two
+stores, resumable after a failure or an interruption.
 
 Every copy is store to store (a local path is the filesystem store):
 
@@ -23,6 +24,16 @@ reused by a file made in the partial's place). Anything else
 is logged at WARNING and removed by name (a link itself, never its target), and the copy
 starts over. A ``DST`` that is a symbolic link is refused (:class:`DestinationIsSymlinkError`)
 rather than written through; the final rename makes ``DST`` a regular file.
+
+A prefix (:func:`copy_tree`) is copied object by object, each as above, keys relative to
+the prefix. A rerun skips the objects already whole at the destination (:func:`same_object`)
+and resumes the one that was in progress. Commit markers (:data:`COMMIT_MARKERS`) are
+copied after every other object, so the destination never looks committed while files
+are missing.
+
+Ctrl-C or a passed ``deadline`` stops a copy without waiting on a stalled network
+(``TransferGroup.cancel``): requests in flight are abandoned, what is stored stays for
+the next run, and :class:`CopyState` says what that is.
 """
 
 from __future__ import annotations
@@ -38,21 +49,36 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, NotFoundError, StorageError
 from ..format.checksum import crc32
+from ..format.commit import COMMIT_MARKERS, SAFETENSORS_INDEX_SUFFIX
 from ..io.ranges import split
-from ..io.scheduler import TransferGroup
+from ..io.scheduler import Cancelled, TransferGroup
 from ..io.sink import ObjectSink, choose_part_size
 from ..options import TransferOptions
 from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
+from ..store.deadline import deadline_scope
 from ..store.local import LocalStore
+from ..store.paths import dir_prefix
 
-__all__ = ["CopyResult", "DestinationIsSymlinkError", "copy_object", "default_state_dir"]
+__all__ = [
+    "COMMIT_MARKERS",
+    "CopyResult",
+    "CopyState",
+    "DestinationIsSymlinkError",
+    "TreeCopyResult",
+    "TreeEntry",
+    "copy_object",
+    "copy_tree",
+    "default_state_dir",
+    "plan_tree",
+    "same_object",
+]
 
 log = logging.getLogger("cloudckpt")
 
@@ -61,6 +87,7 @@ PARTIAL_SUFFIX = ".cloudckpt-partial"
 _JOURNAL_BASE_BYTES = 64 * 1024
 #: ... plus this much per chunk or part it can record (an index; a number, ETag and size).
 _JOURNAL_ENTRY_BYTES = 512
+_INDEX_SUFFIX = SAFETENSORS_INDEX_SUFFIX
 
 
 class DestinationIsSymlinkError(ConfigError):
@@ -69,12 +96,58 @@ class DestinationIsSymlinkError(ConfigError):
 
 @dataclass(frozen=True)
 class CopyResult:
+    """One object copied: its URLs, size, time taken and what an earlier run had done."""
+
     src: str
     dst: str
     size: int
     seconds: float
     #: Bytes a previous, interrupted run had already copied (0 for a fresh copy).
     resumed_bytes: int
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes this run transferred (a rate is over these, never over resumed ones)."""
+        return self.size - self.resumed_bytes
+
+
+@dataclass
+class CopyState:
+    """What a copy has done so far, kept current while it runs: after an interruption
+    (when no result comes back) it says what stays for the next run."""
+
+    #: Objects a recursive copy transfers in this run (0: a single object).
+    objects: int = 0
+    #: Of them, those finished.
+    copied: int = 0
+    #: The object in progress: its URL, its parts (uploads) or chunks (downloads), and
+    #: how many of those are stored, to be kept by a rerun (0 parts: sent in one request).
+    current: str = ""
+    unit: str = "parts"
+    pieces: int = 0
+    pieces_kept: int = 0
+    #: Bytes transferred in this run (resumed ones not included).
+    moved_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_moved(self, n: int) -> None:
+        """Count ``n`` bytes transferred (called from the transfer threads)."""
+        with self._lock:
+            self.moved_bytes += n
+
+    def start(self, url: str) -> None:
+        """A new object is in progress."""
+        self.current, self.unit, self.pieces, self.pieces_kept = url, "parts", 0, 0
+
+    def kept(self) -> str:
+        """What an interrupted copy leaves for the next run, e.g. ``12 of 40 parts kept``."""
+        pieces = f"{self.pieces_kept} of {self.pieces} {self.unit} kept" if self.pieces else ""
+        if not self.objects:
+            return pieces or "nothing kept"
+        done = f"{self.copied} of {self.objects} objects copied"
+        if pieces and self.copied < self.objects:
+            return f"{done}, {pieces} of {self.current}"
+        return done
 
 
 def default_state_dir() -> Path:
@@ -193,16 +266,29 @@ def copy_object(
     state_dir: Path | None = None,
     advance: Callable[[int], None] = lambda n: None,
     on_size: Callable[[int], None] = lambda n: None,
+    state: CopyState | None = None,
 ) -> CopyResult:
-    """Copy ``src_key`` to ``dst_key``, continuing an interrupted copy of the same source."""
+    """Copy ``src_key`` to ``dst_key``, continuing an interrupted copy of the same source.
+
+    ``advance`` hears of bytes done (resumed ones first, at once); ``state``, when given,
+    is kept current (what an interruption leaves). The copy is bounded by
+    ``options.deadline``; Ctrl-C or the deadline keep what is stored for the next run."""
     started = time.perf_counter()
+    state = state if state is not None else CopyState()
     src_url = src.url(src_key)
-    info = src.head(src_key)
-    on_size(info.size)
-    if isinstance(dst, LocalStore):
-        resumed = _download(src, info, dst, dst_key, options, advance)
-    else:
-        resumed = _upload(src, info, dst, dst_key, options, state_dir, advance)
+    with deadline_scope(options.deadline):
+        info = src.head(src_key)
+        on_size(info.size)
+        state.start(dst.url(dst_key))
+
+        def moved(n: int) -> None:
+            state.add_moved(n)
+            advance(n)
+
+        if isinstance(dst, LocalStore):
+            resumed = _download(src, info, dst, dst_key, options, advance, moved, state)
+        else:
+            resumed = _upload(src, info, dst, dst_key, options, state_dir, advance, moved, state)
     return CopyResult(
         src=src_url,
         dst=dst.url(dst_key),
@@ -309,6 +395,42 @@ def _same_file(path: Path, st: os.stat_result) -> bool:
     return stat.S_ISREG(now.st_mode) and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
+class _SharedFile:
+    """The partial file's descriptor, shared with the threads writing chunks into it.
+
+    It is closed only once no thread is writing, and never lent after that: a chunk read
+    finishing after the copy was cancelled (its request abandoned, not awaited) is
+    dropped instead of written through a number the process may have reused."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._users = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[int]:
+        """The descriptor, for one chunk's writes; Cancelled once the file is closed."""
+        with self._cond:
+            if self._closed:
+                raise Cancelled()
+            self._users += 1
+        try:
+            yield self.fd
+        finally:
+            with self._cond:
+                self._users -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Close once the writes under way (local, short) are done."""
+        with self._cond:
+            self._closed = True
+            while self._users:
+                self._cond.wait()
+        os.close(self.fd)
+
+
 def _download(
     src: Store,
     info: ObjectInfo,
@@ -316,6 +438,8 @@ def _download(
     dst_key: str,
     options: TransferOptions,
     advance: Callable[[int], None],
+    moved: Callable[[int], None],
+    state: CopyState,
 ) -> int:
     path = dst.root / check_key(dst_key, dst.url(dst_key))
     if path.is_symlink():
@@ -340,9 +464,11 @@ def _download(
         n_pieces=len(pieces),
     )
     fd, made, done = _open_partial(partial, journal_path, _journal_limit(len(pieces)), check)
+    shared = _SharedFile(fd)
     lock = threading.Lock()
     try:
         resumed = sum(pieces[i][1] for i in done)
+        state.unit, state.pieces, state.pieces_kept = "chunks", len(pieces), len(done)
         advance(resumed)
         os.ftruncate(fd, info.size)
 
@@ -351,38 +477,40 @@ def _download(
             buf = bytearray(n)
             src.read_into(info.key, start, [memoryview(buf)])
             view = memoryview(buf)
-            written = 0
-            while written < n:
-                written += os.pwrite(fd, view[written:], start + written)
-            _datasync(fd)
-            checksum = crc32(view)
-            with lock:
-                done[i] = checksum
-                _write_json(
-                    journal_path,
-                    {
-                        "source": source,
-                        "identity": identity,
-                        "chunk": chunk,
-                        "partial": {"dev": made.st_dev, "ino": made.st_ino},
-                        "done": sorted(done),
-                        "crc32": [done[d] for d in sorted(done)],
-                    },
-                )
-            advance(n)
+            with shared.use() as fd:
+                written = 0
+                while written < n:
+                    written += os.pwrite(fd, view[written:], start + written)
+                _datasync(fd)
+                checksum = crc32(view)
+                with lock:
+                    done[i] = checksum
+                    _write_json(
+                        journal_path,
+                        {
+                            "source": source,
+                            "identity": identity,
+                            "chunk": chunk,
+                            "partial": {"dev": made.st_dev, "ino": made.st_ino},
+                            "done": sorted(done),
+                            "crc32": [done[d] for d in sorted(done)],
+                        },
+                    )
+                    state.pieces_kept = len(done)
+            moved(n)
 
         group = TransferGroup(options, options.read_concurrency)
-        for i in range(len(pieces)):
-            if i not in done:
-                group.submit(functools.partial(fetch, i), f"read {source} #{i}")
         try:
+            for i in range(len(pieces)):
+                if i not in done:
+                    group.submit(functools.partial(fetch, i), f"read {source} #{i}")
             group.wait()
         except BaseException:
-            group.cancel()
+            group.cancel()  # Ctrl-C or a passed deadline: a stalled read is not awaited
             raise
         os.fsync(fd)
     finally:
-        os.close(fd)
+        shared.close()
     # rename() replaces a link at DST rather than following it; the checks make sure what
     # lands there is the file written above, not something swapped in meanwhile.
     if not _same_file(partial, made):
@@ -444,6 +572,8 @@ def _upload(
     options: TransferOptions,
     state_dir: Path | None,
     advance: Callable[[int], None],
+    moved: Callable[[int], None],
+    state: CopyState,
 ) -> int:
     """Copy to an object store through the sink ``save`` uses (its part size, buffers,
     byte budget and commit), each part read from the source in the thread that uploads
@@ -455,7 +585,7 @@ def _upload(
     if info.size <= part_size:
         data = src.get_range(info.key, 0, info.size) if info.size else b""
         dst.put(dst_key, data)
-        advance(info.size)
+        moved(info.size)
         return 0
 
     state_dir = state_dir or default_state_dir()
@@ -492,6 +622,7 @@ def _upload(
         parts = {}
     opened = upload
     resumed = sum(p.size for p in parts.values())
+    state.unit, state.pieces, state.pieces_kept = "parts", n_parts, len(parts)
     advance(resumed)
     lock = threading.Lock()
 
@@ -499,6 +630,7 @@ def _upload(
         with lock:
             if part is not None:
                 parts[part.number] = part
+                state.pieces_kept = len(parts)
             _write_json(
                 journal_path,
                 {
@@ -517,7 +649,7 @@ def _upload(
         dst_key,
         options,
         size_hint=info.size,
-        on_progress=advance,
+        on_progress=moved,
         upload=upload,
         on_part=save_journal,
     )
@@ -541,8 +673,168 @@ def _upload(
         journal_path.unlink(missing_ok=True)  # the upload vanished; start over next time
         raise
     except BaseException:
-        sink.abort(keep_upload=True)  # the journal and the open upload stay for the next run
+        # The journal and the open upload stay for the next run; on Ctrl-C or a passed
+        # deadline a stalled part is abandoned, not awaited (TransferGroup.cancel).
+        sink.abort(keep_upload=True)
         raise
     with contextlib.suppress(OSError):
         journal_path.unlink()
     return resumed
+
+
+# -- a whole prefix ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeEntry:
+    """One object of a recursive copy: where it comes from and goes, its size, and
+    whether the destination already holds it (skipped)."""
+
+    #: The key relative to both prefixes.
+    name: str
+    src_key: str
+    dst_key: str
+    size: int
+    skip: bool = False
+    #: A commit marker (:data:`COMMIT_MARKERS`): copied after every other object.
+    marker: bool = False
+
+
+@dataclass(frozen=True)
+class TreeCopyResult:
+    """A recursive copy (or, with ``dry_run``, its plan): every entry in copy order."""
+
+    src: str
+    dst: str
+    entries: list[TreeEntry]
+    seconds: float
+    dry_run: bool = False
+    #: Bytes an earlier, interrupted run had already sent of the objects copied now.
+    resumed_bytes: int = 0
+    #: Bytes this run transferred.
+    moved_bytes: int = 0
+
+    @property
+    def copied(self) -> list[TreeEntry]:
+        """The entries copied (with ``dry_run``: to be copied)."""
+        return [e for e in self.entries if not e.skip]
+
+    @property
+    def skipped(self) -> list[TreeEntry]:
+        """The entries already at the destination, left alone."""
+        return [e for e in self.entries if e.skip]
+
+    @property
+    def size(self) -> int:
+        """Bytes of the objects copied (or to be copied)."""
+        return sum(e.size for e in self.copied)
+
+
+def _marker_rank(key: str) -> int | None:
+    """The position of ``key``'s name in :data:`COMMIT_MARKERS` (None: not a marker)."""
+    name = key.rpartition("/")[2]
+    for rank, marker in enumerate(COMMIT_MARKERS):
+        # The safetensors index is named after its model (model.safetensors.index.json).
+        if name == marker or (marker == _INDEX_SUFFIX and name.endswith(marker)):
+            return rank
+    return None
+
+
+def _is_leftover(key: str) -> bool:
+    """A download in progress (its partial file or journal): never a source object."""
+    return key.endswith((PARTIAL_SUFFIX, PARTIAL_SUFFIX + ".json"))
+
+
+def same_object(src: Store, s: ObjectInfo, dst: Store, d: ObjectInfo) -> bool:
+    """Whether ``d`` already is a copy of ``s``: the same size, and the same ETag where
+    both stores are of one kind and both ETags are content hashes of a single request
+    (a multipart ETag depends on the part size, and other kinds hash differently)."""
+    if s.size != d.size:
+        return False
+    if not (s.etag and d.etag) or type(src) is not type(dst):
+        return True
+    a, b = s.etag.strip('"'), d.etag.strip('"')
+    if "-" in a or "-" in b:
+        return True
+    return a == b
+
+
+def plan_tree(src: Store, src_prefix: str, dst: Store, dst_prefix: str) -> list[TreeEntry]:
+    """Every object under ``src_prefix`` and where it lands under ``dst_prefix`` (keys
+    relative to the prefix), in copy order: data first, commit markers last. An object
+    already whole at the destination is marked ``skip``. One listing of each side."""
+    src_dir, dst_dir = dir_prefix(src_prefix), dir_prefix(dst_prefix)
+    there = {o.key: o for o in dst.list(dst_dir)}
+    entries: list[tuple[tuple[int, str], TreeEntry]] = []
+    for o in src.list(src_dir):
+        if isinstance(src, LocalStore) and _is_leftover(o.key):
+            continue
+        rel = o.key[len(src_dir) :]
+        dst_key = dst_dir + rel
+        d = there.get(dst_key)
+        rank = _marker_rank(rel)
+        entry = TreeEntry(
+            name=rel,
+            src_key=o.key,
+            dst_key=dst_key,
+            size=o.size,
+            skip=d is not None and same_object(src, o, dst, d),
+            marker=rank is not None,
+        )
+        entries.append(((-1 if rank is None else rank, rel), entry))
+    return [e for _, e in sorted(entries, key=lambda item: item[0])]
+
+
+def copy_tree(
+    src: Store,
+    src_prefix: str,
+    dst: Store,
+    dst_prefix: str,
+    options: TransferOptions,
+    *,
+    state_dir: Path | None = None,
+    dry_run: bool = False,
+    advance: Callable[[int], None] = lambda n: None,
+    on_size: Callable[[int], None] = lambda n: None,
+    state: CopyState | None = None,
+) -> TreeCopyResult:
+    """Copy every object under ``src_prefix`` to ``dst_prefix``, keys relative to it.
+
+    Objects already whole at the destination are skipped; the rest go one by one through
+    :func:`copy_object` (so an object interrupted midway resumes), commit markers last.
+    ``on_size`` hears the bytes to copy, once. With ``dry_run`` nothing is written: the
+    result is the plan. The whole copy is bounded by ``options.deadline``."""
+    started = time.perf_counter()
+    state = state if state is not None else CopyState()
+    src_url, dst_url = src.url(dir_prefix(src_prefix)), dst.url(dir_prefix(dst_prefix))
+    with deadline_scope(options.deadline):
+        entries = plan_tree(src, src_prefix, dst, dst_prefix)
+        if not entries:
+            raise NotFoundError(f"no objects under {src_url}")
+        todo = [e for e in entries if not e.skip]
+        if dry_run:
+            return TreeCopyResult(src_url, dst_url, entries, time.perf_counter() - started, True)
+        state.objects = len(todo)
+        on_size(sum(e.size for e in todo))
+        resumed = 0
+        for e in todo:
+            result = copy_object(
+                src,
+                e.src_key,
+                dst,
+                e.dst_key,
+                options,
+                state_dir=state_dir,
+                advance=advance,
+                state=state,
+            )
+            resumed += result.resumed_bytes
+            state.copied += 1
+    return TreeCopyResult(
+        src_url,
+        dst_url,
+        entries,
+        time.perf_counter() - started,
+        resumed_bytes=resumed,
+        moved_bytes=state.moved_bytes,
+    )

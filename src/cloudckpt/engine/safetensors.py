@@ -43,29 +43,26 @@ from .._runtime.memview import tensor_view
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
-    InvalidURLError,
     MissingKeyError,
     NotFoundError,
     SerializationError,
     UnsupportedFormatError,
 )
 from ..format.safetensors import (
-    HEADER_PROBE,
     INDEX_SUFFIX,
-    MAX_HEADER_SIZE,
     METADATA_KEY,
     Header,
     TensorEntry,
     dtype_of,
     encode_header,
     encode_index,
-    header_length,
     is_safetensors_url,
     is_shard_name,
-    parse_header,
     parse_index,
     parse_shard_size,
     plan_shards,
+    read_header,
+    read_index,
     shard_names,
 )
 from ..io.progress import progress_bar
@@ -75,7 +72,6 @@ from ..io.sink import BORROW_MIN, BorrowingSink
 from ..options import TransferOptions
 from ..store import Store, Target, join_key, object_url, open_target
 from ..store.deadline import deadline_scope
-from ..store.paths import head_object
 from .save import SaveResult
 
 __all__ = ["load_safetensors", "save_safetensors"]
@@ -124,28 +120,17 @@ def _find(store: Store, key: str, url: str) -> str:
     raise ConfigError(f"{url} holds several safetensors checkpoints ({', '.join(found)}): name one")
 
 
-def _read_header(store: Store, key: str) -> tuple[Header, bytes]:
-    """One file's header, validated, and the bytes read for it (the probe)."""
-    url = store.url(key)
-    size = head_object(store, key).size
-    probe = store.get_range(key, 0, min(size, HEADER_PROBE)) if size else b""
-    end = 8 + header_length(probe, size, url)
-    if end > len(probe):  # the rest of the header, and the first tensors with it
-        probe += store.get_range(key, len(probe), min(size, end + HEADER_PROBE))
-    return parse_header(memoryview(probe)[8:end], size, url), probe
-
-
 def _read_headers(
     store: Store, options: TransferOptions, keys: Sequence[str]
 ) -> dict[str, tuple[Header, bytes]]:
     """The headers of ``keys``, ``read_concurrency`` files at a time."""
     if len(keys) == 1:
-        return {keys[0]: _read_header(store, keys[0])}
+        return {keys[0]: read_header(store, keys[0])}
     found: dict[str, tuple[Header, bytes]] = {}
     group = TransferGroup(options, options.read_concurrency)
 
     def read(key: str) -> None:
-        found[key] = _read_header(store, key)
+        found[key] = read_header(store, key)
 
     try:
         for key in keys:
@@ -155,26 +140,6 @@ def _read_headers(
         group.cancel()
         raise
     return {k: found[k] for k in keys}
-
-
-def _index(store: Store, key: str) -> dict[str, list[str]]:
-    """Shard key -> the tensor names an index assigns to it, in the index's order."""
-    url = store.url(key)
-    size = head_object(store, key).size
-    if size > MAX_HEADER_SIZE:
-        raise CorruptCheckpointError(f"{url}: an index of {size} bytes is not plausible")
-    weight_map = parse_index(store.get_range(key, 0, size) if size else b"", url)
-    folder = key.rpartition("/")[0]
-    files: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
-        try:
-            shard = join_key(folder, file, url)
-        except InvalidURLError:
-            raise CorruptCheckpointError(
-                f"{url}: weight_map sends {name!r} to {file!r}, outside the index's folder"
-            ) from None
-        files.setdefault(shard, []).append(name)
-    return files
 
 
 def _wanted(
@@ -321,7 +286,7 @@ def _load_safetensors(
     what = key.rsplit("/", 1)[-1]
     if key.endswith(INDEX_SUFFIX):
         index_url = store.url(key)
-        assigned = _index(store, key)
+        assigned = read_index(store, key)
         wanted = _wanted(
             (n for names in assigned.values() for n in names), keys, prefixes, index_url
         )
@@ -336,7 +301,7 @@ def _load_safetensors(
                     "hold them"
                 )
         return _fetch(store, opts, files, headers, place, what)
-    headers = {key: _read_header(store, key)}
+    headers = {key: read_header(store, key)}
     wanted = _wanted(headers[key][0].tensors, keys, prefixes, store.url(key))
     return _fetch(store, opts, {key: wanted}, headers, place, what)
 

@@ -2,13 +2,15 @@
 
 ``describe`` reads the zip directory (one ranged read of the tail) and ``data.pkl``,
 then unpickles it onto the ``meta`` device: names, dtypes, shapes and bytes of every
-tensor, for the cost of a few KiB. ``verify_archive`` streams every record and checks
-its CRC-32 against the directory.
+tensor, for the cost of a few KiB, and the scalar values near its top (``scalars_of``).
+``verify_archive`` streams every record and checks its CRC-32 against the directory.
+Other checkpoint kinds (DCP, Megatron, safetensors) are engine/inspect.py's.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -24,21 +26,19 @@ from ..format.torch.zipdir import (
     Entry,
     check_local_header,
     check_record_crc,
-    check_records,
 )
 from ..io.ranges import RangeReader, split
 from ..io.scheduler import TransferGroup
 from ..options import TransferOptions
-from ..store import Store, join_key
+from ..store import Store
 from .directory import read_directory
 
 __all__ = [
     "ArchiveInfo",
     "TensorInfo",
-    "dcp_tensor_slices",
     "describe",
+    "scalars_of",
     "verify_archive",
-    "verify_archive_bytes",
 ]
 
 #: Largest range one verify request reads (bounds memory: read_concurrency of these).
@@ -46,11 +46,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """One tensor's name, dtype, shape and bytes (and its file, in a sharded checkpoint)."""
+
     path: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     device: str
+    file: str = ""
 
 
 @dataclass
@@ -64,6 +67,8 @@ class ArchiveInfo:
     top_level_keys: list[str] | None = None
     top_level_type: str = ""
     tensors: list[TensorInfo] = field(default_factory=list)
+    #: Scalar values near the top of the structure (step, epoch, learning rates).
+    scalars: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
     @property
@@ -91,6 +96,44 @@ def _walk(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, torch.Tens
             yield from _walk(v, f"{path}[{i}]", depth + 1)
 
 
+#: Keys whose scalar values ``info`` shows at any depth it walks (learning rates, counters
+#: of optimizers and schedulers), besides every scalar at the top two levels.
+_SCALAR_KEYS = frozenset({"lr", "_last_lr", "base_lrs", "last_epoch", "_step_count"})
+#: How deep :func:`scalars_of` walks, and how many values it keeps.
+_SCALAR_DEPTH = 5
+_SCALAR_LIMIT = 200
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 200)
+
+
+def scalars_of(obj: Any, path: str = "") -> dict[str, Any]:
+    """The scalar values (numbers, booleans, short strings) at the top level or one level
+    down of ``obj`` (a checkpoint's unpickled structure, tensors on the meta device), and
+    learning rates and step counters further down (``optimizer.param_groups[0].lr``,
+    ``lr_schedulers[0]._last_lr[0]``). ``path`` names ``obj`` itself (a DCP item's FQN)."""
+    out: dict[str, Any] = {}
+    start = path.count(".") + 1 if path else 0
+
+    def visit(value: Any, where: str, depth: int, key: str, listed: bool) -> None:
+        if len(out) >= _SCALAR_LIMIT:
+            return
+        if _scalar(value):
+            if (depth <= 2 and not listed) or key in _SCALAR_KEYS:
+                finite = not isinstance(value, float) or math.isfinite(value)
+                out[where or "<root>"] = value if finite else repr(value)  # JSON has no NaN
+        elif depth < _SCALAR_DEPTH and isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, f"{where}.{k}" if where else str(k), depth + 1, str(k), False)
+        elif depth < _SCALAR_DEPTH and isinstance(value, (list, tuple)) and len(value) <= 64:
+            for i, v in enumerate(value):
+                visit(v, f"{where}[{i}]", depth + 1, key, True)
+
+    visit(obj, path, start, path.rpartition(".")[2], False)
+    return out
+
+
 def describe(store: Store, key: str, *, weights_only: bool = True) -> ArchiveInfo:
     """Names, dtypes, shapes and bytes of the tensors in the archive at ``key``."""
     url = store.url(key)
@@ -115,6 +158,7 @@ def describe(store: Store, key: str, *, weights_only: bool = True) -> ArchiveInf
     info.top_level_type = type(result).__name__
     if isinstance(result, dict):
         info.top_level_keys = [str(k) for k in result]
+    info.scalars = scalars_of(result)
     for path, t in _walk(result, ""):
         info.tensors.append(
             TensorInfo(
@@ -210,27 +254,3 @@ def _crc_of(
 
 def _check_crc(e: Entry, crc: int, url: str) -> None:
     check_record_crc(url, e.name, e.crc32, crc)
-
-
-def verify_archive_bytes(data: bytes, url: str) -> int:
-    """Check every record of an archive held in memory (a slice of a DCP data object),
-    as the DCP reader checks one it reads whole; returns its size."""
-    check_records(data, url)
-    return len(data)
-
-
-def dcp_tensor_slices(store: Store, prefix: str) -> dict[str, list[tuple[int, int]]]:
-    """Where each tensor's ``torch.save`` archive sits in a DCP checkpoint's data objects."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from ..format.dcp.metadata import decode_metadata
-
-    key = prefix + ".metadata"
-    url = store.url(key)
-    metadata = decode_metadata(store.get(key), url)
-    slices: dict[str, list[tuple[int, int]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
-            target = join_key(prefix.rstrip("/"), str(info.relative_path), url)
-            slices.setdefault(target, []).append((int(info.offset), int(info.length)))
-    return slices

@@ -26,7 +26,28 @@ from __future__ import annotations
 from ..errors import AlreadyExistsError, BucketNotFoundError, NotFoundError
 from ..store import Store
 
-__all__ = ["commit_marker", "read_committed"]
+__all__ = [
+    "COMMIT_MARKERS",
+    "DCP_MARKER",
+    "MANAGER_MARKER",
+    "MEGATRON_MARKER",
+    "SAFETENSORS_INDEX_SUFFIX",
+    "commit_marker",
+    "read_committed",
+]
+
+#: DCP's ``.metadata`` (one per checkpoint prefix; ``__R.metadata`` per rank).
+DCP_MARKER = ".metadata"
+#: A sharded safetensors checkpoint's index, ``<stem>.safetensors.index.json``, written
+#: after its shards.
+SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
+#: Megatron-core's backend record, ``metadata.json``.
+MEGATRON_MARKER = "metadata.json"
+#: The manager's ``step-N/_CHECKPOINT.json``, which commits whatever the step holds.
+MANAGER_MARKER = "_CHECKPOINT.json"
+#: Every marker name (the index as its suffix), in the order a copy of a checkpoint
+#: writes them, after every other object: the manager's commits all the others.
+COMMIT_MARKERS = (DCP_MARKER, SAFETENSORS_INDEX_SUFFIX, MEGATRON_MARKER, MANAGER_MARKER)
 
 
 def commit_marker(store: Store, key: str, payload: bytes) -> None:

@@ -34,9 +34,13 @@ import torch
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
+    InvalidURLError,
     SerializationError,
     UnsupportedFormatError,
 )
+from ..store import Store, join_key
+from ..store.paths import head_object
+from .commit import SAFETENSORS_INDEX_SUFFIX
 
 __all__ = [
     "DTYPES",
@@ -58,6 +62,8 @@ __all__ = [
     "parse_index",
     "parse_shard_size",
     "plan_shards",
+    "read_header",
+    "read_index",
     "shard_names",
 ]
 
@@ -66,7 +72,7 @@ MAX_HEADER_SIZE = 100_000_000
 #: The first read of a file: its length field and, usually, its whole header.
 HEADER_PROBE = 64 * 1024
 METADATA_KEY = "__metadata__"
-INDEX_SUFFIX = ".safetensors.index.json"
+INDEX_SUFFIX = SAFETENSORS_INDEX_SUFFIX
 _LEN = struct.Struct("<Q")
 _ALIGN = 8
 _MAX_DIM = 2**63 - 1
@@ -441,3 +447,36 @@ def parse_index(raw: bytes, url: str) -> dict[str, str]:
             "file names"
         )
     return weight_map
+
+
+def read_header(store: Store, key: str) -> tuple[Header, bytes]:
+    """One file's header, validated, and the bytes read for it (the probe: the first
+    ``HEADER_PROBE`` bytes, and the rest of a longer header; one or two ranged reads)."""
+    url = store.url(key)
+    size = head_object(store, key).size
+    probe = store.get_range(key, 0, min(size, HEADER_PROBE)) if size else b""
+    end = 8 + header_length(probe, size, url)
+    if end > len(probe):  # the rest of the header, and the first tensors with it
+        probe += store.get_range(key, len(probe), min(size, end + HEADER_PROBE))
+    return parse_header(memoryview(probe)[8:end], size, url), probe
+
+
+def read_index(store: Store, key: str) -> dict[str, list[str]]:
+    """Shard key -> the tensor names an index assigns to it, in the index's order; a
+    shard outside the index's folder is refused."""
+    url = store.url(key)
+    size = head_object(store, key).size
+    if size > MAX_HEADER_SIZE:
+        raise CorruptCheckpointError(f"{url}: an index of {size} bytes is not plausible")
+    weight_map = parse_index(store.get_range(key, 0, size) if size else b"", url)
+    folder = key.rpartition("/")[0]
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        try:
+            shard = join_key(folder, file, url)
+        except InvalidURLError:
+            raise CorruptCheckpointError(
+                f"{url}: weight_map sends {name!r} to {file!r}, outside the index's folder"
+            ) from None
+        files.setdefault(shard, []).append(name)
+    return files

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -149,9 +150,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-#: After a deadline passed, how long cancelling waits for requests still running (they
-#: end on their own, at their request timeout; the caller does not wait for them).
-EXPIRED_GRACE = 1.0
+#: After a deadline passed or Ctrl-C, how long cancelling waits for requests still
+#: running: a stalled one is abandoned after it, to end on its own at its request timeout
+#: in its daemon thread; the caller does not wait for it.
+CANCEL_GRACE = 1.0
+
+
+def _stopping() -> bool:
+    """Whether the exception being handled ends the operation outright (Ctrl-C, a passed
+    deadline): then nobody waits on a stalled network for requests still running."""
+    return isinstance(sys.exc_info()[1], (KeyboardInterrupt, DeadlineExceededError))
 
 
 def _rank_prefix() -> str:
@@ -229,7 +237,6 @@ class TransferGroup:
         """
         while not self._slots.acquire(timeout=0.5):
             self.raise_if_failed()
-            self._check_deadline()
         self.raise_if_failed_releasing()
 
         def run() -> T:
@@ -265,6 +272,12 @@ class TransferGroup:
         return future.result()
 
     def raise_if_failed(self) -> None:
+        """Raise the group's first failure, or its deadline's error once that passed: a
+        caller waiting for room (a part buffer) stops when the group cannot go on."""
+        self._raise_error()
+        self._check_deadline()
+
+    def _raise_error(self) -> None:
         if self.error is not None:
             raise self.error
 
@@ -282,10 +295,17 @@ class TransferGroup:
             self._expire()
         with self._lock:  # done: drop them (their callbacks may point back at the caller)
             self._futures = [f for f in self._futures if not f[0].done()]
-        self.raise_if_failed()
+        self._raise_error()
 
     def cancel(self) -> None:
-        """Stop queued and retrying requests, then wait for running ones to finish."""
+        """Stop queued and retrying requests, then wait for running ones to finish.
+
+        After the deadline passed, or while handling Ctrl-C (``KeyboardInterrupt``) or a
+        :class:`~cloudckpt.errors.DeadlineExceededError`, the wait lasts at most
+        :data:`CANCEL_GRACE` seconds: a request stalled on the network is abandoned (its
+        daemon thread ends at its request timeout, and its ``on_done`` runs then). After
+        any other failure running requests are awaited, since they may be filling the
+        caller's memory."""
         self.cancel_event.set()
         with self._lock:
             futures = list(self._futures)
@@ -294,7 +314,8 @@ class TransferGroup:
                 self._slots.release()
                 if on_done is not None:
                     on_done()
-        futures_wait([f for f, _, _ in futures], timeout=EXPIRED_GRACE if self.expired else None)
+        bounded = self.expired or _stopping()
+        futures_wait([f for f, _, _ in futures], timeout=CANCEL_GRACE if bounded else None)
         with self._lock:
             self._futures = [f for f in self._futures if not f[0].done()]
 

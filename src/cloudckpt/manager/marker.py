@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidURLError, NotFoundError
-from ..format.commit import commit_marker, read_committed
+from ..format.commit import MANAGER_MARKER, commit_marker, read_committed
 from ..io.scheduler import TransferGroup
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, check_key
@@ -40,7 +40,7 @@ __all__ = [
     "write_marker",
 ]
 
-MARKER_NAME = "_CHECKPOINT.json"
+MARKER_NAME = MANAGER_MARKER
 MARKER_FORMAT = "cloudckpt.checkpoint/1"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 

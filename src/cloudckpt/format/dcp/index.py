@@ -35,11 +35,21 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import CorruptCheckpointError
+from ...errors import ChecksumError, CorruptCheckpointError
+from ..checksum import crc32
 from .archive import SavedTensor, saved_from_json
 from .layout import is_count
+from .metadata import decode_metadata
 
-__all__ = ["INDEX_FORMAT", "LayoutIndex", "encode_index", "parse_index", "read_document"]
+__all__ = [
+    "INDEX_FORMAT",
+    "LayoutIndex",
+    "decode_committed",
+    "encode_index",
+    "parse_index",
+    "read_document",
+    "save_id_of",
+]
 
 #: The format this version writes; it reads 1 and 2.
 INDEX_FORMAT = 2
@@ -155,3 +165,34 @@ def parse_index(doc: dict[str, Any], url: str) -> LayoutIndex:
                 raise bad(f"record entry {entry} of {_short(relative)}")
             placed[(relative, offset)] = (data_offset, crc)
     return index
+
+
+def save_id_of(metadata: Any) -> str | None:
+    """The id cloudckpt's writer gave the save (None for other writers)."""
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return save_id if isinstance(save_id, str) else None
+
+
+def decode_committed(
+    payload: bytes, url: str, raw_index: bytes | None, index_url: str
+) -> tuple[Any, LayoutIndex | None]:
+    """``.metadata``'s bytes decoded (through the trust boundary), and the layout index
+    beside it when it is the same save's (the save id agrees).
+
+    An index of the same save vouches for ``.metadata`` with its CRC-32 (the decoder
+    then skips its own scan); a ``.metadata`` that fails that CRC-32 is ChecksumError.
+    """
+    doc = None if raw_index is None else read_document(raw_index, index_url)
+    expected = doc.get("metadata_crc32") if doc is not None else None
+    vouched = type(expected) is int and expected == crc32(payload)
+    metadata = decode_metadata(payload, url, scan=not vouched)
+    save_id = save_id_of(metadata)
+    if doc is None or not save_id or doc.get("save_id") != save_id:
+        return metadata, None
+    index = parse_index(doc, index_url)  # checks metadata_crc32 is a CRC-32
+    if expected is not None and not vouched:
+        raise ChecksumError(
+            f"{url} fails the CRC-32 check recorded in {index_url} (stored "
+            f"{expected:08x}, read {crc32(payload):08x}): the object is corrupted"
+        )
+    return metadata, index

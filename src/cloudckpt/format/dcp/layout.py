@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from ..commit import DCP_MARKER
+
 __all__ = [
     "DATA_SUFFIX",
     "LAYOUT_NAME",
@@ -44,7 +46,7 @@ __all__ = [
 #: Suffix of data objects, as FileSystemWriter names them.
 DATA_SUFFIX = ".distcp"
 #: The commit marker: DCP's metadata, written last.
-METADATA_NAME = ".metadata"
+METADATA_NAME = DCP_MARKER
 #: cloudckpt's own index of where each large tensor's bytes sit inside its archive
 #: (JSON, written just before ``.metadata``); lets the reader skip probing archives.
 #: Other readers ignore it; it is trusted only when its save id matches ``.metadata``.
