@@ -355,3 +355,33 @@ def test_ctrl_c_during_save_leaves_nothing_behind(moto_server: S3Server) -> None
     assert "KeyboardInterrupt" in done.stderr, done.stderr
     assert client.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_cp_deadline_stops_without_waiting_for_a_stalled_part(
+    moto_server: S3Server, tmp_path: Path
+) -> None:
+    """``cp --deadline``: the copy stops once it passes, the stalled part abandoned, and
+    the parts stored stay for a rerun (exit code 1)."""
+    bucket = moto_server.make_bucket(unique_bucket_name("cp-deadline"))
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom((PARTS - 1) * PART + MiB))
+    state = tmp_path / "state"
+    command = _cp(src, f"s3://{bucket}/big.bin", state, "--deadline", "10s")
+    held = _PartsAfter(LET_THROUGH)
+    proxy = FaultProxy(
+        moto_server.endpoint_url, rate=1.0, kinds=("slow",), slow_seconds=STALL_S, match=held
+    )
+    with proxy:
+        # Fails (TimeoutExpired) if the copy waits for the part held for STALL_S.
+        done = subprocess.run(
+            command,
+            env=_env(moto_server, proxy.url),
+            text=True,
+            capture_output=True,
+            timeout=10 + STALLED_EXIT_TIMEOUT_S,
+            check=False,
+        )
+        assert proxy.stall_ends == []  # no stalled request had been answered
+    assert done.returncode == 1, done.stderr
+    assert "cloudckpt cp: deadline passed: " in done.stderr
+    assert "parts kept; run the same command to resume" in done.stderr

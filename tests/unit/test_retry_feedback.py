@@ -196,3 +196,15 @@ def test_a_missing_bucket_never_suggests_running_again(rclone_server, tmp_path, 
     assert code == 3
     assert "bucket does not exist: s3://no-such-bucket-here" in err.getvalue()
     assert "run the same command" not in err.getvalue()
+
+
+def test_a_copy_to_a_refused_endpoint_never_suggests_running_again(tmp_path):
+    """Nothing was kept, so a rerun would start over: the message does not offer one."""
+    src = tmp_path / "state.bin"
+    src.write_bytes(b"x" * 1000)
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    keys = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    done = _cli("cp", "--endpoint-url", endpoint, str(src), "s3://bucket/x.bin", env=keys)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot connect to {endpoint}" in done.stderr
+    assert "run the same command" not in done.stderr

@@ -662,6 +662,9 @@ def _copy_stopped(p: Printer, exc: BaseException, state: CopyState) -> None:
         cause = "deadline passed"
     else:
         cause = "stopped"
+    if not (state.copied or state.pieces_kept):  # a rerun starts over: no resume to offer
+        p.note(f"cloudckpt cp: {cause}: nothing kept")
+        return
     p.note(f"cloudckpt cp: {cause}: {state.kept()}; run the same command to resume")
 
 

@@ -168,12 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(
         "info",
-        "tensors, dtypes, shapes, bytes and top-level keys of a checkpoint",
-        "Reads the archive's directory and data.pkl only (a few KiB), never the tensors. "
-        "A checkpoint prefix also shows its marker (step, metrics, metadata); a run root "
-        "shows its latest checkpoint.",
+        "tensors, dtypes, shapes, bytes, scalars and top-level keys of a checkpoint",
+        "Any kind: a torch archive, a manager run or step, a DCP checkpoint (cloudckpt's "
+        "or torch's), a Megatron checkpoint, a safetensors file, folder or index, a lone "
+        "DCP data file. Reads directories, headers and small items only, never the "
+        "tensors. A run root shows its latest checkpoint.",
     )
-    p.add_argument("url", help="checkpoint object, checkpoint prefix or run root")
+    p.add_argument("url", help="checkpoint object, prefix, folder or run root")
     p.add_argument(
         "--unsafe",
         action="store_true",
@@ -207,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--part-size", type=parse_size, help="multipart part size (default 64MiB)")
     p.add_argument("--concurrency", type=int, help="parts/ranges in flight (default 10/15)")
     p.add_argument("--state-dir", help="where upload journals live (default ~/.cache/cloudckpt/cp)")
+    p.add_argument(
+        "--deadline",
+        type=parse_duration,
+        help="stop after this long (e.g. 10m; exit 1); what is stored stays for a rerun",
+    )
     _progress_flags(p)
 
     p = add(
@@ -246,11 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(
         "verify",
-        "check every checksum of a checkpoint, a run, or an object",
-        "Checks each file's size (and ETag) against the commit marker and every "
-        "record's CRC-32 in torch archives. Exit code 4 if anything fails.",
+        "check every checksum of a checkpoint of any kind, a run, or an object",
+        "Torch archives, manager runs and steps, DCP checkpoints (cloudckpt's or torch's), "
+        "Megatron checkpoints, safetensors files and folders: each file's size (and "
+        "ETag) against the commit marker, every CRC-32 and checksum recorded, every "
+        "tensor's bytes inside its file. Exit code 4 if anything fails.",
     )
-    p.add_argument("url", help="object, checkpoint prefix or run root")
+    p.add_argument("url", help="object, checkpoint prefix, folder or run root")
     _progress_flags(p)
 
     p = add(
@@ -347,6 +355,8 @@ def _options(args: argparse.Namespace) -> Any:
         overrides["storage_options"] = storage
     if getattr(args, "part_size", None):
         overrides["part_size"] = args.part_size
+    if getattr(args, "deadline", None):
+        overrides["deadline"] = args.deadline
     if getattr(args, "concurrency", None) and args.command == "cp":
         overrides["write_concurrency"] = overrides["read_concurrency"] = args.concurrency
     return Settings(overrides)
