@@ -22,6 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import cloudckpt
+from cloudckpt._runtime import probes
 from cloudckpt._runtime.memview import writable_view
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.dcp import writer as writer_module
@@ -35,6 +37,7 @@ from cloudckpt.format.dcp.tensor_archive import (
     archive_builder_on,
     tensor_archive,
 )
+from cloudckpt.format.torch import archive_writer
 from dtypes import DTYPES
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -200,6 +203,45 @@ def test_builder_is_off_where_torch_save_would_write_otherwise(option: tuple[str
     finally:
         setattr(config.save, name, default)
     assert archive_builder_on()
+
+
+def test_a_failed_archive_check_turns_both_builders_off(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """One check covers both forms of the builder: when it fails, ``cloudckpt.save``
+    and the DCP writer hand every tensor to torch.save, and what they write loads."""
+
+    def differs() -> None:
+        raise ValueError("the archive differs from torch.save's")
+
+    assert archive_builder_on()  # the real check has passed: its constants are known
+    monkeypatch.setitem(probes._checks, archive_writer.PROBE, differs)
+    monkeypatch.setitem(probes._results, archive_writer.PROBE, None)
+    t = torch.randn(4)
+    assert tensor_archive(t, _storage_view(t)) is None
+    assert not archive_builder_on() and not archive_writer.writer_on()
+    assert archive_writer.plan_archive({"w": t}) is None
+
+    saved: list[type] = []
+    real = torch.save
+
+    def counting(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        saved.append(type(obj))
+        real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting)
+    state = _state(20)
+    cloudckpt.save(state, tmp_path / "object.pt")
+    assert saved == [dict]
+    out = torch.load(tmp_path / "object.pt", weights_only=True)
+    _assert_loaded(out, state)
+
+    dcp.save(state, storage_writer=CloudStorageWriter(str(tmp_path / "dcp")))
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    assert saved.count(torch.Tensor) == len(tensors)
+    out = _empty_like(state)
+    dcp.load(out, storage_reader=CloudStorageReader(str(tmp_path / "dcp")))
+    _assert_loaded(out, state)
 
 
 def _state(n: int) -> dict[str, Any]:

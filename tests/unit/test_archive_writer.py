@@ -177,14 +177,56 @@ def test_an_archive_over_4_gib_is_left_to_torch_save(monkeypatch):
 
 
 def test_a_builder_that_disagrees_with_torch_turns_itself_off(monkeypatch):
-    monkeypatch.delitem(probes._results, "archive_writer", raising=False)
+    monkeypatch.delitem(probes._results, archive_writer.PROBE, raising=False)
     monkeypatch.setattr(archive_writer, "torch_save", lambda obj: b"other bytes")
     assert not writer_on()
     assert plan_archive({"w": torch.zeros(3)}) is None
+    assert archive_writer.tensor_layout(torch.zeros(3), 12) is None
+
+
+@pytest.mark.parametrize("form", ["object", "tensor"])
+def test_the_check_covers_both_forms_of_the_builder(monkeypatch, form):
+    """A form whose bytes differ from torch.save's on the probe set fails the one check:
+    both forms are then off."""
+    monkeypatch.delitem(probes._results, archive_writer.PROBE, raising=False)
+    real = archive_writer.torch_save
+    if form == "object":
+        monkeypatch.setattr(archive_writer, "_object_bytes", lambda obj, found: b"other")
+    else:
+        monkeypatch.setattr(archive_writer, "_tensor_bytes", lambda t, found: real(t) + b"x")
+    assert not archive_writer.builder_on() and not writer_on()
+    assert plan_archive({"w": torch.zeros(3)}) is None
+    assert archive_writer.tensor_layout(torch.zeros(3), 12) is None
+
+
+def test_the_probe_set_covers_every_dtype_and_path():
+    """Each dtype the format tests cover, both forms; the probe object holds what torch
+    reduces itself, views, an empty and a borrowed storage."""
+    tensors = archive_writer._probe_tensors()
+    obj = archive_writer._probe_object()
+    for dtype in DTYPES:
+        assert any(t.dtype == dtype for t in tensors), dtype
+        assert any(isinstance(v, torch.Tensor) and v.dtype == dtype for v in obj.values())
+    assert any(not t.is_contiguous() for t in tensors)
+    assert any(t.storage_offset() for t in tensors) and any(t.numel() == 0 for t in tensors)
+    assert isinstance(obj["param"], torch.nn.Parameter) and obj["grad"].requires_grad
+    assert obj["conj"].is_conj() and obj["big"].nbytes >= 16 << 10
+
+
+def test_one_tensor_layouts_are_torch_saves_bytes():
+    """The one-tensor form, filled with a storage's bytes and CRC-32: torch.save's."""
+    found = archive_writer._constants()
+    assert found is not None
+    for t in (torch.randn(7), torch.arange(6, dtype=torch.int16).reshape(2, 3).t()):
+        assert archive_writer._tensor_bytes(t, found) == torch_save(t)
+    # What torch.save must write is declined.
+    assert archive_writer.tensor_layout(torch.ones(2, requires_grad=True), 8) is None
+    assert archive_writer.tensor_layout(torch.nn.Parameter(torch.ones(2)), 8) is None
+    assert archive_writer.tensor_layout(torch.ones(2, dtype=torch.complex64).conj(), 16) is None
 
 
 def test_a_builder_off_still_saves_through_torch_save(monkeypatch, tmp_path):
-    monkeypatch.setitem(probes._results, "archive_writer", False)
+    monkeypatch.setitem(probes._results, archive_writer.PROBE, False)
     calls = []
     real = torch.save
 

@@ -25,7 +25,7 @@ def _small_storages() -> dict[str, torch.Tensor]:
 
 def test_a_second_save_reuses_the_first_saves_part_buffers(tmp_path, monkeypatch):
     # The part buffers of the torch.save path (the archive builder turned off).
-    monkeypatch.setitem(probes._results, "archive_writer", False)
+    monkeypatch.setitem(probes._results, archive_writer.PROBE, False)
     cloudckpt.release_buffers()
     cache = get_cache()
     state = _small_storages()

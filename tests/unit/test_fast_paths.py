@@ -91,6 +91,7 @@ _TRICKS = {
     "writable_view": (memview, "writable_view"),
     "buffer_address": (memview, "buffer_address"),
     "archive builder": (archive_writer, "_plan"),
+    "one-tensor archive layout": (archive_writer, "_single"),
     "tensor archive builder": (tensor_archive, "_build"),
     "the serialization id's name hash": (ziprecords, "name_hash"),
     "fast rebuild": (unpickle, "_rebuilder"),
@@ -200,13 +201,11 @@ def test_a_passing_check_runs_once_and_no_check_runs_with_the_fast_paths_off(mon
 def test_every_self_checking_trick_is_registered_and_passes_here(fast_on):
     found = cloudckpt._runtime.fast_path_checks()
     expected = {
-        "archive_writer",
         "fast_rebuild",
         "gil_held_copy",
         "madvise_populate",
         "memory_views",
-        "tensor_archive",
-        "torch_zip_records",
+        "torch_archive",
         "typed_storage",
     }
     assert expected <= set(found)
@@ -217,9 +216,9 @@ def test_every_self_checking_trick_is_registered_and_passes_here(fast_on):
 def test_a_builder_that_disagrees_with_torch_save_is_off_and_saves_stay_torch_saves(
     fast_on, monkeypatch, tmp_path
 ):
-    monkeypatch.setitem(probes._results, "archive_writer", None)  # run the check again
+    monkeypatch.setitem(probes._results, archive_writer.PROBE, None)  # run the check again
     monkeypatch.setattr(archive_writer, "torch_save", lambda obj: b"other bytes")
-    assert not archive_writer.writer_on()
+    assert not archive_writer.writer_on() and not tensor_archive.archive_builder_on()
     state = _state()
     cloudckpt.save(state, tmp_path / "a.pt")
     assert (tmp_path / "a.pt").read_bytes() == _torch_save(state)

@@ -1,4 +1,4 @@
-"""A whole object's ``torch.save`` archive, built without ``torch.save``: the same bytes.
+"""A ``torch.save`` archive, built without ``torch.save``: the same bytes.
 
 ``torch.save`` of a state with thousands of small tensors spends most of its time per
 object, not per byte: its ``persistent_id`` (Python) runs for every object the pickler
@@ -7,31 +7,35 @@ tensor, and its zip writer makes several small writes per record. :func:`plan_ar
 pickles the object once with the C pickler, reducing plain CPU tensors itself (to the
 very tuple torch's ``__reduce_ex__`` returns) and naming storages as torch's
 ``persistent_id`` names them; :meth:`ArchivePlan.pieces` then lays the records out as
-torch's writer does (:mod:`.torchzip`), small records copied into shared chunks and
-large storages passed as views of their own memory.
+torch's writer does (:class:`.ziprecords.Layout`), small records copied into shared
+chunks and large storages passed as views of their own memory.
+
+:func:`tensor_layout` is the same builder for one plain tensor, the form a DCP writer
+calls per item (:mod:`cloudckpt.format.dcp.tensor_archive`): the archive but for the
+storage's bytes, pickled and laid out once per dtype, shape and strides
+(:class:`.ziprecords.SingleStorage`), its CRC-32 fields filled in per tensor.
 
 The bytes are ``torch.save``'s, record for record (``data.pkl``, the small records, one
 ``data/N`` per storage in the order the pickle first names them, ``version``, the
 serialization id, the directory), so ``torch.load`` and every reader of torch archives
-reads them as before. That is checked against the running torch at first use (the
-``archive_writer`` check, _runtime/probes.py), and the builder stays off for the
-process if they differ; with the fast paths off it is not used at all.
+reads them as before. One check (``torch_archive``, _runtime/probes.py) compares both
+forms with ``torch.save`` on a probe set at first use; where they differ, both stay off
+for the process, as they are with the fast paths off, and ``torch.save`` writes.
 
-``None`` from :func:`plan_archive` means ``torch.save`` must write the object: a storage
-that is not in CPU memory (``torch.save`` copies it off the device first), a fake or
-meta storage, non-default serialization options, or an archive of 4 GiB or more (torch
-writes zip64 fields into its records there).
+``None`` from :func:`plan_archive` or :func:`tensor_layout` means ``torch.save`` must
+write the object: a storage that is not in CPU memory (``torch.save`` copies it off the
+device first), a fake or meta storage, non-default serialization options, or an archive
+of 4 GiB or more (torch writes zip64 fields into its records there).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import io
 import logging
 import pickle
-import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +44,7 @@ import torch
 
 from ..._runtime import probes
 from ..._runtime.memview import buffer_address, copy_memory, copy_on, views_on, writable_view
-from ...io.buffers import register_pool
+from ...io.buffers import BufferPool, unshared
 from ..checksum import crc32
 from .tensors import plain_strided
 from .ziprecords import (
@@ -50,28 +54,36 @@ from .ziprecords import (
     PREFIX,
     ZIP64_FROM,
     Constants,
-    central,
-    constants,
+    Layout,
+    SingleStorage,
     defaults,
-    descriptor,
-    end_records,
-    hash_combine,
-    local_header,
-    name_hash,
+    read_constants,
     storage_types,
     torch_save,
     v3_dtypes,
 )
 
-__all__ = ["CHUNK_BYTES", "ArchivePlan", "ChunkPool", "get_chunk_pool", "plan_archive", "writer_on"]
+__all__ = [
+    "CHUNK_BYTES",
+    "PROBE",
+    "ArchivePlan",
+    "ChunkPool",
+    "builder_on",
+    "get_chunk_pool",
+    "plan_archive",
+    "tensor_layout",
+    "writer_on",
+]
 
 log = logging.getLogger("cloudckpt")
 
 #: Small records (headers, descriptors, storages under ``borrow_min``) are copied into
 #: chunks of this size, each handed on whole.
 CHUNK_BYTES = 4 << 20
-#: Per-record bytes besides the data: local header with padding, descriptor, entry.
+#: The check that both forms of the builder write ``torch.save``'s bytes.
+PROBE = "torch_archive"
 _DESCRIPTOR_SIZE = DESCRIPTOR.size
+#: Per-record bytes besides the data: local header with padding, descriptor, entry.
 _RECORD_OVERHEAD = 30 + 4 + 63 + 16 + 46 + 2 * len(PREFIX + "data/") + 2 * 20
 _Tensor = torch.Tensor
 _rebuild_v2 = torch._utils._rebuild_tensor_v2
@@ -222,38 +234,23 @@ class ArchivePlan:
         copied into chunks of about ``CHUNK_BYTES`` (owner: the chunk), ``data.pkl`` as
         its own bytes. A view's memory must stay unchanged until it has been sent."""
         out = _Chunks()
-        entries: list[bytes] = []
-        combined = 0
-
-        def small_record(name: str, data: bytes) -> Iterator[tuple[memoryview, object]]:
-            nonlocal combined
-            crc = crc32(data)
-            if data:
-                combined = hash_combine(combined, crc)
-            raw = (PREFIX + name).encode()
-            entries.append(central(raw, out.pos, crc, len(data)))
-            header = local_header(out.pos, raw, len(data))
+        layout = Layout(self.constants)
+        for header, data, tail in layout.opening(self.pickled):
             if len(data) >= borrow_min:
                 yield from out.add(header)
                 yield from out.send(memoryview(data), data)
-                yield from out.add(descriptor(crc, len(data)))
+                yield from out.add(tail)
             else:
-                yield from out.add(header + data + descriptor(crc, len(data)))
-
-        contents = self.constants.contents
-        for name in BEFORE:
-            yield from small_record(name, self.pickled if name == "data.pkl" else contents[name])
+                yield from out.add(header + data + tail)
         for key, storage in enumerate(self.storages):
             nbytes = storage.nbytes()
-            raw = b"%sdata/%d" % (PREFIX.encode(), key)
-            offset = out.pos
-            header = local_header(offset, raw, nbytes)
+            header = layout.storage(key, nbytes)
             if nbytes >= borrow_min:
                 view = writable_view(storage.data_ptr(), nbytes)
                 crc = crc32(view)
                 yield from out.add(header)
                 yield from out.send(view, storage)
-                yield from out.add(descriptor(crc, nbytes))
+                yield from out.add(layout.stored(crc))
             else:  # header, bytes and descriptor copied into the chunk (the hot path)
                 need = len(header) + nbytes + _DESCRIPTOR_SIZE
                 if out.fill + need > len(out.chunk):
@@ -267,21 +264,11 @@ class ArchivePlan:
                 if nbytes:
                     copy_memory(out.address + at, storage.data_ptr(), nbytes)
                     crc = crc32(out.view[at : at + nbytes])  # while the bytes are in cache
-                    tail = descriptor(crc, nbytes)
-                    chunk[at + nbytes : at + nbytes + len(tail)] = tail
-                    at += nbytes + len(tail)
-                out.pos += at - out.fill
-                out.fill = at
-            if nbytes:
-                combined = hash_combine(combined, crc)
-            entries.append(central(raw, offset, crc, nbytes))
-        version = contents["version"]
-        yield from small_record("version", version)  # folds its CRC-32 in too
-        serialization_id = b"%020d%020d" % (name_hash(len(self.storages)), combined)
-        yield from small_record(".data/serialization_id", serialization_id)
-        directory = b"".join(entries)
-        offset = out.pos
-        yield from out.add(directory + end_records(len(entries), len(directory), offset))
+                    at += nbytes
+                tail = layout.stored(crc)
+                chunk[at : at + len(tail)] = tail
+                out.fill = at + len(tail)
+        yield from out.add(layout.closing(len(self.storages)))
         yield from out.flush()
 
 
@@ -289,11 +276,9 @@ class _Chunks:
     """Copies small pieces into chunks and yields what was copied whenever a piece goes
     out on its own (a large storage) or the chunk fills. A chunk is filled on after
     such a flush (the yielded view covers only the bytes before), so the chunks a save
-    uses follow the bytes copied, not the number of large storages. ``pos`` is the
-    archive offset of the next byte, whatever carries it."""
+    uses follow the bytes copied, not the number of large storages."""
 
     def __init__(self) -> None:
-        self.pos = 0
         self.chunk = bytearray(0)
         self.view = memoryview(self.chunk)
         self.address = 0
@@ -313,13 +298,11 @@ class _Chunks:
             self.new_chunk(len(data))
         self.chunk[self.fill : self.fill + len(data)] = data
         self.fill += len(data)
-        self.pos += len(data)
 
     def send(self, view: memoryview, owner: object) -> Iterator[tuple[memoryview, object]]:
         """Yield what was copied so far, then ``view`` as it lies (not copied)."""
         yield from self.flush()
         yield view, owner
-        self.pos += view.nbytes
 
     def flush(self) -> Iterator[tuple[memoryview, object]]:
         if self.fill > self.start:
@@ -327,47 +310,32 @@ class _Chunks:
             self.start = self.fill
 
 
-class ChunkPool:
+class ChunkPool(BufferPool[int, bytearray]):
     """The chunks small records are copied into, reused within a save and across saves.
 
     A fresh chunk costs a page fault per 4 KiB on first touch (zero-filled by the
     kernel): for a state of small tensors that is as much CPU as the copy. A chunk is
-    handed out again once nothing refers to it but the pool: the sink drops its views
-    and owners when the part they went into is stored or abandoned, so a chunk whose
-    bytes may still be read is never written. The pool holds as many chunks as were
-    ever waiting to be sent at once; :func:`cloudckpt.release_buffers` empties it.
+    handed out again once nothing refers to it but the pool (:func:`unshared`): the sink
+    drops its views and owners when the part they went into is stored or abandoned, so a
+    chunk whose bytes may still be read is never written. The pool holds as many chunks
+    as were ever waiting to be sent at once; :func:`cloudckpt.release_buffers` empties
+    it. The pool is io/buffers.py's ``BufferPool`` with a ``reusable`` predicate.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._chunks: list[bytearray] = []
+        super().__init__(bytearray, int, reusable=unshared)
 
-    def take(self) -> bytearray:
-        """A chunk of ``CHUNK_BYTES`` that no one else refers to."""
-        with self._lock:
-            for chunk in self._chunks:
-                # The pool's list, this loop and the call's argument: nothing else.
-                if len(chunk) == CHUNK_BYTES and sys.getrefcount(chunk) <= _FREE_REFS:
-                    return chunk
-            chunk = bytearray(CHUNK_BYTES)
-            self._chunks.append(chunk)
-            return chunk
-
-    def clear(self) -> int:
-        """Drop every chunk (those still in use live on with their users); the bytes."""
-        with self._lock:
-            dropped, self._chunks = self._chunks, []
-        return sum(len(c) for c in dropped)
+    def take(self, key: int | None = None) -> bytearray:
+        """A chunk of ``CHUNK_BYTES`` (or ``key`` bytes) that no one else refers to."""
+        return super().take(CHUNK_BYTES if key is None else key)
 
     @property
     def held_bytes(self) -> int:
-        with self._lock:
-            return sum(len(c) for c in self._chunks)
+        """Bytes of every chunk the pool holds, in use or not."""
+        return self.idle_bytes
 
 
-_FREE_REFS = 3
 _pool = ChunkPool()
-register_pool(_pool.clear)
 
 
 def get_chunk_pool() -> ChunkPool:
@@ -381,7 +349,7 @@ def plan_archive(obj: Any) -> ArchivePlan | None:
     Raises what pickling raises (an unpicklable object, storages viewed as two dtypes),
     before anything is written.
     """
-    found = constants() if writer_on() else None  # the probe runs under default options only
+    found = _constants() if writer_on() else None
     if found is None:
         return None
     plan = _plan(obj, found)
@@ -406,48 +374,174 @@ def _plan(obj: Any, found: Constants) -> ArchivePlan | None:
     return ArchivePlan(buffer.getvalue(), pickler.storages, found)
 
 
-def _probe_object() -> Any:
-    """An object whose archive takes every path of the builder."""
+#: One-tensor layouts made so far, by (dtype, shape, strides, storage offset, storage
+#: bytes): a model's tensors share a few. Bounded: cleared when it grows past this.
+_SINGLE: dict[tuple[Any, ...], SingleStorage] = {}
+_MAX_SINGLE = 1024
+
+
+def tensor_layout(tensor: torch.Tensor, nbytes: int) -> SingleStorage | None:
+    """``torch.save(tensor)``'s archive laid out but for the storage's ``nbytes`` bytes
+    (the whole of ``tensor.untyped_storage()``, as ``torch.save`` writes it); None
+    where ``torch.save`` must write it: a tensor that is not a plain one of CPU memory
+    (a subclass, one that requires grad, quantized, sparse, conjugate...), an archive
+    of 4 GiB or more, or the builder off.
+
+    Called per tensor, so torch's serialization options are read only until the check
+    has run (they cost more than the rest of the call): the caller asks
+    :func:`builder_on` once for a batch of tensors.
+    """
+    found = _single_constants()
+    if found is None or nbytes >= ZIP64_FROM:
+        return None
+    if not (type(tensor) is _Tensor and tensor.is_cpu and not tensor.requires_grad):
+        return None
+    return _single(tensor, nbytes, found) if plain_strided(tensor) else None
+
+
+def _single(tensor: torch.Tensor, nbytes: int, found: Constants) -> SingleStorage | None:
+    key = (tensor.dtype, tuple(tensor.size()), tensor.stride(), tensor.storage_offset(), nbytes)
+    layout = _SINGLE.get(key)
+    if layout is None:
+        plan = _plan(tensor, found)
+        if plan is None or len(plan.storages) != 1:
+            return None
+        layout = SingleStorage.lay_out(plan.pickled, nbytes, found)
+        if len(_SINGLE) >= _MAX_SINGLE:
+            _SINGLE.clear()
+        _SINGLE[key] = layout
+    return layout
+
+
+# --- the check, and when the builder is on ----------------------------------------------
+
+#: The running torch's constants, once the check has passed.
+_found: list[Constants] = []
+#: The dtypes of the probe set, where the running torch has them.
+_PROBE_DTYPES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "complex64",
+    "complex128",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+
+
+def _probe_dtypes() -> list[torch.dtype]:
+    found = (getattr(torch, name, None) for name in _PROBE_DTYPES)
+    return [dtype for dtype in found if isinstance(dtype, torch.dtype)]
+
+
+def _of_dtype(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """``numel`` elements of ``dtype``, from bytes 0 and 1 (valid in every dtype)."""
+    raw = torch.arange(numel * dtype.itemsize, dtype=torch.uint8) % 2
+    return raw.view(dtype)
+
+
+def _probe_object() -> dict[str, Any]:
+    """An object whose archive takes every path of the whole-object builder."""
     base = torch.arange(12, dtype=torch.float32)
     grad = torch.ones(3, requires_grad=True)
-    return {
-        "w": base.view(3, 4),
-        "view": base[4:8],  # shares base's storage
-        "t": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t(),
-        "f8": torch.ones((), dtype=torch.float8_e4m3fn),  # a _rebuild_tensor_v3 dtype
-        "empty": torch.empty(0, dtype=torch.int64),
-        "param": torch.nn.Parameter(torch.zeros(2)),  # torch's own reduction
-        "grad": grad,
-        "conj": torch.ones(2, dtype=torch.complex64).conj(),  # torch's, with metadata
-        "storage": torch.ones(4, dtype=torch.uint8).untyped_storage(),
-        "big": torch.arange(20000, dtype=torch.int16),  # borrowed in the probe's layout
-        "meta": [1, 2.5, "x", None, (3, 4)],
-    }
+    obj: dict[str, Any] = {str(dtype): _of_dtype(dtype, 3) for dtype in _probe_dtypes()}
+    obj.update(
+        w=base.view(3, 4),
+        view=base[4:8],  # shares base's storage, at an offset
+        t=torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t(),
+        f8=torch.ones((), dtype=torch.float8_e4m3fn),  # a _rebuild_tensor_v3 dtype
+        empty=torch.empty(0, dtype=torch.int64),
+        param=torch.nn.Parameter(torch.zeros(2)),  # torch's own reduction
+        grad=grad,
+        conj=torch.ones(2, dtype=torch.complex64).conj(),  # torch's, with metadata
+        storage=torch.ones(4, dtype=torch.uint8).untyped_storage(),
+        big=torch.arange(20000, dtype=torch.int16),  # borrowed in the probe's layout
+        meta=[1, 2.5, "x", None, (3, 4)],
+    )
+    return obj
 
 
-def _build(obj: Any, found: Constants) -> bytes | None:
+def _probe_tensors() -> list[torch.Tensor]:
+    """Tensors whose one-tensor archives take every path of :func:`tensor_layout`."""
+    base = torch.arange(12, dtype=torch.float64)
+    return [
+        *(_of_dtype(dtype, 5) for dtype in _probe_dtypes()),
+        torch.ones((), dtype=torch.float8_e4m3fn),  # a _rebuild_tensor_v3 scalar
+        torch.empty(0, dtype=torch.int64),
+        torch.empty(3, 0, dtype=torch.float8_e5m2),
+        torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t(),
+        base[2:6],  # a view at an offset: the whole storage is written
+    ]
+
+
+def _object_bytes(obj: Any, found: Constants) -> bytes | None:
+    """The whole-object builder's archive of ``obj`` in one piece."""
     plan = _plan(obj, found)
     if plan is None:
         return None
     return b"".join(bytes(view) for view, _ in plan.pieces(borrow_min=16 << 10))
 
 
-def writer_on() -> bool:
-    """Whether :func:`plan_archive` writes what ``torch.save`` would write now: the fast
-    paths it uses are on, the builder matched this torch's ``torch.save`` on a probe
-    object (checked once per process), and torch's serialization options are the
-    defaults it copies."""
-    return defaults() and views_on() and copy_on() and probes.on("archive_writer")
+def _tensor_bytes(tensor: torch.Tensor, found: Constants) -> bytes | None:
+    """The one-tensor builder's archive of ``tensor`` in one piece."""
+    storage = tensor.untyped_storage()
+    data = ctypes.string_at(storage.data_ptr(), storage.nbytes()) if storage.nbytes() else b""
+    layout = _single(tensor, len(data), found)
+    if layout is None:
+        return None
+    return layout.header + data + layout.trailer(crc32(data))
 
 
 def _check() -> None:
-    """The builder's archive of :func:`_probe_object` is ``torch.save``'s, byte for byte."""
-    found = constants()
-    if found is None:
-        raise ValueError("torch.save writes other records")
-    obj = _probe_object()
-    if _build(obj, found) != torch_save(obj):
-        raise ValueError("the archive differs from torch.save's")
+    """Both forms of the builder write ``torch.save``'s bytes for the probe set: the
+    whole object (where the memory tricks it uses are on) and each probe tensor."""
+    found = read_constants()
+    if views_on() and copy_on():  # else the whole-object form is off anyway
+        obj = _probe_object()
+        if _object_bytes(obj, found) != torch_save(obj):
+            raise ValueError("the archive of the probe object differs from torch.save's")
+    for tensor in _probe_tensors():
+        if _tensor_bytes(tensor, found) != torch_save(tensor):
+            raise ValueError(f"the archive of a {tensor.dtype} tensor differs from torch.save's")
+    _found[:] = [found]
 
 
-probes.register("archive_writer", _check)
+probes.register(PROBE, _check)
+
+
+def _constants() -> Constants | None:
+    """The running torch's constants once the check has passed; None (builder off)
+    otherwise, or with the fast paths off."""
+    return _found[0] if probes.on(PROBE) and _found else None
+
+
+def _single_constants() -> Constants | None:
+    """:func:`_constants` for the per-tensor form: the check runs the first time torch's
+    serialization options are the defaults (it reads them only until then)."""
+    if probes.outcome(PROBE) is None and not defaults():
+        return None
+    return _constants()
+
+
+def builder_on() -> bool:
+    """Whether the builder writes what ``torch.save`` would write now: torch's
+    serialization options are the defaults it copies, and it matched this torch's
+    ``torch.save`` on the probe set (checked once per process; off with the fast paths
+    off)."""
+    return defaults() and probes.on(PROBE)
+
+
+def writer_on() -> bool:
+    """Whether :func:`plan_archive` may build: :func:`builder_on`, and the memory tricks
+    its pieces use (views of storages, GIL-held copies) are on."""
+    return builder_on() and views_on() and copy_on()
