@@ -399,4 +399,5 @@ def test_the_readme_local_s3_snippet_runs_as_printed(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "w.pt" in done.stdout, done.stdout
+    assert "ok" in done.stdout.lower(), done.stdout  # the verify line
     assert "BucketNotFound" not in done.stderr and "does not exist" not in done.stderr

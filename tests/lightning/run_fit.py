@@ -15,6 +15,8 @@ import os
 import sys
 import threading
 
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 from lightning.pytorch import Trainer
@@ -83,6 +85,11 @@ def main() -> None:
             json.dump(
                 {"started_at_epoch": model.started_at_epoch, "world_size": trainer.world_size}, f
             )
+    # As torch asks of every trainer process: gloo's worker threads, left to the
+    # interpreter's exit, can abort the process ("terminate called without an active
+    # exception") after the run has succeeded.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
