@@ -70,6 +70,8 @@ def test_ls_all_shows_a_young_open_upload_right_after_the_kill(bucket: Store) ->
     assert found["kind"] == "upload" and found["url"] == url and found["kept"] is True
     assert found["upload_id"] == upload.upload_id
     assert 0 <= found["age_s"] < 3600
+    (old,) = _json("ls", "--all", "--grace", "0", bucket.url(ROOT))["leftovers"]
+    assert old["upload_id"] == upload.upload_id and old["kept"] is False  # past a 0 s grace
 
 
 def test_gc_dry_run_lists_young_leftovers_as_kept_and_removes_nothing(bucket: Store) -> None:

@@ -129,7 +129,7 @@ def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     # (what a killed save leaves), with their ages, even when nothing else is there yet.
     leftovers = None
     if args.all and t.kind in ("run", "prefix", "missing"):
-        leftovers = find_leftovers(t.store, t.key, listing=t.objects)
+        leftovers = find_leftovers(t.store, t.key, grace_seconds=args.grace, listing=t.objects)
     if t.kind == "missing" and not leftovers:
         return _not_found(p, "nothing at", t.url)
     if t.kind == "missing":

@@ -165,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also list leftovers: open multipart uploads and uncommitted step prefixes, "
         "with their ages, young ones marked as kept by gc's grace period",
     )
+    p.add_argument(
+        "--grace",
+        type=parse_duration,
+        default=3600.0,
+        help="with --all: the grace period young leftovers are marked against (default 1h, "
+        "as gc's)",
+    )
 
     p = add(
         "info",
