@@ -32,10 +32,11 @@ class RangeFetcher(RangeReader):
         start: int,
         dest: memoryview | Sequence[memoryview],
         on_done: Callable[[], None] | None = None,
+        owner: object = None,
     ) -> None:
         """Fill ``dest`` from byte ``start`` of the data object ``relative`` (a name that
         escapes the checkpoint's prefix is refused)."""
         key = self._keys.get(relative)
         if key is None:
             key = self._keys[relative] = self.location.key(relative)
-        super().add(key, start, dest, on_done)
+        super().add(key, start, dest, on_done, owner)

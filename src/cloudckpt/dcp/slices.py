@@ -11,6 +11,7 @@ the item.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from collections.abc import Callable
@@ -445,7 +446,7 @@ class SliceReader:
             view = tensor_view(target)  # record_size bytes (the record's shape and dtype)
             start = a.offset + data_offset
             check = _RecordCheck(view, crc, url, start, item.storage_index.fqn)
-            fetcher.add(a.relative, start, view, check)
+            fetcher.add(a.relative, start, view, check, target)
             return Slice(item, target)
         saved = SavedTensor(
             dtype=dtype,
@@ -494,21 +495,22 @@ class SliceReader:
             and target.dtype == saved.dtype
             and target.is_contiguous()
         ):
-            middle = tensor_bytes(target)
+            middle, owner = tensor_bytes(target), target
         else:
             result = Slice(item, target, torch.empty(span * itemsize, dtype=torch.uint8), saved)
             assert result.scratch is not None
-            middle = tensor_bytes(result.scratch)
+            middle, owner = tensor_bytes(result.scratch), result.scratch
         record = a.offset + saved.data_offset  # where the record's bytes start in the object
         lo, hi = first * itemsize, (first + span) * itemsize
         if saved.block_size:
-            self._add_checked(a, saved, lo, hi, middle, fetcher, f"{fqn}")
+            self._add_checked(a, saved, lo, hi, middle, owner, fetcher, f"{fqn}")
         elif saved.record_crc is not None and lo == 0 and hi == saved.record_size:
             expected = saved.record_crc
             where = f"{url} bytes {record}-{record + hi} ({fqn}, its storage record)"
-            fetcher.add(a.relative, record, middle, lambda: check_chunk(middle, expected, where))
+            check = functools.partial(check_chunk, middle, expected, where)
+            fetcher.add(a.relative, record, middle, check, owner)
         else:
-            fetcher.add(a.relative, record + lo, middle)
+            fetcher.add(a.relative, record + lo, middle, None, owner)
         return result
 
     def _add_checked(
@@ -518,6 +520,7 @@ class SliceReader:
         lo: int,
         hi: int,
         middle: memoryview,
+        owner: torch.Tensor,
         fetcher: RangeFetcher,
         name: str,
     ) -> None:
@@ -544,4 +547,4 @@ class SliceReader:
             check = BlockCheck(
                 views, g_start, size, saved.block_crcs, saved.record_size, record, where
             )
-            fetcher.add(a.relative, record + g_start, views, check)
+            fetcher.add(a.relative, record + g_start, views, check, owner)

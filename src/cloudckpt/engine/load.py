@@ -141,7 +141,7 @@ def _small_records(plan: _Plan, options: TransferOptions) -> dict[str, memoryvie
                 dest[:] = plan.tail[rel + e.local_header_size : rel + e.local_header_size + e.size]
                 check_record(plan.url, e, header, dest)
             else:
-                read_record(reader, plan.key, plan.url, e, dest)
+                read_record(reader, plan.key, plan.url, e, dest, None)  # owns its bytes
             found[name] = dest
         reader.run()
     return found
@@ -229,7 +229,8 @@ def _fetch(
             fetched = _structure(plan, small, weights_only, keys, None)
             records = RecordReads(reader, plan.key, plan.url)
             for k in sorted(fetched.storages, key=lambda k: plan.records[k].header_offset):
-                records.add(plan.records[k], storage_view(fetched.storages[k]))
+                storage = fetched.storages[k]
+                records.add(plan.records[k], storage_view(storage), storage)
             records.flush()
         reader.run()
     return fetched
@@ -259,9 +260,9 @@ def _fetch_shared(
         items = [(o, storage_view(st)) for o, (_, st) in zip(owners, found, strict=True)]
         with RangeReader(plan.store, options, stream=True, advance=advance) as reader:
             records = RecordReads(reader, plan.key, plan.url)
-            for (owner, view), (entry, _storage) in zip(items, found, strict=True):
+            for (owner, view), (entry, storage) in zip(items, found, strict=True):
                 if owner == me:
-                    records.add(entry, view)
+                    records.add(entry, view, storage)
             records.flush()
             reader.run()
         total = sum(e.local_header_size + e.size for e, _ in found)

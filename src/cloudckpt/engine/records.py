@@ -68,11 +68,14 @@ def check_record(url: str, entry: Entry, header: memoryview, data: memoryview) -
     check_record_crc(url, entry.name, entry.crc32, crc32(data))
 
 
-def read_record(reader: RangeReader, key: str, url: str, entry: Entry, dest: memoryview) -> None:
-    """Add the read of one record (its local header, then its data into ``dest``)."""
+def read_record(
+    reader: RangeReader, key: str, url: str, entry: Entry, dest: memoryview, owner: object
+) -> None:
+    """Add the read of one record (its local header, then its data into ``dest``, a view
+    of ``owner``'s memory)."""
     header = memoryview(bytearray(entry.local_header_size))
     check = functools.partial(check_record, url, entry, header, dest)
-    reader.add(key, entry.header_offset, [header, dest], check)
+    reader.add(key, entry.header_offset, [header, dest], check, owner)
 
 
 def _joins(start: int, end: int, entry: Entry, gap: int) -> bool:
@@ -111,9 +114,10 @@ class RecordReads:
         self._key, self._url = key, url
         self._batch: list[tuple[Entry, memoryview]] = []
 
-    def add(self, entry: Entry, dest: memoryview) -> None:
+    def add(self, entry: Entry, dest: memoryview, owner: object) -> None:
+        """Read ``entry`` into ``dest``, a view of ``owner``'s memory."""
         if not _small(entry):
-            read_record(self._reader, self._key, self._url, entry, dest)
+            read_record(self._reader, self._key, self._url, entry, dest, owner)
             return
         if self._batch:
             start, end = self._batch[0][0].header_offset, self._batch[-1][0].end
@@ -193,7 +197,7 @@ class PlacedRecords:
             if entry.name not in self._in_block:
                 storage = torch.UntypedStorage(entry.size)
                 self._own[entry.name] = storage
-                read_record(reader, key, url, entry, storage_view(storage))
+                read_record(reader, key, url, entry, storage_view(storage), storage)
 
     def _block_read(self, block: _Block) -> None:
         """A block's bytes are in: check it, or leave it to :meth:`check_arrived`

@@ -239,7 +239,7 @@ def _fetch(
                     advance(entry.nbytes)
                     done()
                 else:
-                    reader.add(key, start, view, done)
+                    reader.add(key, start, view, done, tensor)
         reader.run()
     return {n: out[n] for n in sorted(out)}
 

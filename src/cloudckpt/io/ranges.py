@@ -43,17 +43,25 @@ def split(start: int, size: int, chunk: int) -> list[tuple[int, int]]:
 
 
 class _Request:
-    """Buffers to fill from ``start``; ``on_done`` once every piece of them has arrived."""
+    """Buffers to fill from ``start``; ``on_done`` once every piece of them has arrived.
+    ``owner`` owns the buffers' memory when they are raw views (a tensor or storage):
+    every read of the request refers to it, so the memory outlives a read abandoned
+    at Ctrl-C or a deadline (``TransferGroup.cancel``), which may still land in it."""
 
-    __slots__ = ("buffers", "on_done", "pending", "size", "start")
+    __slots__ = ("buffers", "on_done", "owner", "pending", "size", "start")
 
     def __init__(
-        self, start: int, buffers: list[memoryview], on_done: Callable[[], None] | None
+        self,
+        start: int,
+        buffers: list[memoryview],
+        on_done: Callable[[], None] | None,
+        owner: object = None,
     ) -> None:
         self.start = start
         self.buffers = buffers
         self.size = sum(b.nbytes for b in buffers)
         self.on_done = on_done
+        self.owner = owner
         self.pending = 0
 
 
@@ -111,11 +119,14 @@ class RangeReader:
         start: int,
         dest: memoryview | Sequence[memoryview],
         on_done: Callable[[], None] | None = None,
+        owner: object = None,
     ) -> None:
         """Fill ``dest`` (one buffer or a scatter list) from byte ``start`` of ``key``;
-        then call ``on_done`` (in the thread that read the last byte)."""
+        then call ``on_done`` (in the thread that read the last byte). ``owner``: what
+        owns ``dest``'s memory when it is a raw view of a tensor or storage (kept alive
+        until every read into it has ended, abandoned ones included)."""
         buffers = [dest] if isinstance(dest, memoryview) else list(dest)
-        request = _Request(start, [b for b in buffers if b.nbytes], on_done)
+        request = _Request(start, [b for b in buffers if b.nbytes], on_done, owner)
         if request.size:
             self._requests[key].append(request)
             self._waiting += request.size
