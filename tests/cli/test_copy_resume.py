@@ -183,7 +183,15 @@ def test_deadline_stops_an_upload_with_a_stalled_part(
     dst, dst_key = open_url(f"s3://{bucket}/src.bin", opts)
     release = threading.Event()
     faulty = FaultyStore(dst)
-    faulty.faults["upload_part"] = _stall_at(2, release)
+    held = _stall_at(2, release)
+
+    def dropped(n: int) -> BaseException | None:
+        # The held part never reaches the server: when the stall ends, its connection
+        # drops (else it could land beside the rerun's upload of the same part).
+        held(n)
+        return StorageError("the held request's connection dropped") if n == 2 else None
+
+    faulty.faults["upload_part"] = dropped
     state_dir = tmp_path / "state"
     state = CopyState()
     timer = _watchdog(release)

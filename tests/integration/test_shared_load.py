@@ -87,7 +87,7 @@ def _one_rank_fails(rank: int, world: int, url: str, so: dict[str, Any]) -> None
     if rank == 2:
         real = records_module.read_record
 
-        def broken(reader: Any, key: Any, url: Any, entry: Any, dest: Any) -> None:
+        def broken(reader: Any, key: Any, url: Any, entry: Any, dest: Any, owner: Any) -> None:
             raise StorageError(f"injected on rank 2 reading {entry.name}")
 
         records_module.read_record = broken  # type: ignore[assignment]
