@@ -19,7 +19,8 @@ builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``
     │   ├── TransientError                        worth retrying (throttled, 5xx, reset)
     │   │   └── ThrottledError                    the store asked for fewer requests
     │   ├── RetriesExhaustedError                 transient faults outlasted retries
-    │   └── DeadlineExceededError                 a save or load outlasted its deadline
+    │   ├── DeadlineExceededError                 a save or load outlasted its deadline
+    │   └── LocalTierFullError                    a manager's local tier lacks the room
     ├── SerializationError (TypeError)
     │   └── UnpicklableError                      state holds a closure/lambda/handle
     ├── CorruptCheckpointError (ValueError)       bytes on storage are not a checkpoint
@@ -55,6 +56,7 @@ __all__ = [
     "DistributedLoadError",
     "DistributedSaveError",
     "InvalidURLError",
+    "LocalTierFullError",
     "MissingKeyError",
     "NotAPrefixError",
     "NotAnObjectError",
@@ -144,6 +146,11 @@ class RetriesExhaustedError(StorageError):
 class DeadlineExceededError(StorageError):
     """A save or load did not finish within its ``deadline``: it was cancelled (a save's
     upload aborted, nothing committed). The message names the requests still running."""
+
+
+class LocalTierFullError(StorageError):
+    """A save to a manager's local tier (``local_dir``) would not fit in its free space:
+    refused before anything is written, naming the directory and the bytes needed."""
 
 
 class SerializationError(CloudCkptError, TypeError):

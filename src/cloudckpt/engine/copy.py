@@ -49,7 +49,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -759,15 +759,20 @@ def same_object(src: Store, s: ObjectInfo, dst: Store, d: ObjectInfo) -> bool:
     return a == b
 
 
-def plan_tree(src: Store, src_prefix: str, dst: Store, dst_prefix: str) -> list[TreeEntry]:
+def plan_tree(
+    src: Store, src_prefix: str, dst: Store, dst_prefix: str, exclude: Sequence[str] = ()
+) -> list[TreeEntry]:
     """Every object under ``src_prefix`` and where it lands under ``dst_prefix`` (keys
     relative to the prefix), in copy order: data first, commit markers last. An object
-    already whole at the destination is marked ``skip``. One listing of each side."""
+    already whole at the destination is marked ``skip``; one whose name (the part after
+    the last ``/``) is in ``exclude`` is left out. One listing of each side."""
     src_dir, dst_dir = dir_prefix(src_prefix), dir_prefix(dst_prefix)
     there = {o.key: o for o in dst.list(dst_dir)}
     entries: list[tuple[tuple[int, str], TreeEntry]] = []
     for o in src.list(src_dir):
         if isinstance(src, LocalStore) and _is_leftover(o.key):
+            continue
+        if exclude and o.key.rpartition("/")[2] in exclude:
             continue
         rel = o.key[len(src_dir) :]
         dst_key = dst_dir + rel
@@ -797,8 +802,10 @@ def copy_tree(
     advance: Callable[[int], None] = lambda n: None,
     on_size: Callable[[int], None] = lambda n: None,
     state: CopyState | None = None,
+    exclude: Sequence[str] = (),
 ) -> TreeCopyResult:
-    """Copy every object under ``src_prefix`` to ``dst_prefix``, keys relative to it.
+    """Copy every object under ``src_prefix`` to ``dst_prefix``, keys relative to it
+    (objects named in ``exclude`` left out: :func:`plan_tree`).
 
     Objects already whole at the destination are skipped; the rest go one by one through
     :func:`copy_object` (so an object interrupted midway resumes), commit markers last.
@@ -808,7 +815,7 @@ def copy_tree(
     state = state if state is not None else CopyState()
     src_url, dst_url = src.url(dir_prefix(src_prefix)), dst.url(dir_prefix(dst_prefix))
     with deadline_scope(options.deadline):
-        entries = plan_tree(src, src_prefix, dst, dst_prefix)
+        entries = plan_tree(src, src_prefix, dst, dst_prefix, exclude)
         if not entries:
             raise NotFoundError(f"no objects under {src_url}")
         todo = [e for e in entries if not e.skip]

@@ -2,7 +2,8 @@
 
 ``marker`` (layout and the commit marker), ``retention`` (keep policies), ``gc``
 (deletes and garbage collection), ``payload`` (single object or DCP directory),
-``distributed`` (rank 0 lists, everyone gets the answer).
+``tiers`` (a local tier drained to the bucket), ``distributed`` (rank 0 lists, everyone
+gets the answer).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Order of one save (each step after the previous one succeeded):
 
 In a distributed job only rank 0 talks to storage for listings, commits and deletes;
 every other rank receives rank 0's answer (or error) by broadcast.
+
+With ``local_dir=`` a save commits to that local tier instead and returns; the steps due
+for the bucket are drained there in the background (manager/tiers.py, docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -29,24 +32,29 @@ from typing import Any
 from ..dist.collectives import barrier, is_distributed, on_first, rank
 from ..dist.groups import checkpoint_group
 from ..engine.handle import SaveHandle, in_flight
-from ..errors import AlreadyExistsError, ConfigError, DistributedSaveError, NotFoundError
+from ..errors import (
+    AlreadyExistsError,
+    ConfigError,
+    CorruptCheckpointError,
+    DistributedSaveError,
+    NotFoundError,
+)
 from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..store import Store, open_target
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
 from .marker import (
-    MARKER_NAME,
     CheckpointInfo,
-    FileEntry,
+    commit_step,
     list_checkpoints,
     marker_key,
     read_marker,
     root_prefix,
     step_dir,
-    write_marker,
 )
 from .payload import DcpPayload, PayloadKind, payload_kind
 from .retention import KeepEveryNSteps, KeepLast, KeepTopK, RetentionPolicy, to_delete
+from .tiers import LOCAL, REMOTE, Drainer, LocalTier, merge_tiers
 
 __all__ = ["CheckpointManager", "ManagedSaveHandle"]
 
@@ -75,6 +83,12 @@ class CheckpointManager:
     ready :mod:`~cloudckpt.manager.retention` objects instead. ``kind`` is "object" (one
     ``torch.save`` archive, ``filename``) or "dcp" (a torch.distributed.checkpoint
     directory). Other keyword arguments are :class:`~cloudckpt.TransferOptions` fields.
+
+    ``local_dir``: a local tier (docs/tiers.md). Saves commit there and return; steps
+    divisible by ``drain_every_n_steps`` (default 1) are copied to ``root_url`` by a
+    background thread (:meth:`drain` waits for them); ``keep_local`` newest local steps
+    are kept (default all). ``restore`` reads the newest step of either tier, from
+    local when its copy there is whole.
     """
 
     def __init__(
@@ -90,6 +104,9 @@ class CheckpointManager:
         kind: str | PayloadKind = "object",
         filename: str = "state.pt",
         gc_grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        local_dir: str | os.PathLike[str] | None = None,
+        keep_local: int | None = None,
+        drain_every_n_steps: int | None = None,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
@@ -122,6 +139,16 @@ class CheckpointManager:
         self._pending: set[int] = set()
         self._lock = threading.Lock()
         self._dcp_in_flight: ManagedSaveHandle | None = None
+        self._tier: LocalTier | None = None
+        self._drainer: Drainer | None = None
+        self._resumed = False
+        if local_dir is not None:
+            self._tier = LocalTier(
+                local_dir, self.root_url, self.options, keep_local, drain_every_n_steps or 1
+            )
+            self._drainer = Drainer(self._drain_step, self._tier.url, self.root_url)
+        elif keep_local is not None or drain_every_n_steps is not None:
+            raise ConfigError("keep_local= and drain_every_n_steps= need local_dir=")
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, kind={self.kind.name!r})"
@@ -142,8 +169,10 @@ class CheckpointManager:
 
     # -- discovery -----------------------------------------------------------------------
     def list(self) -> builtins.list[CheckpointInfo]:
-        """Committed checkpoints, oldest step first (one listing, markers only)."""
-        return on_first(self._list_local, what=f"the listing of {self.root_url}")
+        """Committed checkpoints, oldest step first (one listing, markers only); with a
+        local tier, those of either tier, each saying which tiers hold it."""
+        found = on_first(self._list_local, what=f"the listing of {self.root_url}")
+        return found if self._tier is None else merge_tiers(found, self._tier.list())
 
     def _list_local(self) -> builtins.list[CheckpointInfo]:
         with self._lock:
@@ -164,6 +193,10 @@ class CheckpointManager:
 
         def read() -> CheckpointInfo:
             found = read_marker(self.store, marker_key(self.root_key, step))
+            if self._tier is not None:
+                local = self._tier.info(step)
+                both = merge_tiers([found] if found else [], [local] if local else [])
+                found = both[0] if both else None
             if found is None:
                 raise NotFoundError(
                     f"no committed checkpoint for step {step} at {self.step_url(step)}"
@@ -183,20 +216,21 @@ class CheckpointManager:
         """Write ``state`` as checkpoint ``step``, commit it, then apply retention."""
         self._check_step(step)
         metrics = _check_metrics(metrics)
-        self._refuse_committed(step)
+        self._before_save(step, state)
         with self._lock:
             self._pending.add(step)
+        url, options = self._target(step)
         try:
-            self.kind.save(state, self.step_url(step), self.options)
+            self.kind.save(state, url, options)
             barrier()
             info = on_first(
-                lambda: self._commit(step, metrics, metadata or {}),
-                what=f"the commit of {self.step_url(step)}",
+                lambda: self._commit_save(step, metrics, metadata or {}),
+                what=f"the commit of {url}",
             )
         finally:
             with self._lock:
                 self._pending.discard(step)
-        on_first(self._retain_quietly, what=f"retention under {self.root_url}")
+        on_first(lambda: self._after_commit(step), what=f"retention under {self.root_url}")
         return info
 
     def async_save(
@@ -229,22 +263,22 @@ class CheckpointManager:
             raise NotImplementedError(
                 "CheckpointManager.async_save needs cloudckpt.engine.async_save"
             ) from exc
-        self._refuse_committed(step)
+        self._before_save(step, state)
         with self._lock:
             self._pending.add(step)
-        url = self.step_url(step) + self.kind.filename
+        prefix_url, options = self._target(step)
         try:
-            inner = engine_async_save(state, url, options=self.options)
+            inner = engine_async_save(state, prefix_url + self.kind.filename, options=options)
         except BaseException:
             with self._lock:
                 self._pending.discard(step)
             raise
-        handle = ManagedSaveHandle(step, self.step_url(step), inner.stall_seconds)
+        handle = ManagedSaveHandle(step, prefix_url, inner.stall_seconds)
         in_flight.add(handle)
 
         def commit() -> CheckpointInfo:
             inner.result()
-            return self._commit(step, metrics, metadata or {})
+            return self._commit_save(step, metrics, metadata or {})
 
         inner.add_done_callback(lambda _inner: self._finish(handle, commit, retain=True))
         return handle
@@ -263,14 +297,14 @@ class CheckpointManager:
             with self._lock:
                 self._pending.discard(handle.step)
         if retain:
-            self._retain_quietly()
+            self._after_commit(handle.step)
         handle.finish(info, None)
 
     def _async_save_dcp(
         self, step: int, state: Any, metrics: dict[str, float], metadata: Mapping[str, Any]
     ) -> ManagedSaveHandle:
         assert isinstance(self.kind, DcpPayload)
-        self._refuse_committed(step)
+        self._before_save(step, state)
         previous = self._dcp_in_flight
         if previous is not None:  # its collectives and ours share the checkpoint group
             previous.wait()
@@ -278,23 +312,24 @@ class CheckpointManager:
         with self._lock:
             self._pending.add(step)
         started = time.perf_counter()
+        prefix_url, options = self._target(step)
         try:
-            future = self.kind.async_save(state, self.step_url(step), self.options, group)
+            future = self.kind.async_save(state, prefix_url, options, group)
         except BaseException:
             with self._lock:
                 self._pending.discard(step)
             raise
-        handle = ManagedSaveHandle(step, self.step_url(step), time.perf_counter() - started)
+        handle = ManagedSaveHandle(step, prefix_url, time.perf_counter() - started)
         in_flight.add(handle)
 
         def write_marker() -> CheckpointInfo:  # rank 0, once DCP's save is done
             error = future.exception()  # DCP's outcome, the same on every rank
             if error is not None:
-                raise _named_failure(error, self.step_url(step))
-            return self._commit(step, metrics, metadata)
+                raise _named_failure(error, prefix_url)
+            return self._commit_save(step, metrics, metadata)
 
         # On every rank, in DCP's saving thread: rank 0 commits, the group hears it.
-        what = f"the commit of {self.step_url(step)}"
+        what = f"the commit of {prefix_url}"
         future.add_done_callback(
             lambda _f: self._finish(
                 handle, lambda: on_first(write_marker, group, what=what), retain=rank() == 0
@@ -310,38 +345,118 @@ class CheckpointManager:
                     f"step {step} is already committed at {self.step_url(step)}; "
                     "delete it first to overwrite"
                 )
+            if self._tier is not None and self._tier.info(step) is not None:
+                raise AlreadyExistsError(
+                    f"step {step} is already committed at {self._tier.step_url(step)}"
+                )
 
         on_first(check, what=f"the check that step {step} is not committed")
 
-    def _commit(
+    def _before_save(self, step: int, state: Any) -> None:
+        """The checks before a save writes anything: the step is new, and a local tier
+        is this run's and has room (LocalTierFullError)."""
+        if self._tier is not None:
+            self._tier.check_ready()
+            self._resume_drains()
+        self._refuse_committed(step)
+        if self._tier is not None:
+            self._tier.check_room(state)
+
+    def _target(self, step: int) -> tuple[str, TransferOptions]:
+        """Where a save writes ``step``'s payload: the local tier if any, else the bucket."""
+        if self._tier is not None:
+            return self._tier.step_url(step), self._tier.options
+        return self.step_url(step), self.options
+
+    def _commit_save(
         self, step: int, metrics: Mapping[str, float], metadata: Mapping[str, Any]
     ) -> CheckpointInfo:
-        """List the step's objects and write its marker (rank 0, after the payload)."""
-        prefix = self._step_prefix(step)
-        objects = list(self.store.list(prefix))
-        files = tuple(
-            FileEntry(o.key[len(prefix) :], o.size, o.etag.strip('"') if o.etag else None)
-            for o in objects
-            if o.key != prefix + MARKER_NAME
-        )
-        if not files:
-            where = self.store.url(prefix)
-            raise NotFoundError(f"the payload of step {step} is missing under {where}")
-        from .._version import __version__
+        """Commit a save where it was written: the local tier if any, else the bucket."""
+        if self._tier is not None:
+            return self._tier.commit(step, self.kind.name, metrics, metadata)
+        return self._commit(step, metrics, metadata)
 
-        info = CheckpointInfo(
-            step=step,
-            url=self.store.url(prefix),
-            time=time.time(),
-            size=sum(f.size for f in files),
-            kind=self.kind.name,
-            files=files,
-            metrics=dict(metrics),
-            metadata=dict(metadata),
-            library_version=__version__,
-        )
-        write_marker(self.store, prefix + MARKER_NAME, info)
-        return info
+    def _commit(
+        self,
+        step: int,
+        metrics: Mapping[str, float],
+        metadata: Mapping[str, Any],
+        when: float | None = None,
+    ) -> CheckpointInfo:
+        """List the step's objects in the bucket and write its marker (rank 0, after
+        the payload); ``when``: the commit time to record (default now)."""
+        prefix = self._step_prefix(step)
+        return commit_step(self.store, prefix, step, self.kind.name, metrics, metadata, when)
+
+    def _after_commit(self, step: int) -> None:
+        """After a save's commit: bucket retention; with a local tier, queue the step's
+        drain if it is due (and retry failed ones), then local retention."""
+        if self._tier is None or self._drainer is None:
+            self._retain_quietly()
+            return
+        self._drainer.retry_failed()
+        if self._tier.due(step):
+            self._drainer.submit(step)
+        self._retain_local()
+
+    # -- the local tier ------------------------------------------------------------------
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every step due for the bucket is committed there (nothing to do
+        without a local tier). Failed drains are tried again first; the error of one
+        that fails again is raised (naming its step); TimeoutError after ``timeout`` s."""
+        if self._tier is None or self._drainer is None:
+            return
+        self._resume_drains()
+        self._drainer.retry_failed()
+        failed = self._drainer.wait(timeout)
+        if failed:
+            raise failed[min(failed)]
+
+    def _resume_drains(self) -> None:
+        """Once per manager: queue this run's local steps that are due and not committed
+        in the bucket (a drain an earlier process left unfinished)."""
+        if self._resumed or self._tier is None or self._drainer is None:
+            return
+        if self._tier.owned:
+            remote = {c.step for c in self._list_local()}
+            for info in self._tier.list():
+                if self._tier.due(info.step) and info.step not in remote:
+                    self._drainer.submit(info.step)
+        self._resumed = True
+
+    def _drain_step(self, step: int) -> None:
+        """The drainer's work: copy ``step`` to the bucket and commit it there with the
+        local commit's metrics, metadata and time; then retention in both tiers."""
+        assert self._tier is not None
+        with self._lock:
+            self._pending.add(step)  # gc leaves the bucket's uncommitted step alone
+        try:
+            drained = self._tier.drain_step(
+                step,
+                self.store,
+                self._step_prefix(step),
+                self.options,
+                lambda local: self._commit(step, local.metrics, local.metadata, local.time),
+            )
+        finally:
+            with self._lock:
+                self._pending.discard(step)
+        if drained:
+            self._retain_quietly()
+        self._retain_local()
+
+    def _retain_local(self) -> None:
+        """Local retention; never a step due and not drained, being saved, or restored."""
+        assert self._tier is not None and self._drainer is not None
+        with self._lock:
+            protected = set(self._pending)
+        protected |= self._drainer.unfinished()
+        if self.restored_step is not None:
+            protected.add(self.restored_step)
+        try:
+            self._tier.retain(protected)
+        except Exception as exc:
+            log.warning("retention in the local tier %s failed: %s", self._tier.url, exc)
 
     # -- retention -----------------------------------------------------------------------
     def _retain_quietly(self) -> builtins.list[int]:
@@ -372,11 +487,16 @@ class CheckpointManager:
         return doomed
 
     def delete(self, step: int) -> None:
-        """Delete checkpoint ``step`` (its marker first); NotFoundError if nothing is there."""
+        """Delete checkpoint ``step`` (its marker first), in both tiers if there is a local
+        one; NotFoundError if nothing is there."""
         self._check_step(step)
 
         def remove() -> None:
-            if delete_prefix(self.store, self._step_prefix(step), self.options) == 0:
+            removed = delete_prefix(self.store, self._step_prefix(step), self.options)
+            tier = self._tier
+            if tier is not None and tier.owned:
+                removed += delete_prefix(tier.store, tier.step_prefix(step), tier.options)
+            if removed == 0:
                 raise NotFoundError(f"no checkpoint for step {step} at {self.step_url(step)}")
 
         on_first(remove, what=f"deleting step {step}")
@@ -390,6 +510,8 @@ class CheckpointManager:
         grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
         with self._lock:
             protected = set(self._pending)
+        if self._drainer is not None:
+            protected |= self._drainer.unfinished()
         return on_first(
             lambda: collect_garbage(
                 self.store,
@@ -422,15 +544,42 @@ class CheckpointManager:
                 raise NotFoundError(f"no committed checkpoint under {self.root_url}")
         else:
             info = self.info(step)
-        result = self.kind.load(
-            info.url,
-            self.options,
-            map_location=map_location,
-            weights_only=weights_only,
-            state=state,
-        )
+
+        def load(url: str, options: TransferOptions) -> Any:
+            return self.kind.load(
+                url, options, map_location=map_location, weights_only=weights_only, state=state
+            )
+
+        if self._tier is not None and LOCAL in info.tiers:
+            result = self._restore_local(info, load)
+        else:
+            result = load(info.url, self.options)
         self.restored_step = info.step
         return result
+
+    def _restore_local(
+        self, info: CheckpointInfo, load: Callable[[str, TransferOptions], Any]
+    ) -> Any:
+        """Load ``info``'s step from the local tier; when the local copy fails a check
+        (a missing file, a wrong size, a corrupt record), say so at WARNING and load the
+        same step from the bucket (the error is raised when the bucket lacks it)."""
+        assert self._tier is not None
+        local = self._tier.step_url(info.step)
+        try:
+            self._tier.check_files(self._tier.info(info.step) or info)
+            return load(local, self._tier.options)
+        except (CorruptCheckpointError, NotFoundError) as exc:
+            if REMOTE not in info.tiers:
+                raise
+            log.warning(
+                "step %d: the local copy at %s failed a check (%s: %s); loading it from %s",
+                info.step,
+                local,
+                type(exc).__name__,
+                exc,
+                self.step_url(info.step),
+            )
+        return load(self.step_url(info.step), self.options)
 
 
 def _named_failure(error: BaseException, url: str) -> BaseException:

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "MARKER_NAME",
     "CheckpointInfo",
     "FileEntry",
+    "commit_step",
     "decode_marker",
     "encode_marker",
     "list_checkpoints",
@@ -88,6 +90,9 @@ class CheckpointInfo:
     metrics: Mapping[str, float] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     library_version: str = ""
+    #: Where the step is committed, for a manager with a local tier: ``"local"``,
+    #: ``"remote"`` or both (empty: not said; never stored in the marker).
+    tiers: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly view (used by ``--json`` output)."""
@@ -101,6 +106,7 @@ class CheckpointInfo:
             "metrics": {k: _float_out(v) for k, v in self.metrics.items()},
             "metadata": dict(self.metadata),
             "library_version": self.library_version,
+            "tiers": list(self.tiers),
         }
 
 
@@ -117,6 +123,7 @@ def _float_in(value: Any) -> float:
 def encode_marker(info: CheckpointInfo) -> bytes:
     body = info.as_dict()
     del body["url"]  # where it lives is known from where it was read
+    del body["tiers"]  # so is which tier holds it
     body = {"format": MARKER_FORMAT, **body}
     return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
 
@@ -196,6 +203,46 @@ def write_marker(store: Store, key: str, info: CheckpointInfo) -> None:
     retried write is success (format/commit.py).
     """
     commit_marker(store, key, encode_marker(info))
+
+
+def commit_step(
+    store: Store,
+    prefix: str,
+    step: int,
+    kind: str,
+    metrics: Mapping[str, float],
+    metadata: Mapping[str, Any],
+    when: float | None = None,
+) -> CheckpointInfo:
+    """Commit the step whose payload is under ``prefix`` (ends in ``/``): list its
+    objects, then write its marker recording their sizes and ETags (after the payload).
+
+    ``when`` is the commit time to record (default now): a drained copy keeps the time
+    of its local commit, so a retried drain writes the same marker bytes.
+    """
+    objects = list(store.list(prefix))
+    files = tuple(
+        FileEntry(o.key[len(prefix) :], o.size, o.etag.strip('"') if o.etag else None)
+        for o in objects
+        if o.key != prefix + MARKER_NAME
+    )
+    if not files:
+        raise NotFoundError(f"the payload of step {step} is missing under {store.url(prefix)}")
+    from .._version import __version__
+
+    info = CheckpointInfo(
+        step=step,
+        url=store.url(prefix),
+        time=time.time() if when is None else when,
+        size=sum(f.size for f in files),
+        kind=kind,
+        files=files,
+        metrics=dict(metrics),
+        metadata=dict(metadata),
+        library_version=__version__,
+    )
+    write_marker(store, prefix + MARKER_NAME, info)
+    return info
 
 
 def read_marker(store: Store, key: str) -> CheckpointInfo | None:

@@ -1,0 +1,384 @@
+"""A manager's local tier: each checkpoint committed to a node-local directory first,
+then drained to the bucket by one background thread (docs/tiers.md).
+
+The local tier is a run root of its own (the same ``step-N/`` layout and marker as the
+bucket), claimed for one bucket root by its run file ``_TIER.json``, so a directory left
+by another job is never restored from. A step due for the bucket is drained by copying
+its objects as they are (``engine/copy.copy_tree``: data first, resumable, whole objects
+skipped), then the manager commits the bucket's step with its own marker, create-only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..dist.collectives import world_size
+from ..engine.copy import copy_tree
+from ..errors import (
+    AlreadyExistsError,
+    ConfigError,
+    CorruptCheckpointError,
+    LocalTierFullError,
+    NotFoundError,
+    StorageError,
+)
+from ..format.commit import commit_marker, read_committed
+from ..options import TransferOptions
+from ..store import Store
+from ..store.local import LocalStore
+from .gc import delete_prefix
+from .marker import (
+    MARKER_NAME,
+    CheckpointInfo,
+    commit_step,
+    list_checkpoints,
+    marker_key,
+    read_marker,
+    step_dir,
+)
+from .retention import KeepLast, to_delete
+
+__all__ = ["LOCAL", "REMOTE", "RUN_FILE", "Drainer", "LocalTier", "merge_tiers"]
+
+log = logging.getLogger("cloudckpt")
+
+LOCAL = "local"
+REMOTE = "remote"
+#: The run file at the top of a local tier: which bucket root the tier belongs to.
+RUN_FILE = "_TIER.json"
+RUN_FORMAT = "cloudckpt.tier/1"
+#: A bucket object under an uncommitted step older than the local commit by more than
+#: this (seconds; clocks and the bucket's whole-second times differ) is a leftover of an
+#: earlier save of the same step, not of this drain: it is sent again, never kept.
+CLOCK_SLACK = 60.0
+
+
+class LocalTier:
+    """The local copy of one run: ``step-N/`` prefixes under ``path`` committed by the
+    same marker as the bucket's, for the bucket root ``remote_url`` only.
+
+    ``keep_local`` newest local steps are kept (None: all); steps divisible by
+    ``every`` are due for the bucket.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        remote_url: str,
+        options: TransferOptions,
+        keep_local: int | None,
+        every: int,
+    ) -> None:
+        for name, value in (("keep_local", keep_local), ("drain_every_n_steps", every)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        self.path = Path(path).expanduser()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.store = LocalStore(self.path)
+        self.url = self.store.root_url
+        self.remote_url = remote_url
+        # The bucket's storage options (endpoint, credentials) mean nothing here.
+        self.options = options.replace(storage_options={})
+        self.keep = keep_local
+        self.every = every
+        self.owner = self._claim()
+        self._cache: dict[tuple[str, int], CheckpointInfo] = {}
+        self._lock = threading.Lock()
+        self._retain_lock = threading.Lock()
+
+    def _claim(self) -> str:
+        """Create the run file naming ``remote_url`` (create-only), or read the owner
+        an earlier manager recorded there."""
+        body = json.dumps({"format": RUN_FORMAT, "root_url": self.remote_url}, sort_keys=True)
+        try:
+            commit_marker(self.store, RUN_FILE, body.encode())
+            return self.remote_url
+        except AlreadyExistsError:
+            pass
+        data = read_committed(self.store, RUN_FILE) or b""
+        try:
+            owner = json.loads(data)["root_url"]
+            if not isinstance(owner, str):
+                raise TypeError(f"root_url is {type(owner).__name__}, not a string")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(
+                f"{self.store.url(RUN_FILE)} is not a local tier's run file: {exc}"
+            ) from exc
+        if owner != self.remote_url:
+            log.warning(
+                "local_dir %s holds the local tier of %s, not of %s: it is neither "
+                "restored from nor saved to",
+                self.path,
+                owner,
+                self.remote_url,
+            )
+        return owner
+
+    @property
+    def owned(self) -> bool:
+        """Whether the directory belongs to this run (its run file names our bucket root)."""
+        return self.owner == self.remote_url
+
+    def check_ready(self) -> None:
+        """Refuse a save the tier cannot take: a directory of another run, or a job of
+        several processes (this increment keeps one process's checkpoints)."""
+        if not self.owned:
+            raise ConfigError(
+                f"local_dir {self.path} holds the local tier of {self.owner}; give the run "
+                f"{self.remote_url} a directory of its own"
+            )
+        if world_size() > 1:
+            raise ConfigError("a local tier (local_dir=) takes a single-process job for now")
+
+    # -- naming --------------------------------------------------------------------------
+    @staticmethod
+    def step_prefix(step: int) -> str:
+        return f"{step_dir(step)}/"
+
+    def step_url(self, step: int) -> str:
+        """URL of ``step``'s local prefix (ends in ``/``)."""
+        return self.store.url(self.step_prefix(step))
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` goes to the bucket (every ``drain_every_n_steps``-th)."""
+        return step % self.every == 0
+
+    # -- discovery -----------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """This run's locally committed steps, oldest first (none from another run)."""
+        if not self.owned:
+            return []
+        with self._lock:
+            cache = dict(self._cache)
+        found = list_checkpoints(self.store, "", self.options, cache)
+        with self._lock:
+            self._cache.update(cache)
+        return found
+
+    def info(self, step: int) -> CheckpointInfo | None:
+        """The local commit of ``step``, or None (none from another run)."""
+        return read_marker(self.store, marker_key("", step)) if self.owned else None
+
+    # -- save ----------------------------------------------------------------------------
+    def check_room(self, state: Any) -> None:
+        """LocalTierFullError, before anything is written, when the free space is below
+        the last local checkpoint's size (or the state's tensor bytes, if larger)."""
+        found = self.list()
+        last = found[-1].size if found else 0
+        need = max(last, _tensor_bytes(state))
+        free = shutil.disk_usage(self.path).free
+        if free < need:
+            raise LocalTierFullError(
+                f"the local tier {self.path} has {free} bytes free, less than the {need} "
+                "bytes a checkpoint takes; free space there or lower keep_local"
+            )
+
+    def commit(
+        self, step: int, kind: str, metrics: Mapping[str, float], metadata: Mapping[str, Any]
+    ) -> CheckpointInfo:
+        """Write the local marker of ``step`` (after its payload), create-only."""
+        info = commit_step(self.store, self.step_prefix(step), step, kind, metrics, metadata)
+        return replace(info, tiers=(LOCAL,))
+
+    def retain(self, protected: set[int]) -> builtins.list[int]:
+        """Delete local steps beyond the ``keep_local`` newest, never a ``protected``
+        one (due and not drained, being saved, restored); returns their steps."""
+        if self.keep is None:
+            return []
+        with self._retain_lock:  # the saving thread and the drainer both prune
+            doomed = to_delete(self.list(), [KeepLast(self.keep)], protected)
+            for step in doomed:
+                delete_prefix(self.store, self.step_prefix(step), self.options)
+        return doomed
+
+    # -- drain ---------------------------------------------------------------------------
+    def drain_step(
+        self,
+        step: int,
+        remote: Store,
+        remote_prefix: str,
+        options: TransferOptions,
+        commit: Callable[[CheckpointInfo], object],
+    ) -> bool:
+        """Copy ``step``'s payload to ``remote_prefix`` (objects this drain already sent
+        whole are skipped; older leftovers are replaced), then ``commit(local_info)``
+        writes the bucket's marker. False when the bucket had the step committed already."""
+        local = self.info(step)
+        if local is None:
+            raise NotFoundError(f"step {step} is not committed in the local tier {self.url}")
+        if read_committed(remote, remote_prefix + MARKER_NAME) is not None:
+            return False
+        for o in list(remote.list(remote_prefix)):
+            if o.mtime is not None and o.mtime < local.time - CLOCK_SLACK:
+                remote.delete(o.key)  # same size is no proof of the same bytes
+        # The payload only: the bucket gets a marker of its own (its sizes and ETags).
+        copy_tree(
+            self.store,
+            self.step_prefix(step),
+            remote,
+            remote_prefix,
+            options,
+            exclude=(MARKER_NAME,),
+        )
+        commit(local)
+        return True
+
+    # -- restore -------------------------------------------------------------------------
+    def check_files(self, info: CheckpointInfo) -> None:
+        """Every file the local marker lists is there, at its size (else NotFoundError
+        or CorruptCheckpointError naming it)."""
+        prefix = self.step_prefix(info.step)
+        for f in info.files:
+            found = self.store.head(prefix + f.name)  # NotFoundError when missing
+            if found.size != f.size:
+                raise CorruptCheckpointError(
+                    f"{self.store.url(prefix + f.name)} holds {found.size} bytes, "
+                    f"its marker says {f.size}"
+                )
+
+
+def merge_tiers(
+    remote: Sequence[CheckpointInfo], local: Sequence[CheckpointInfo]
+) -> list[CheckpointInfo]:
+    """One entry per step committed in either tier, oldest first, saying which tiers
+    hold it (the bucket's description where it has the step)."""
+    by_step: dict[int, CheckpointInfo] = {c.step: replace(c, tiers=(LOCAL,)) for c in local}
+    for c in remote:
+        tiers = (LOCAL, REMOTE) if c.step in by_step else (REMOTE,)
+        by_step[c.step] = replace(c, tiers=tiers)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _tensor_bytes(state: Any, depth: int = 0) -> int:
+    """The bytes of the tensors in ``state`` (nested dicts, lists, tuples): an estimate
+    of a first checkpoint's size, found without importing torch."""
+    if depth > 64:
+        return 0
+    if isinstance(state, Mapping):
+        return sum(_tensor_bytes(v, depth + 1) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v, depth + 1) for v in state)
+    if type(state).__module__.startswith("torch") and hasattr(state, "nbytes"):
+        nbytes = state.nbytes
+        return nbytes if isinstance(nbytes, int) else 0
+    return 0
+
+
+class Drainer:
+    """One daemon thread per manager running ``work(step)`` for queued steps, in order
+    (FIFO). A failure is kept with its error, naming the step, until the step is
+    queued again; the thread ends when the queue is empty and starts on the next one.
+
+    Nothing waits for it at exit: what is left is logged at WARNING, for the next
+    manager on the same ``local_dir`` to finish.
+    """
+
+    def __init__(self, work: Callable[[int], object], src: str, dst: str) -> None:
+        self._work = work
+        self.src, self.dst = src, dst
+        self._cond = threading.Condition()
+        self._queue: deque[int] = deque()
+        self._busy: int | None = None
+        self._failed: dict[int, BaseException] = {}
+        self._thread: threading.Thread | None = None
+        atexit.register(_report_at_exit, weakref.ref(self))
+
+    def submit(self, step: int) -> None:
+        """Queue ``step`` (once; a failed step is forgotten and tried again)."""
+        with self._cond:
+            if step in self._queue or step == self._busy:
+                return
+            self._failed.pop(step, None)
+            self._queue.append(step)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="cloudckpt-drain", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def retry_failed(self) -> None:
+        """Queue every failed step again, oldest first."""
+        with self._cond:
+            failed = sorted(self._failed)
+        for step in failed:
+            self.submit(step)
+
+    def unfinished(self) -> set[int]:
+        """Steps queued, draining or failed: due for the bucket, not committed there."""
+        with self._cond:
+            left = set(self._queue) | set(self._failed)
+            if self._busy is not None:
+                left.add(self._busy)
+            return left
+
+    def wait(self, timeout: float | None = None) -> dict[int, BaseException]:
+        """Wait until nothing is queued or draining; the failed steps and their errors.
+        TimeoutError after ``timeout`` seconds."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy is not None:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    steps = sorted({*self._queue, *([] if self._busy is None else [self._busy])})
+                    raise TimeoutError(
+                        f"the drain of step(s) {steps} from {self.src} to {self.dst} "
+                        f"did not finish within {timeout} s"
+                    )
+                self._cond.wait(left)
+            return dict(self._failed)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                step = self._busy = self._queue.popleft()
+            error: BaseException | None = None
+            try:
+                self._work(step)
+            except BaseException as exc:  # kept for drain(): the thread never dies silently
+                error = StorageError(
+                    f"the drain of step {step} from {self.src} to {self.dst} failed "
+                    f"({type(exc).__name__}: {exc}); the next save or drain() tries again"
+                )
+                error.__cause__ = exc
+                log.warning("%s", error)
+            with self._cond:
+                self._busy = None
+                if error is not None:
+                    self._failed[step] = error
+                self._cond.notify_all()
+
+
+def _report_at_exit(ref: weakref.ref[Drainer]) -> None:
+    """At interpreter exit: say which drains are left for the next manager."""
+    drainer = ref()
+    if drainer is None:
+        return
+    left = drainer.unfinished()
+    if left:
+        log.warning(
+            "the drain of step(s) %s from %s to %s is unfinished at exit; the next "
+            "CheckpointManager with this local_dir finishes it",
+            sorted(left),
+            drainer.src,
+            drainer.dst,
+        )

@@ -1,0 +1,441 @@
+"""CheckpointManager with a local tier: a temp directory as the tier, moto as the bucket.
+
+Saves commit locally and return; the drainer copies the same bytes to the bucket and
+commits them there with a marker of its own, last. Restores take the newest step of
+either tier, from local when its copy is whole, from the bucket otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import torch
+
+from cloudckpt.errors import ConfigError, LocalTierFullError, NotFoundError, StorageError
+from cloudckpt.manager import MARKER_NAME, CheckpointManager
+from cloudckpt.manager.marker import step_dir
+from cloudckpt.manager.tiers import RUN_FILE
+from cloudckpt.store import Store
+from cloudckpt.testing.fault_proxy import FaultProxy
+from faults import FaultyStore
+from servers import S3Server, unique_bucket_name
+
+
+@dataclass
+class Bucket:
+    """A fresh moto bucket reached through a recording proxy."""
+
+    url: str
+    storage_options: dict[str, str]
+    #: (method, path) of every request the proxy forwarded.
+    requests: list[tuple[str, str]] = field(default_factory=list)
+
+    def payload_reads(self, name: str = "state.pt") -> int:
+        """GETs of objects called ``name`` so far."""
+        return sum(1 for m, p in self.requests if m == "GET" and p.endswith("/" + name))
+
+
+@pytest.fixture
+def bucket(moto_server: S3Server) -> Iterator[Bucket]:
+    name = moto_server.make_bucket(unique_bucket_name())
+    seen: list[tuple[str, str]] = []
+
+    def record(method: str, target: str) -> bool:
+        seen.append((method, unquote(urlsplit(target).path)))
+        return False  # inject nothing
+
+    with FaultProxy(moto_server.endpoint_url, match=record) as proxy:
+        options = {**moto_server.storage_options(), "endpoint_url": proxy.url}
+        yield Bucket(f"s3://{name}", options, seen)
+    with contextlib.suppress(Exception):
+        moto_server.remove_bucket(name)
+
+
+def tiered(bucket: Bucket, tier: Path, run: str = "run", **kwargs: Any) -> CheckpointManager:
+    return CheckpointManager(
+        f"{bucket.url}/{run}", local_dir=tier, storage_options=bucket.storage_options, **kwargs
+    )
+
+
+def state(step: int, n: int = 1 << 14) -> dict[str, Any]:
+    return {"w": torch.full((n,), float(step)), "step": step}
+
+
+def remote_key(m: CheckpointManager, step: int, name: str) -> str:
+    return f"{m.root_key}/{step_dir(step)}/{name}"
+
+
+def local_file(tier: Path, step: int, name: str = "state.pt") -> Path:
+    return tier / step_dir(step) / name
+
+
+def remote_steps(m: CheckpointManager) -> list[int]:
+    return [c.step for c in m.list() if "remote" in c.tiers]
+
+
+def local_steps(tier: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in tier.glob("step-*") if (p / MARKER_NAME).exists())
+
+
+class MarkerPutFails(FaultyStore):
+    """Fails the writes chosen by ``fail`` ("marker": the manager's markers; "all")."""
+
+    fail = "marker"
+
+    def _put(self, key: str, data: Any, if_none_match: bool) -> None:
+        if self.fail == "all" or (self.fail == "marker" and key.endswith(MARKER_NAME)):
+            raise StorageError(f"injected failure writing {key}")
+        super()._put(key, data, if_none_match)
+
+    def _create_multipart(self, key: str) -> Any:
+        if self.fail == "all":
+            raise StorageError(f"injected failure writing {key}")
+        return super()._create_multipart(key)
+
+
+def test_save_commits_locally_and_drain_copies_the_same_bytes(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier)
+    info = m.save(3, state(3), metrics={"loss": 0.5}, metadata={"epoch": 1})
+    assert info.tiers == ("local",) and info.url.startswith("file://")
+    assert (tier / step_dir(3) / MARKER_NAME).exists()  # committed before save returned
+    assert json.loads((tier / RUN_FILE).read_bytes())["root_url"] == m.root_url
+    m.drain()
+    assert m.store.get(remote_key(m, 3, "state.pt")) == local_file(tier, 3).read_bytes()
+    remote = m.info(3)
+    local = json.loads(local_file(tier, 3, MARKER_NAME).read_bytes())
+    assert remote.tiers == ("local", "remote") and remote.url.startswith("s3://")
+    assert remote.time == local["time"] and remote.metrics == {"loss": 0.5}
+    assert remote.metadata == {"epoch": 1}
+    assert [f.name for f in remote.files] == ["state.pt"]  # the local marker is not copied
+    assert [(c.step, c.tiers) for c in m.list()] == [(3, ("local", "remote"))]
+
+
+def test_a_failed_bucket_commit_leaves_no_marker_and_the_next_drain_completes_it(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    m = tiered(bucket, tmp_path / "tier")
+    m.store = faulty = MarkerPutFails(m.store)
+    m.save(1, state(1))
+    with pytest.raises(StorageError, match="drain of step 1") as failed:
+        m.drain()
+    assert "injected failure" in str(failed.value.__cause__)
+    keys = {o.key.rpartition("/")[2] for o in m.store.list(f"{m.root_key}/")}
+    assert keys == {"state.pt"}  # the payload, no marker: not committed in the bucket
+    assert [(c.step, c.tiers) for c in m.list()] == [(1, ("local",))]
+    faulty.fail = ""
+    faulty.calls.clear()
+    m.drain()
+    assert remote_steps(m) == [1]
+    assert faulty.calls.get("put") == 1  # the marker only: the payload was already whole
+
+
+def test_restore_from_local_reads_no_payload_from_the_bucket(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    m = tiered(bucket, tmp_path / "tier")
+    for step in (1, 2):
+        m.save(step, state(step))
+    m.drain()
+    again = tiered(bucket, tmp_path / "tier")
+    reads = bucket.payload_reads()
+    restored = again.restore()
+    assert restored["step"] == 2 and torch.equal(restored["w"], state(2)["w"])
+    assert bucket.payload_reads() == reads  # no byte of state.pt from the bucket
+    assert again.restore(step=1)["step"] == 1 and bucket.payload_reads() == reads
+
+
+def test_a_corrupt_local_copy_is_restored_from_the_bucket(
+    bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier)
+    m.save(7, state(7))
+    m.drain()
+    path = local_file(tier, 7)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor's record
+    path.write_bytes(bytes(data))
+    reads = bucket.payload_reads()
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        restored = tiered(bucket, tier).restore()
+    assert torch.equal(restored["w"], state(7)["w"])
+    assert bucket.payload_reads() > reads
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("step 7" in w and "ChecksumError" in w for w in warned), warned
+
+
+def test_a_deleted_local_copy_is_restored_from_the_bucket(
+    bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier)
+    m.save(4, state(4))
+    m.drain()
+    local_file(tier, 4).unlink()  # the marker stays: a missing file
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        assert tiered(bucket, tier).restore()["step"] == 4
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("step 4" in w and "NotFoundError" in w for w in warned), warned
+    shutil.rmtree(tier / step_dir(4))  # the whole step gone: only the bucket has it
+    again = tiered(bucket, tier)
+    assert [(c.step, c.tiers) for c in again.list()] == [(4, ("remote",))]
+    assert again.restore()["step"] == 4
+
+
+def test_a_local_step_newer_than_the_bucket_is_restored_from_local(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier, drain_every_n_steps=10)
+    m.save(10, state(10))
+    m.save(11, state(11))  # not due: local only
+    m.drain()
+    reads = bucket.payload_reads()
+    again = tiered(bucket, tier, drain_every_n_steps=10)
+    assert [(c.step, c.tiers) for c in again.list()] == [
+        (10, ("local", "remote")),
+        (11, ("local",)),
+    ]
+    assert again.restore()["step"] == 11 and bucket.payload_reads() == reads
+
+
+def test_a_local_dir_of_another_run_is_never_used(
+    bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = tmp_path / "tier"
+    other = tiered(bucket, tier, run="other")
+    other.save(5, state(500))
+    other.drain()
+    ours = CheckpointManager(f"{bucket.url}/run", storage_options=bucket.storage_options)
+    ours.save(5, state(5))
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        m = tiered(bucket, tier)
+    assert any("holds the local tier of" in r.getMessage() for r in caplog.records)
+    assert [(c.step, c.tiers) for c in m.list()] == [(5, ("remote",))]
+    assert m.restore()["step"] == 5  # ours, from the bucket; not the other run's step 5
+    with pytest.raises(ConfigError, match="holds the local tier of"):
+        m.save(6, state(6))
+    assert local_steps(tier) == [5]
+
+
+def test_only_due_steps_are_drained_and_keep_local_keeps_undrained_ones(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier, drain_every_n_steps=2, keep_local=2)
+    m.store = faulty = MarkerPutFails(m.store)
+    faulty.fail = "all"  # every drain fails: steps 2 and 4 stay due
+    for step in range(1, 5):
+        m.save(step, state(step))
+    with pytest.raises(StorageError, match="drain of step 2"):
+        m.drain()
+    assert local_steps(tier) == [2, 3, 4]  # 2 is kept beyond keep_local: not drained
+    faulty.fail = ""
+    m.drain()
+    assert remote_steps(m) == [2, 4]
+    m.save(5, state(5))  # local retention runs again: 2 is in the bucket now
+    assert local_steps(tier) == [4, 5]
+    assert m.restore(step=2)["step"] == 2  # from the bucket
+
+
+def test_a_full_local_tier_refuses_the_save_before_writing(
+    bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier)
+
+    class Usage(NamedTuple):
+        total: int
+        used: int
+        free: int
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 30, 1 << 30, 1024))
+    with pytest.raises(LocalTierFullError, match=re.escape(str(tier))):
+        m.save(1, state(1))  # 64 KiB of tensors, 1 KiB free
+    assert sorted(p.name for p in tier.iterdir()) == [RUN_FILE]
+    m.drain()
+    assert m.list() == []
+
+
+def test_a_drain_killed_midway_is_finished_by_the_next_manager(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    read_end, write_end = os.pipe()
+    with contextlib.ExitStack() as stack:
+        errors = stack.enter_context(open(tmp_path / "child.err", "w+b"))
+        pid = os.fork()
+        if pid == 0:  # the child: only os._exit leaves it
+            try:
+                os.close(read_end)
+                torch.set_num_threads(1)
+                _save_and_stall(bucket, tier, write_end)
+            except BaseException:
+                errors.write(traceback.format_exc().encode())
+                errors.flush()
+            os._exit(3)
+        os.close(write_end)
+        ready, _, _ = select.select([read_end], [], [], 120)
+        told = os.read(read_end, 1) if ready else b""
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        os.close(read_end)
+        errors.seek(0)
+        assert told == b"x", errors.read().decode()[-2000:]
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert local_steps(tier) == [1]
+    m = tiered(bucket, tier)
+    names = {o.key.rpartition("/")[2] for o in m.store.list(f"{m.root_key}/")}
+    assert names == {"state.pt"}  # the payload went up, the marker never did
+    m.store = spy = FaultyStore(m.store)
+    m.drain()  # the new manager finds step 1 due and not in the bucket
+    assert remote_steps(m) == [1]
+    assert spy.calls.get("put") == 1  # the marker only: state.pt was whole in the bucket
+    assert not {"create_multipart", "upload_part", "upload_part_views"} & set(spy.calls)
+    assert m.store.get(remote_key(m, 1, "state.pt")) == local_file(tier, 1).read_bytes()
+
+
+class _StallMarker(FaultyStore):
+    """Holds the bucket's marker write forever, after telling ``fd``."""
+
+    def __init__(self, inner: Store, fd: int) -> None:
+        super().__init__(inner)
+        self.fd = fd
+
+    def _put(self, key: str, data: Any, if_none_match: bool) -> None:
+        if key.endswith(MARKER_NAME):
+            os.write(self.fd, b"x")
+            threading.Event().wait()
+        super()._put(key, data, if_none_match)
+
+
+def _save_and_stall(bucket: Bucket, tier: Path, fd: int) -> None:
+    """In the child: save step 1 (committed locally), its drain stalls at the marker."""
+    m = tiered(bucket, tier)
+    m.store = _StallMarker(m.store, fd)
+    m.save(1, state(1))
+    threading.Event().wait()  # until killed
+
+
+def test_dcp_round_trip_through_both_tiers(bucket: Bucket, tmp_path: Path) -> None:
+    pytest.importorskip("cloudckpt.dcp")
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier, kind="dcp")
+    saved = {"w": torch.arange(256.0), "b": torch.full((8,), 3, dtype=torch.long)}
+    m.save(1, saved)
+    m.drain()
+    info = m.info(1)
+    assert info.kind == "dcp" and info.tiers == ("local", "remote")
+    assert ".metadata" in {f.name for f in info.files}
+    reads = bucket.payload_reads(".metadata")
+    target = {"w": torch.zeros(256), "b": torch.zeros(8, dtype=torch.long)}
+    tiered(bucket, tier, kind="dcp").restore(state=target)
+    assert torch.equal(target["w"], saved["w"]) and torch.equal(target["b"], saved["b"])
+    assert bucket.payload_reads(".metadata") == reads  # read from local
+    shutil.rmtree(tier / step_dir(1))
+    target = {"w": torch.zeros(256), "b": torch.zeros(8, dtype=torch.long)}
+    tiered(bucket, tier, kind="dcp").restore(state=target)
+    assert torch.equal(target["w"], saved["w"]) and torch.equal(target["b"], saved["b"])
+    assert bucket.payload_reads(".metadata") > reads
+
+
+def test_async_save_commits_locally_then_drains(bucket: Bucket, tmp_path: Path) -> None:
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier)
+    handle = m.async_save(2, state(2), metrics={"loss": 1.0})
+    info = handle.result()
+    assert info.tiers == ("local",) and (tier / step_dir(2) / MARKER_NAME).exists()
+    m.drain()
+    assert remote_steps(m) == [2] and m.info(2).metrics == {"loss": 1.0}
+
+
+class _HoldMarker(FaultyStore):
+    """Holds the bucket's marker write until ``release`` is set."""
+
+    release = threading.Event()
+
+    def _put(self, key: str, data: Any, if_none_match: bool) -> None:
+        if key.endswith(MARKER_NAME):
+            self.release.wait()
+        super()._put(key, data, if_none_match)
+
+
+def test_drain_timeout_names_the_steps_in_flight(bucket: Bucket, tmp_path: Path) -> None:
+    m = tiered(bucket, tmp_path / "tier")
+    m.store = held = _HoldMarker(m.store)
+    held.release = threading.Event()
+    m.save(1, state(1))
+    with pytest.raises(TimeoutError, match=r"step\(s\) \[1\]"):
+        m.drain(timeout=0)  # the marker write is held: step 1 is in flight
+    held.release.set()
+    m.drain()
+    assert remote_steps(m) == [1]
+
+
+_EXIT_PROGRAM = """
+import json, logging, sys, threading
+sys.path.insert(0, sys.argv[3])
+import torch
+from cloudckpt.manager import MARKER_NAME, CheckpointManager
+from faults import FaultyStore
+
+class Stall(FaultyStore):
+    def _put(self, key, data, if_none_match):
+        if key.endswith(MARKER_NAME):
+            threading.Event().wait()  # never answered
+        super()._put(key, data, if_none_match)
+
+logging.basicConfig(level=logging.WARNING)
+m = CheckpointManager(sys.argv[1], local_dir=sys.argv[2], storage_options=json.loads(sys.argv[4]))
+m.store = Stall(m.store)
+m.save(1, {"w": torch.ones(4)})
+"""
+
+
+def test_exit_leaves_an_unfinished_drain_for_the_next_manager(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    root = f"{bucket.url}/run"
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    argv = [root, str(tier), tests_dir, json.dumps(bucket.storage_options)]
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_PROGRAM, *argv], capture_output=True, timeout=300
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 0, err[-2000:]  # the stalled drain did not hold the exit
+    assert "step(s) [1]" in err and "unfinished at exit" in err, err[-2000:]
+    m = tiered(bucket, tier)
+    m.drain()
+    assert remote_steps(m) == [1]
+
+
+def test_tier_options_are_checked(bucket: Bucket, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="need local_dir"):
+        CheckpointManager(f"{bucket.url}/run", keep_local=2)
+    with pytest.raises(ConfigError, match="keep_local=0"):
+        tiered(bucket, tmp_path / "tier", keep_local=0)
+    plain = CheckpointManager(f"{bucket.url}/run", storage_options=bucket.storage_options)
+    plain.drain()  # no local tier: nothing to wait for
+    with pytest.raises(NotFoundError):
+        plain.restore()
