@@ -14,7 +14,11 @@ dependencies provide) on 127.0.0.1 through ``cloudckpt.testing``, points the sta
    checks it bit for bit; a plain GET of the object loads with ``torch.load`` too;
 3. runs on the way a long job would: a ``CheckpointManager`` with async saves (training
    goes on while they upload), keep-last retention, and resume from the newest one;
-4. lists and checks that run from a shell: ``cloudckpt ls`` and ``cloudckpt verify``.
+4. lists and checks that run from a shell: ``cloudckpt ls`` and ``cloudckpt verify``;
+5. adds a local tier (a temporary directory standing in for node-local NVMe): a save
+   committed there, drained to the bucket in the background, ``cloudckpt ls --local``
+   showing both tiers, a restore from the local copy, then, the local copy removed, a
+   restore from the bucket.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ import argparse
 import io
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -169,6 +176,60 @@ def run(root: str, args: argparse.Namespace, server: S3Server | None) -> None:
         done = subprocess.run([sys.executable, "-m", "cloudckpt", command, manager.root_url])
         if done.returncode != 0:
             raise SystemExit(f"cloudckpt {command} exited with {done.returncode}")
+
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": kept[-1]}
+    with tempfile.TemporaryDirectory(prefix="cloudckpt-demo-tier-") as local_dir:
+        tiered(f"{root}/tiered", local_dir, state, args.width, server)
+
+
+def tiered(
+    root: str, local_dir: str, state: dict[str, Any], width: int, server: S3Server | None
+) -> None:
+    """Step 5: a local tier in ``local_dir`` drained to ``root``; restores from each tier."""
+    manager = cloudckpt.CheckpointManager(root, local_dir=local_dir, part_size=PART_SIZE)
+    print(f"\nlocal tier: {local_dir}, drained to {manager.root_url}")
+    latest = manager.latest()  # a previous demo's steps stay in the bucket: go past them
+    step = max(state["step"], latest.step + 1 if latest is not None else 0)
+    started = time.perf_counter()
+    info = manager.save(step, {**state, "step": step})
+    print(
+        f"step {step}: committed to the local tier in {time.perf_counter() - started:.2f} s; "
+        "the bucket gets the same bytes in the background"
+    )
+    started = time.perf_counter()
+    manager.drain()
+    print(
+        f"drain() waited {time.perf_counter() - started:.2f} s: step {step} is committed in "
+        "the bucket too"
+    )
+    command = ["cloudckpt", "ls", "--local", local_dir, manager.root_url]
+    print(f"$ {' '.join(command)}", flush=True)
+    done = subprocess.run([sys.executable, "-m", *command])
+    if done.returncode != 0:
+        raise SystemExit(f"cloudckpt ls --local exited with {done.returncode}")
+
+    def restore(where: str) -> None:
+        offset = server.log_offset() if server is not None else 0
+        started = time.perf_counter()
+        restored = manager.restore(step)
+        seconds = time.perf_counter() - started
+        model, _ = build(width)
+        model.load_state_dict(restored["model"])
+        same = all(
+            torch.equal(a, b)
+            for a, b in zip(state["model"].values(), model.state_dict().values(), strict=True)
+        )
+        print(
+            f"restored step {step} from {where} in {seconds:.2f} s"
+            f"{requests_since(server, offset)}; weights identical: {same}"
+        )
+        if not same:
+            raise SystemExit(f"the weights restored from {where} differ from the saved ones")
+
+    restore("the local tier")
+    shutil.rmtree(info.url.removeprefix("file://"))
+    print(f"removed the local copy {info.url}")
+    restore("the bucket")
 
 
 def main() -> None:

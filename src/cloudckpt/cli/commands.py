@@ -27,6 +27,7 @@ from ..manager.marker import (
     read_marker,
     root_prefix,
 )
+from ..manager.tiers import LOCAL, REMOTE, RUN_FILE, LocalTier, merge_tiers
 from ..options import TransferOptions
 from ..redact import display_url
 from ..store import ObjectInfo, Store
@@ -124,7 +125,13 @@ def _metrics_text(metrics: Any) -> str:
 
 
 def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
+    if args.drain_every_n_steps is not None and args.local is None:
+        raise ConfigError(
+            "--drain-every-n-steps says which steps of a local tier are due: add --local DIR"
+        )
     t = resolve(args.url, opts)
+    if args.local is not None:
+        return _ls_tiers(args, opts, t, p)
     # --all: a run root or prefix also shows open uploads and uncommitted step prefixes
     # (what a killed save leaves), with their ages, even when nothing else is there yet.
     leftovers = None
@@ -155,28 +162,11 @@ def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
             f"{t.dir_url}  {len(t.checkpoints)} checkpoint(s), {human_bytes(total)}, "
             f"latest step {t.checkpoints[-1].step}"
         )
-        rows = [
-            [
-                str(c.step),
-                human_time(c.time),
-                human_bytes(c.size),
-                c.kind,
-                str(len(c.files)),
-                _metrics_text(c.metrics),
-            ]
-            for c in t.checkpoints
-        ]
-        p.table(["step", "saved", "size", "kind", "files", "metrics"], rows)
-        if leftovers is not None:
-            _print_leftovers(p, t.dir_url, leftovers)
-        elif t.uncommitted:
-            p.line(
-                f"{len(t.uncommitted)} uncommitted step prefix(es) (a save that failed or is "
-                "still running; `cloudckpt gc` removes old ones; `ls --all` shows their "
-                "ages and open uploads):"
-            )
-            for u in t.uncommitted:
-                p.line(f"  {u}")
+        p.table(
+            ["step", "saved", "size", "kind", "files", "metrics"],
+            [_checkpoint_row(c) for c in t.checkpoints],
+        )
+        _print_run_leftovers(p, t, leftovers)
         return EXIT_OK
     if t.kind == "checkpoint":
         c = t.checkpoint
@@ -217,6 +207,106 @@ def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     p.table(["size", "modified", "name"], rows, title=t.dir_url if t.kind == "prefix" else None)
     if leftovers is not None:
         _print_leftovers(p, t.dir_url, leftovers)
+    return EXIT_OK
+
+
+def _checkpoint_row(c: CheckpointInfo, tiers: str | None = None) -> list[str]:
+    """One row of a run's table: step, time, size, kind, files, [tiers,] metrics."""
+    row = [str(c.step), human_time(c.time), human_bytes(c.size), c.kind, str(len(c.files))]
+    return row + ([] if tiers is None else [tiers]) + [_metrics_text(c.metrics)]
+
+
+def _print_run_leftovers(p: Printer, t: Target, leftovers: list[Leftover] | None) -> None:
+    """Below a run's table: its leftovers (``--all``), else its uncommitted step prefixes."""
+    if leftovers is not None:
+        _print_leftovers(p, t.dir_url, leftovers)
+    elif t.uncommitted:
+        p.line(
+            f"{len(t.uncommitted)} uncommitted step prefix(es) (a save that failed or is "
+            "still running; `cloudckpt gc` removes old ones; `ls --all` shows their "
+            "ages and open uploads):"
+        )
+        for u in t.uncommitted:
+            p.line(f"  {u}")
+
+
+def _open_tier(local: str, root_url: str, settings: Settings, every: int = 1) -> LocalTier:
+    """The local tier in the directory ``local`` (a manager's ``local_dir``) of the run
+    ``root_url``: NotFoundError when the directory has no run file, ConfigError when its
+    run file names another run (a tier is only ever read for its own run)."""
+    opened = settings.open(local)
+    if not isinstance(opened.store, LocalStore):
+        raise ConfigError(f"--local takes a local directory, not {display_url(local)}")
+    key = opened.key.rstrip("/")
+    if not exists(opened.store, root_prefix(key) + RUN_FILE):
+        raise NotFoundError(
+            f"{opened.store.url(root_prefix(key))} is not a local tier: it has no {RUN_FILE} "
+            "(a CheckpointManager with local_dir= writes one)"
+        )
+    # The run file exists: opening the tier reads it and writes nothing.
+    tier = LocalTier(opened.store.root / key, root_url, opened.options, None, every)
+    if not tier.owned:
+        raise ConfigError(
+            f"{tier.url} holds the local tier of {tier.owner}, not of {root_url}; name the "
+            "run root it belongs to"
+        )
+    return tier
+
+
+def _tier_text(tiers: tuple[str, ...]) -> str:
+    """Which tiers hold a step, in one word: local, remote or both."""
+    return "both" if LOCAL in tiers and REMOTE in tiers else ", ".join(tiers)
+
+
+def _ls_tiers(args: argparse.Namespace, opts: Settings, t: Target, p: Printer) -> int:
+    """``ls --local DIR ROOT``: the run's steps committed in either tier (the tier's own
+    listing, merged as the manager merges it), which tiers hold each, and the steps due
+    for the bucket that are not committed there yet."""
+    if t.kind in ("object", "checkpoint"):
+        raise ConfigError(f"--local lists a run: {t.url} is a {t.kind}, not a run root")
+    every = args.drain_every_n_steps if args.drain_every_n_steps is not None else 1
+    tier = _open_tier(args.local, t.dir_url, opts, every)
+    merged = merge_tiers(t.checkpoints, tier.list())
+    undrained = [c.step for c in merged if REMOTE not in c.tiers and tier.due(c.step)]
+    leftovers = None
+    if args.all:
+        leftovers = find_leftovers(t.store, t.key, grace_seconds=args.grace, listing=t.objects)
+    if not merged and not leftovers:
+        return _not_found(p, f"no committed checkpoint in {tier.url} or", t.dir_url)
+    if p.json_mode:
+        body: dict[str, Any] = {
+            "kind": "run",
+            "url": t.dir_url,
+            "local_url": tier.url,
+            "drain_every_n_steps": every,
+            "checkpoints": [c.as_dict() for c in merged],
+            "undrained": undrained,
+            "uncommitted": t.uncommitted,
+        }
+        if leftovers is not None:
+            body["leftovers"] = _json(leftovers)
+        p.json(body)
+        return EXIT_OK
+    if merged:
+        local = sum(LOCAL in c.tiers for c in merged)
+        remote = sum(REMOTE in c.tiers for c in merged)
+        p.line(
+            f"{t.dir_url}  {len(merged)} checkpoint(s), latest step {merged[-1].step}: "
+            f"{local} in the local tier {tier.url}, {remote} in the bucket"
+        )
+        p.table(
+            ["step", "saved", "size", "kind", "files", "tiers", "metrics"],
+            [_checkpoint_row(c, _tier_text(c.tiers)) for c in merged],
+        )
+    if undrained:
+        p.line(
+            f"{len(undrained)} step(s) due for the bucket and not drained yet: "
+            f"{', '.join(map(str, undrained))} (the manager drains them in the background; "
+            "the next CheckpointManager with this local_dir finishes a drain left unfinished)"
+        )
+    elif merged:
+        p.line("nothing left to drain: every step due for the bucket is committed there")
+    _print_run_leftovers(p, t, leftovers)
     return EXIT_OK
 
 
@@ -403,7 +493,12 @@ def cmd_info(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
 def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     from ..engine.inspect import Checked, detect, verify
 
-    t = resolve(args.url, opts)
+    if args.local is not None:
+        t = _tier_run(args.local, args.url, opts)
+        if not t.checkpoints:
+            return _not_found(p, "no committed checkpoint in the local tier", t.dir_url)
+    else:
+        t = resolve(args.url, opts)
     if t.kind == "missing":
         return _not_found(p, "nothing at", t.url)
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
@@ -444,6 +539,14 @@ def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
             p.line(note)
         p.line(f"{'all' if ok else 'NOT all'} {len(results)} object(s) verified")
     return EXIT_OK if ok else EXIT_VERIFY_FAILED
+
+
+def _tier_run(local: str, root: str, settings: Settings) -> Target:
+    """``verify --local DIR ROOT``: the local tier of the run ``ROOT`` as a run of its
+    own, holding the steps committed there (the bucket is not read)."""
+    opened = settings.open(root)
+    tier = _open_tier(local, opened.store.url(root_prefix(opened.key)), settings)
+    return Target("run", tier.store, "", tier.options, checkpoints=tier.list())
 
 
 def _verify_managed(t: Target, c: CheckpointInfo, advance: Callable[[int], None]) -> list[Any]:

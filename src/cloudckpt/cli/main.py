@@ -48,6 +48,10 @@ examples:
   cloudckpt verify s3://bucket/run1          every checksum of every committed checkpoint
   cloudckpt export s3://bucket/run1/step-000000300 s3://bucket/hf/ --dtype bf16
   cloudckpt ls --all s3://bucket/run1        also open uploads, uncommitted steps, ages
+  cloudckpt ls --local /nvme/run1 s3://bucket/run1
+                                             steps in the local tier and the bucket, undrained
+  cloudckpt verify --local /nvme/run1 s3://bucket/run1
+                                             every checksum of the local tier's copies
   cloudckpt gc s3://bucket/run1 --dry-run    what a failed save left behind
   cloudckpt mb s3://bucket                   create a bucket (S3-compatible stores)
   cloudckpt bench s3://bucket/scratch        throughput, latency, suggested settings
@@ -172,6 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --all: the grace period young leftovers are marked against (default 1h, "
         "as gc's)",
     )
+    p.add_argument(
+        "--local",
+        metavar="DIR",
+        help="also the run's local tier DIR (a CheckpointManager's local_dir; URL is the run "
+        "root it drains to): which tiers hold each step (local, remote, both) and the steps "
+        "due for the bucket that are not drained yet",
+    )
+    p.add_argument(
+        "--drain-every-n-steps",
+        type=int,
+        metavar="K",
+        help="with --local: the run's drain_every_n_steps (default 1): steps divisible by K "
+        "are due for the bucket",
+    )
 
     p = add(
         "info",
@@ -266,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor's bytes inside its file. Exit code 4 if anything fails.",
     )
     p.add_argument("url", help="object, checkpoint prefix, folder or run root")
+    p.add_argument(
+        "--local",
+        metavar="DIR",
+        help="check the copies in the run's local tier DIR (a CheckpointManager's local_dir) "
+        "instead; URL is the run root it drains to (the bucket is not read)",
+    )
     _progress_flags(p)
 
     p = add(
