@@ -439,3 +439,101 @@ def test_tier_options_are_checked(bucket: Bucket, tmp_path: Path) -> None:
     plain.drain()  # no local tier: nothing to wait for
     with pytest.raises(NotFoundError):
         plain.restore()
+
+
+# -- several ranks (kind="dcp"), each with a local tier of its own ----------------------
+def _rank_state(rank: int, step: int) -> dict[str, Any]:
+    """Tensors only this rank holds, so each rank's items live in its own files."""
+    return {f"own{rank}": torch.arange(300.0) * step + rank, f"ids{rank}": torch.full((7,), step)}
+
+
+def _rank_empty(rank: int) -> dict[str, Any]:
+    return {f"own{rank}": torch.zeros(300), f"ids{rank}": torch.zeros(7, dtype=torch.long)}
+
+
+def _ranks_save_and_drain(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+    m = CheckpointManager(url, local_dir=Path(base) / f"node{rank}", kind="dcp", storage_options=so)
+    for step in (1, 2):
+        assert m.save(step, _rank_state(rank, step)).tiers == ("local",)
+    assert remote_steps(m) == []  # nothing reaches the bucket before drain()
+    with pytest.raises(ConfigError, match="takes a single process"):
+        m.async_save(3, _rank_state(rank, 3))
+    m.drain()
+    assert [(c.step, c.tiers) for c in m.list()] == [(s, ("local", "remote")) for s in (1, 2)]
+
+
+def _ranks_restore(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cloudckpt").addHandler(handler)
+    m = CheckpointManager(url, local_dir=Path(base) / f"node{rank}", kind="dcp", storage_options=so)
+    got = m.restore(state=_rank_empty(rank))
+    assert m.restored_step == 2
+    want = _rank_state(rank, 2)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    warned = [s for s in seen if "reading it from" in s]
+    assert len(warned) == (1 if rank == 1 else 0), seen
+
+
+def test_dcp_on_two_ranks_drains_every_rank_and_restores_a_lost_rank_from_the_bucket(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    pytest.importorskip("cloudckpt.dcp")
+    from ranks import run_ranks
+
+    url = f"{bucket.url}/run"
+    run_ranks(_ranks_save_and_drain, 2, url, bucket.storage_options, str(tmp_path), timeout=300)
+
+    def files(node: str, step: int) -> set[str]:
+        return {p.name for p in (tmp_path / node / step_dir(step)).iterdir()}
+
+    own = {r: files(f"node{r}", 2) - files("node1" if r == 0 else "node0", 2) for r in (0, 1)}
+    assert own[0] and own[1]  # each node holds data files the other lacks
+    assert ".metadata" in files("node1", 2)  # the coordinator's metadata, on every node
+    remote = {
+        f.name for f in CheckpointManager(url, storage_options=bucket.storage_options).info(2).files
+    }
+    assert own[0] | own[1] | {".metadata"} <= remote
+
+    shutil.rmtree(tmp_path / "node1" / step_dir(2))  # node 1 lost its copy of step 2
+    bucket.requests.clear()
+    run_ranks(_ranks_restore, 2, url, bucket.storage_options, str(tmp_path), timeout=300)
+    step2 = f"/run/{step_dir(2)}/"
+    read = {p.rpartition("/")[2] for m, p in bucket.requests if m == "GET" and step2 in p}
+    assert read & own[1]  # node 1's files came from the bucket
+    assert not read & own[0]  # node 0 read its own from local disk
+    assert not any(step_dir(1) in p for m, p in bucket.requests if m == "GET" and "distcp" in p)
+
+
+def _ranks_share_a_dir(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+    m = CheckpointManager(url, local_dir=Path(base) / "node", kind="dcp", storage_options=so)
+    m.save(1, _rank_state(rank, 1))
+    m.drain()
+    assert [(c.step, c.tiers) for c in m.list()] == [(1, ("local", "remote"))]
+    got = CheckpointManager(
+        url, local_dir=Path(base) / "node", kind="dcp", storage_options=so
+    ).restore(state=_rank_empty(rank))
+    want = _rank_state(rank, 1)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_dcp_ranks_sharing_one_local_dir_commit_and_drain_it_once(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    pytest.importorskip("cloudckpt.dcp")
+    from ranks import run_ranks
+
+    url = f"{bucket.url}/run"
+    run_ranks(_ranks_share_a_dir, 2, url, bucket.storage_options, str(tmp_path), timeout=300)
+    local = {p.name for p in (tmp_path / "node" / step_dir(1)).iterdir()}
+    data = {n for n in local if n.endswith(".distcp")}
+    assert len(data) == 2  # both ranks' files in the one directory
+    remote = {
+        f.name for f in CheckpointManager(url, storage_options=bucket.storage_options).info(1).files
+    }
+    assert data | {".metadata"} <= remote
+    puts = [p for m, p in bucket.requests if m == "PUT" and p.endswith(".distcp")]
+    assert len(puts) == len(set(puts)) == 2  # each data file sent once
+    gets = [p for m, p in bucket.requests if m == "GET" and p.endswith(".distcp")]
+    assert gets == []  # restored from the shared local copy

@@ -45,8 +45,9 @@ def split(start: int, size: int, chunk: int) -> list[tuple[int, int]]:
 class _Request:
     """Buffers to fill from ``start``; ``on_done`` once every piece of them has arrived.
     ``owner`` owns the buffers' memory when they are raw views (a tensor or storage):
-    every read of the request refers to it, so the memory outlives a read abandoned
-    at Ctrl-C or a deadline (``TransferGroup.cancel``), which may still land in it."""
+    each read sent for the request holds it until that read has ended, so the memory
+    outlives a read abandoned at Ctrl-C or a deadline (``TransferGroup.cancel``), which
+    may still land in it; the request lets go of it once its reads are sent."""
 
     __slots__ = ("buffers", "on_done", "owner", "pending", "size", "start")
 
@@ -213,12 +214,19 @@ class RangeReader:
         self.requests += 1
         self.bytes += sum(b.nbytes for b in buffers)
         store, advance = self.store, self._advance
+        # This read's hold on the memory it fills, let go when it ends however it ends:
+        # a failed load's exception (in a cycle with its transfer group until the next
+        # full collection) then keeps no tensor alive.
+        held = [r.owner for r in covers if r.owner is not None]
 
         def read() -> None:
-            store.read_into(key, start, buffers)
-            if advance is not None:
-                advance(n)
-            self._finish(covers)
+            try:
+                store.read_into(key, start, buffers)
+                if advance is not None:
+                    advance(n)
+                self._finish(covers)  # the checks read the memory: held until they end
+            finally:
+                held.clear()
 
         group.submit(read, f"read {n} bytes at {start} of {store.url(key)}")
 
@@ -270,3 +278,5 @@ class RangeReader:
                 run_end = start + n
             if run:
                 self._submit(key, run_start, run, covers, run_bytes)
+            for request in requests:  # each read sent holds its own reference now
+                request.owner = None

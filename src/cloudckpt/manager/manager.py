@@ -24,12 +24,24 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from ..dist.collectives import barrier, is_distributed, on_first, rank
+from ..dist.collectives import (
+    agree,
+    barrier,
+    group_rank,
+    is_distributed,
+    on_first,
+    rank,
+    settle,
+    world_size,
+)
 from ..dist.groups import checkpoint_group
 from ..engine.handle import SaveHandle, in_flight
 from ..errors import (
@@ -40,10 +52,12 @@ from ..errors import (
     NotFoundError,
 )
 from ..format.commit import read_committed
+from ..format.dcp.layout import LAYOUT_NAME, METADATA_NAME
 from ..options import TransferOptions
 from ..store import Store, open_target
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
 from .marker import (
+    MARKER_NAME,
     CheckpointInfo,
     commit_step,
     list_checkpoints,
@@ -88,7 +102,9 @@ class CheckpointManager:
     divisible by ``drain_every_n_steps`` (default 1) are copied to ``root_url`` by a
     background thread (:meth:`drain` waits for them); ``keep_local`` newest local steps
     are kept (default all). ``restore`` reads the newest step of either tier, from
-    local when its copy there is whole.
+    local when its copy there is whole. With several ranks (``kind="dcp"``), each rank
+    keeps its own files in its ``local_dir`` and ``drain()`` on every rank drains them
+    together, synchronously (docs/tiers.md, "Several ranks").
     """
 
     def __init__(
@@ -220,6 +236,15 @@ class CheckpointManager:
         with self._lock:
             self._pending.add(step)
         url, options = self._target(step)
+        if self._ranked_tier():
+            try:
+                self.kind.save(state, url, options)
+                info = self._commit_ranks(step, metrics, metadata or {})
+            finally:
+                with self._lock:
+                    self._pending.discard(step)
+            self._retain_local()
+            return info
         try:
             self.kind.save(state, url, options)
             barrier()
@@ -253,6 +278,11 @@ class CheckpointManager:
         """
         self._check_step(step)
         metrics = _check_metrics(metrics)
+        if self._ranked_tier():
+            raise ConfigError(
+                "async_save with a local tier takes a single process for now; "
+                "in a job of several processes call save()"
+            )
         if isinstance(self.kind, DcpPayload):
             return self._async_save_dcp(step, state, metrics, metadata or {})
         if self.kind.name != "object" or not hasattr(self.kind, "filename"):
@@ -356,7 +386,7 @@ class CheckpointManager:
         """The checks before a save writes anything: the step is new, and a local tier
         is this run's and has room (LocalTierFullError)."""
         if self._tier is not None:
-            self._tier.check_ready()
+            self._tier.check_ready(self.kind.name)
             self._resume_drains()
         self._refuse_committed(step)
         if self._tier is not None:
@@ -406,6 +436,9 @@ class CheckpointManager:
         that fails again is raised (naming its step); TimeoutError after ``timeout`` s."""
         if self._tier is None or self._drainer is None:
             return
+        if self._ranked_tier():
+            self._drain_ranks()
+            return
         self._resume_drains()
         self._drainer.retry_failed()
         failed = self._drainer.wait(timeout)
@@ -416,6 +449,9 @@ class CheckpointManager:
         """Once per manager: queue this run's local steps that are due and not committed
         in the bucket (a drain an earlier process left unfinished)."""
         if self._resumed or self._tier is None or self._drainer is None:
+            return
+        if self._ranked_tier():  # drain() on every rank drains them together
+            self._resumed = True
             return
         if self._tier.owned:
             remote = {c.step for c in self._list_local()}
@@ -451,12 +487,168 @@ class CheckpointManager:
         with self._lock:
             protected = set(self._pending)
         protected |= self._drainer.unfinished()
+        if self._ranked_tier():  # due steps wait for drain(): keep those not in the bucket
+            remote = {c.step for c in on_first(self._list_local, checkpoint_group())}
+            protected |= {
+                c.step for c in self._tier.list() if self._tier.due(c.step) and c.step not in remote
+            }
         if self.restored_step is not None:
             protected.add(self.restored_step)
         try:
             self._tier.retain(protected)
         except Exception as exc:
             log.warning("retention in the local tier %s failed: %s", self._tier.url, exc)
+
+    # -- a local tier on several ranks (kind="dcp") ----------------------------------------
+    def _ranked_tier(self) -> bool:
+        """Whether a local tier serves several ranks: each rank keeps its own files."""
+        return self._tier is not None and world_size() > 1
+
+    def _dir_owner(self, group: Any) -> tuple[bool, bool]:
+        """(whether this rank is the first of those sharing its ``local_dir``, whether
+        that directory is the coordinator's); a collective on ``group``. A directory is
+        its host name and path: the same path on two nodes is two directories."""
+        assert self._tier is not None
+        mine = (socket.gethostname(), str(self._tier.path.resolve()))
+        paths = agree(value=mine, group=group).values
+        me, _ = group_rank(group)
+        return paths.index(mine) == me, mine == paths[0]
+
+    def _commit_ranks(
+        self, step: int, metrics: Mapping[str, float], metadata: Mapping[str, Any]
+    ) -> CheckpointInfo:
+        """After a DCP save into each rank's local tier: every directory gets the
+        coordinator's ``.metadata`` (and layout index), then its first rank commits it
+        locally; raises on every rank if any rank failed."""
+        tier = self._tier
+        assert tier is not None
+        group = checkpoint_group()
+        owner, coordinators = self._dir_owner(group)
+        prefix = tier.step_prefix(step)
+
+        def read_commit_files() -> dict[str, bytes]:
+            found = {o.key.rpartition("/")[2] for o in tier.store.list(prefix)}
+            return {
+                n: tier.store.get(prefix + n) for n in (LAYOUT_NAME, METADATA_NAME) if n in found
+            }
+
+        error: BaseException | None = None
+        try:
+            files = on_first(read_commit_files, group, what=f"reading step {step}'s .metadata")
+            if owner and not coordinators:
+                for name, data in files.items():  # .metadata last: it commits the DCP save
+                    tier.store.put(prefix + name, data)
+        except Exception as exc:
+            error = exc
+        settle(error, f"the copy of step {step}'s .metadata to every local tier", group=group)
+        try:  # every directory is whole: each commits (a step some rank lacks is skipped)
+            if owner:
+                tier.commit(step, self.kind.name, metrics, metadata)
+        except Exception as exc:
+            error = exc
+        settle(error, f"the local commit of step {step}", group=group)
+        info = tier.info(step)
+        if info is None:
+            raise NotFoundError(f"step {step} is not committed in the local tier {tier.url}")
+        return replace(info, tiers=(LOCAL,))
+
+    def _drain_ranks(self) -> None:
+        """drain() on every rank: each directory's first rank copies its files of every
+        due step not in the bucket; once all are there the coordinator copies
+        ``.metadata`` and commits the bucket's marker, step by step, oldest first."""
+        tier = self._tier
+        assert tier is not None
+        group = checkpoint_group()
+        owner, _ = self._dir_owner(group)
+        remote = {c.step for c in on_first(self._list_local, group, what="the bucket listing")}
+        mine = sorted(c.step for c in tier.list() if tier.due(c.step) and c.step not in remote)
+        lists = agree(value=mine, group=group).values
+        common = set(lists[0]).intersection(*lists[1:])
+        for r, steps in enumerate(lists):
+            if set(steps) - common:
+                log.warning(
+                    "step(s) %s of rank %d are not in every rank's local tier: not drained",
+                    sorted(set(steps) - common),
+                    r,
+                )
+        for step in sorted(common):
+            self._drain_ranked_step(step, group, owner)
+        on_first(self._retain_quietly, group, what=f"retention under {self.root_url}")
+        self._retain_local()
+
+    def _drain_ranked_step(self, step: int, group: Any, owner: bool) -> None:
+        tier = self._tier
+        assert tier is not None
+        prefix, url = self._step_prefix(step), self.step_url(step)
+        local = tier.info(step)
+        with self._lock:
+            self._pending.add(step)
+        try:
+            error: BaseException | None = None
+            try:
+                if local is None:
+                    raise NotFoundError(f"step {step} is not committed in {tier.url}")
+                on_first(
+                    lambda: tier.clear_stale(local, self.store, prefix),
+                    group,
+                    what=f"clearing leftovers under {url}",
+                )
+                if owner:
+                    skip = (MARKER_NAME, METADATA_NAME, LAYOUT_NAME)
+                    tier.copy_payload(step, self.store, prefix, self.options, skip)
+            except Exception as exc:
+                error = exc
+            settle(error, f"the drain of step {step} to {url}", group=group)
+
+            def commit() -> CheckpointInfo:  # every rank's files are in the bucket
+                assert local is not None
+                tier.copy_payload(step, self.store, prefix, self.options, (MARKER_NAME,))
+                return self._commit(step, local.metrics, local.metadata, local.time)
+
+            on_first(commit, group, what=f"the commit of {url}")
+        finally:
+            with self._lock:
+                self._pending.discard(step)
+
+    def _restore_ranks(
+        self, step: int | None, map_location: Any, weights_only: bool, state: Any
+    ) -> Any:
+        """Every rank loads the same step: the newest (or ``step``) that each rank has
+        whole locally, or that the bucket has; a rank without its local copy of it
+        reads it from the bucket (WARNING)."""
+        tier = self._tier
+        assert tier is not None
+        group = checkpoint_group()
+        remote = {c.step for c in on_first(self._list_local, group, what="the bucket listing")}
+        whole = set(tier.whole_steps())
+        lists = agree(value=sorted(whole), group=group).values
+        candidates = set(lists[0]).intersection(*lists[1:]) | remote
+        if step is not None:
+            self._check_step(step)
+            if step not in candidates:
+                raise NotFoundError(
+                    f"step {step} is neither in the bucket at {self.step_url(step)} nor "
+                    "whole in every rank's local tier"
+                )
+        elif not candidates:
+            raise NotFoundError(f"no committed checkpoint under {self.root_url}")
+        chosen = step if step is not None else max(candidates)
+        if chosen in whole:
+            url, options = tier.step_url(chosen), tier.options
+        else:
+            url, options = self.step_url(chosen), self.options
+            log.warning(
+                "step %d is not whole in the local tier %s of rank %d; reading it from %s",
+                chosen,
+                tier.url,
+                rank(),
+                url,
+            )
+        result = self.kind.load(
+            url, options, map_location=map_location, weights_only=weights_only, state=state
+        )
+        self.restored_step = chosen
+        return result
 
     # -- retention -----------------------------------------------------------------------
     def _retain_quietly(self) -> builtins.list[int]:
@@ -538,6 +730,8 @@ class CheckpointManager:
         NotFoundError when there is no committed checkpoint (a step without a marker does
         not count). Retention never deletes the restored step afterwards.
         """
+        if self._ranked_tier():
+            return self._restore_ranks(step, map_location, weights_only, state)
         if step is None:
             info = self.latest()
             if info is None:
@@ -579,6 +773,10 @@ class CheckpointManager:
                 exc,
                 self.step_url(info.step),
             )
+            # The failed load's frames hold what it had read (in a cycle through its
+            # transfer group): freed now, not at the next full collection, so the
+            # bucket's copy is not read beside it.
+            traceback.clear_frames(exc.__traceback__)
         return load(self.step_url(info.step), self.options)
 
 

@@ -134,16 +134,19 @@ class LocalTier:
         """Whether the directory belongs to this run (its run file names our bucket root)."""
         return self.owner == self.remote_url
 
-    def check_ready(self) -> None:
+    def check_ready(self, kind: str) -> None:
         """Refuse a save the tier cannot take: a directory of another run, or a job of
-        several processes (this increment keeps one process's checkpoints)."""
+        several processes saving anything but ``kind="dcp"`` (each rank's own files)."""
         if not self.owned:
             raise ConfigError(
                 f"local_dir {self.path} holds the local tier of {self.owner}; give the run "
                 f"{self.remote_url} a directory of its own"
             )
-        if world_size() > 1:
-            raise ConfigError("a local tier (local_dir=) takes a single-process job for now")
+        if world_size() > 1 and kind != "dcp":
+            raise ConfigError(
+                f"a local tier (local_dir=) in a job of several processes takes kind='dcp', "
+                f"not {kind!r}"
+            )
 
     # -- naming --------------------------------------------------------------------------
     @staticmethod
@@ -223,20 +226,44 @@ class LocalTier:
             raise NotFoundError(f"step {step} is not committed in the local tier {self.url}")
         if read_committed(remote, remote_prefix + MARKER_NAME) is not None:
             return False
+        self.clear_stale(local, remote, remote_prefix)
+        # The payload only: the bucket gets a marker of its own (its sizes and ETags).
+        self.copy_payload(step, remote, remote_prefix, options, exclude=(MARKER_NAME,))
+        commit(local)
+        return True
+
+    @staticmethod
+    def clear_stale(local: CheckpointInfo, remote: Store, remote_prefix: str) -> None:
+        """Delete the bucket's objects under ``remote_prefix`` older than the local
+        commit ``local``: leftovers of an earlier save of the same step."""
         for o in list(remote.list(remote_prefix)):
             if o.mtime is not None and o.mtime < local.time - CLOCK_SLACK:
                 remote.delete(o.key)  # same size is no proof of the same bytes
-        # The payload only: the bucket gets a marker of its own (its sizes and ETags).
+
+    def copy_payload(
+        self,
+        step: int,
+        remote: Store,
+        remote_prefix: str,
+        options: TransferOptions,
+        exclude: Sequence[str],
+    ) -> None:
+        """Copy ``step``'s local objects to ``remote_prefix`` but those named in
+        ``exclude`` (objects already there whole are skipped)."""
         copy_tree(
-            self.store,
-            self.step_prefix(step),
-            remote,
-            remote_prefix,
-            options,
-            exclude=(MARKER_NAME,),
+            self.store, self.step_prefix(step), remote, remote_prefix, options, exclude=exclude
         )
-        commit(local)
-        return True
+
+    def whole_steps(self) -> builtins.list[int]:
+        """This run's local steps whose every file is there at its marker's size."""
+        found = []
+        for info in self.list():
+            try:
+                self.check_files(info)
+            except (CorruptCheckpointError, NotFoundError):
+                continue
+            found.append(info.step)
+        return found
 
     # -- restore -------------------------------------------------------------------------
     def check_files(self, info: CheckpointInfo) -> None:
