@@ -66,6 +66,5 @@ def test_an_abandoned_read_keeps_the_memory_it_fills_alive(tmp_path, ctrl_c: boo
         release.set()
     stop = time.monotonic() + WATCHDOG_S
     while alive() is not None and time.monotonic() < stop:
-        gc.collect()
         time.sleep(0.01)  # polling for the abandoned read's thread to end
-    assert alive() is None  # freed once the read ended
+    assert alive() is None  # freed once the read ended, without waiting for a collection

@@ -51,8 +51,8 @@ from ..errors import (
     DistributedSaveError,
     NotFoundError,
 )
+from ..format.commit import DCP_MARKER as METADATA_NAME
 from ..format.commit import read_committed
-from ..format.dcp.layout import LAYOUT_NAME, METADATA_NAME
 from ..options import TransferOptions
 from ..store import Store, open_target
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
@@ -526,6 +526,8 @@ class CheckpointManager:
         owner, coordinators = self._dir_owner(group)
         prefix = tier.step_prefix(step)
 
+        from ..format.dcp.layout import LAYOUT_NAME  # imports torch: not at import (the CLI)
+
         def read_commit_files() -> dict[str, bytes]:
             found = {o.key.rpartition("/")[2] for o in tier.store.list(prefix)}
             return {
@@ -594,6 +596,8 @@ class CheckpointManager:
                     what=f"clearing leftovers under {url}",
                 )
                 if owner:
+                    from ..format.dcp.layout import LAYOUT_NAME  # imports torch
+
                     skip = (MARKER_NAME, METADATA_NAME, LAYOUT_NAME)
                     tier.copy_payload(step, self.store, prefix, self.options, skip)
             except Exception as exc:
