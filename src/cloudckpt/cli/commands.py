@@ -266,8 +266,9 @@ def _ls_tiers(args: argparse.Namespace, opts: Settings, t: Target, p: Printer) -
         raise ConfigError(f"--local lists a run: {t.url} is a {t.kind}, not a run root")
     every = args.drain_every_n_steps if args.drain_every_n_steps is not None else 1
     tier = _open_tier(args.local, t.dir_url, opts, every)
-    merged = merge_tiers(t.checkpoints, tier.list())
-    undrained = [c.step for c in merged if REMOTE not in c.tiers and tier.due(c.step)]
+    in_tier = tier.list()
+    merged = merge_tiers(t.checkpoints, in_tier)
+    undrained = tier.undrained((c.step for c in t.checkpoints), in_tier)
     leftovers = None
     if args.all:
         leftovers = find_leftovers(t.store, t.key, grace_seconds=args.grace, listing=t.objects)

@@ -454,10 +454,8 @@ class CheckpointManager:
             self._resumed = True
             return
         if self._tier.owned:
-            remote = {c.step for c in self._list_local()}
-            for info in self._tier.list():
-                if self._tier.due(info.step) and info.step not in remote:
-                    self._drainer.submit(info.step)
+            for step in self._tier.undrained(c.step for c in self._list_local()):
+                self._drainer.submit(step)
         self._resumed = True
 
     def _drain_step(self, step: int) -> None:
@@ -488,10 +486,8 @@ class CheckpointManager:
             protected = set(self._pending)
         protected |= self._drainer.unfinished()
         if self._ranked_tier():  # due steps wait for drain(): keep those not in the bucket
-            remote = {c.step for c in on_first(self._list_local, checkpoint_group())}
-            protected |= {
-                c.step for c in self._tier.list() if self._tier.due(c.step) and c.step not in remote
-            }
+            remote = on_first(self._list_local, checkpoint_group())
+            protected.update(self._tier.undrained(c.step for c in remote))
         if self.restored_step is not None:
             protected.add(self.restored_step)
         try:
@@ -562,8 +558,8 @@ class CheckpointManager:
         assert tier is not None
         group = checkpoint_group()
         owner, _ = self._dir_owner(group)
-        remote = {c.step for c in on_first(self._list_local, group, what="the bucket listing")}
-        mine = sorted(c.step for c in tier.list() if tier.due(c.step) and c.step not in remote)
+        remote = on_first(self._list_local, group, what="the bucket listing")
+        mine = tier.undrained(c.step for c in remote)
         lists = agree(value=mine, group=group).values
         common = set(lists[0]).intersection(*lists[1:])
         for r, steps in enumerate(lists):

@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -160,6 +160,15 @@ class LocalTier:
     def due(self, step: int) -> bool:
         """Whether ``step`` goes to the bucket (every ``drain_every_n_steps``-th)."""
         return step % self.every == 0
+
+    def undrained(
+        self, remote: Iterable[int], local: Iterable[CheckpointInfo] | None = None
+    ) -> list[int]:
+        """The local steps (``local``, else this tier's listing) due for the bucket and
+        not among the bucket's committed ``remote`` steps, oldest first."""
+        there = set(remote)
+        found = self.list() if local is None else local
+        return sorted(c.step for c in found if self.due(c.step) and c.step not in there)
 
     # -- discovery -----------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
