@@ -24,14 +24,14 @@ from typing import Any
 
 from .collectives import torch_distributed
 
-__all__ = ["DEFAULT_TIMEOUT", "checkpoint_group", "group_ranks", "partition_group"]
+__all__ = ["DEFAULT_TIMEOUT", "checkpoint_group", "drain_group", "group_ranks", "partition_group"]
 
 #: How long a checkpoint collective waits for a peer before failing that save.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 _lock = threading.Lock()
-#: ranks -> (the default group it was made under, the checkpoint group).
-_groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
+#: (ranks, purpose) -> (the default group it was made under, the group).
+_groups: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = {}
 #: A part of a partition -> (the default group it was made under, the part's group, or
 #: None on a rank outside it). Filled the same on every rank (see partition_group).
 _parts: dict[tuple[int, ...], tuple[Any, Any]] = {}
@@ -46,10 +46,20 @@ def group_ranks(process_group: Any = None) -> tuple[int, ...]:
 
 def checkpoint_group(process_group: Any = None) -> Any:
     """The dedicated gloo group over ``process_group``'s ranks (created once, then reused)."""
-    ranks = group_ranks(process_group)
+    return _dedicated(group_ranks(process_group), "checkpoint")
+
+
+def drain_group(process_group: Any = None) -> Any:
+    """A second dedicated gloo group over the same ranks, for a local tier's background
+    drain: its collectives run in the drainer thread while a newer save's run on
+    :func:`checkpoint_group` in DCP's thread, so the two never share a group."""
+    return _dedicated(group_ranks(process_group), "drain")
+
+
+def _dedicated(ranks: tuple[int, ...], purpose: str) -> Any:
     world = torch_distributed().group.WORLD
     with _lock:
-        made = _groups.get(ranks)
+        made = _groups.get((ranks, purpose))
         group = made[1] if made is not None and made[0] is world else None
         if group is None:
             whole = len(ranks) == torch_distributed().get_world_size()
@@ -59,7 +69,7 @@ def checkpoint_group(process_group: Any = None) -> Any:
                 timeout=DEFAULT_TIMEOUT,
                 use_local_synchronization=not whole,
             )
-            _groups[ranks] = (world, group)
+            _groups[(ranks, purpose)] = (world, group)
         return group
 
 

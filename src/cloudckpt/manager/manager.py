@@ -42,7 +42,7 @@ from ..dist.collectives import (
     settle,
     world_size,
 )
-from ..dist.groups import checkpoint_group
+from ..dist.groups import checkpoint_group, drain_group
 from ..engine.handle import SaveHandle, in_flight
 from ..errors import (
     AlreadyExistsError,
@@ -103,8 +103,9 @@ class CheckpointManager:
     background thread (:meth:`drain` waits for them); ``keep_local`` newest local steps
     are kept (default all). ``restore`` reads the newest step of either tier, from
     local when its copy there is whole. With several ranks (``kind="dcp"``), each rank
-    keeps its own files in its ``local_dir`` and ``drain()`` on every rank drains them
-    together, synchronously (docs/tiers.md, "Several ranks").
+    keeps its own files in its ``local_dir``; an ``async_save``'s due steps are drained
+    by every rank's drainer together, and ``drain()`` on every rank drains what is left
+    (docs/tiers.md, "Several ranks").
     """
 
     def __init__(
@@ -158,6 +159,7 @@ class CheckpointManager:
         self._tier: LocalTier | None = None
         self._drainer: Drainer | None = None
         self._resumed = False
+        self._drain_owner: bool | None = None
         if local_dir is not None:
             self._tier = LocalTier(
                 local_dir, self.root_url, self.options, keep_local, drain_every_n_steps or 1
@@ -232,6 +234,8 @@ class CheckpointManager:
         """Write ``state`` as checkpoint ``step``, commit it, then apply retention."""
         self._check_step(step)
         metrics = _check_metrics(metrics)
+        if self._ranked_tier():  # an async save's commit uses the group this one will
+            self._await_in_flight()
         self._before_save(step, state)
         with self._lock:
             self._pending.add(step)
@@ -278,11 +282,6 @@ class CheckpointManager:
         """
         self._check_step(step)
         metrics = _check_metrics(metrics)
-        if self._ranked_tier():
-            raise ConfigError(
-                "async_save with a local tier takes a single process for now; "
-                "in a job of several processes call save()"
-            )
         if isinstance(self.kind, DcpPayload):
             return self._async_save_dcp(step, state, metrics, metadata or {})
         if self.kind.name != "object" or not hasattr(self.kind, "filename"):
@@ -334,11 +333,14 @@ class CheckpointManager:
         self, step: int, state: Any, metrics: dict[str, float], metadata: Mapping[str, Any]
     ) -> ManagedSaveHandle:
         assert isinstance(self.kind, DcpPayload)
+        ranked = self._ranked_tier()
+        if ranked:  # its local commit runs on the checkpoint group: never beside ours
+            self._await_in_flight()
         self._before_save(step, state)
-        previous = self._dcp_in_flight
-        if previous is not None:  # its collectives and ours share the checkpoint group
-            previous.wait()
+        self._await_in_flight()  # its collectives and ours share the checkpoint group
         group = checkpoint_group() if is_distributed() else None
+        if ranked:
+            drain_group()  # made here, by every rank in step, before the drainer uses it
         with self._lock:
             self._pending.add(step)
         started = time.perf_counter()
@@ -358,15 +360,32 @@ class CheckpointManager:
                 raise _named_failure(error, prefix_url)
             return self._commit_save(step, metrics, metadata)
 
-        # On every rank, in DCP's saving thread: rank 0 commits, the group hears it.
+        def commit_ranks() -> CheckpointInfo:  # every rank: each local directory commits
+            error = future.exception()
+            if error is not None:
+                raise _named_failure(error, prefix_url)
+            return self._commit_ranks(step, metrics, metadata)
+
+        # On every rank, in DCP's saving thread: rank 0 commits, the group hears it (with
+        # a local tier on several ranks, each directory commits and every rank queues the
+        # step's drain, so every rank's drainer takes the same steps in the same order).
         what = f"the commit of {prefix_url}"
         future.add_done_callback(
             lambda _f: self._finish(
-                handle, lambda: on_first(write_marker, group, what=what), retain=rank() == 0
+                handle,
+                commit_ranks if ranked else lambda: on_first(write_marker, group, what=what),
+                retain=ranked or rank() == 0,
             )
         )
         self._dcp_in_flight = handle
         return handle
+
+    def _await_in_flight(self) -> None:
+        """Wait for this manager's DCP save in flight, whose commit (in DCP's thread)
+        runs collectives on the checkpoint group a new save or restore would use too."""
+        previous = self._dcp_in_flight
+        if previous is not None:
+            previous.wait()
 
     def _refuse_committed(self, step: int) -> None:
         def check() -> None:
@@ -424,7 +443,8 @@ class CheckpointManager:
         if self._tier is None or self._drainer is None:
             self._retain_quietly()
             return
-        self._drainer.retry_failed()
+        if not self._ranked_tier():  # several ranks: drain() retries, all ranks in step
+            self._drainer.retry_failed()
         if self._tier.due(step):
             self._drainer.submit(step)
         self._retain_local()
@@ -437,6 +457,10 @@ class CheckpointManager:
         if self._tier is None or self._drainer is None:
             return
         if self._ranked_tier():
+            # The saves in flight commit and the background drains end on every rank;
+            # then one collective pass drains what is left (failed, or an earlier job's).
+            self._await_in_flight()
+            self._drainer.wait(timeout)
             self._drain_ranks()
             return
         self._resume_drains()
@@ -462,6 +486,9 @@ class CheckpointManager:
         """The drainer's work: copy ``step`` to the bucket and commit it there with the
         local commit's metrics, metadata and time; then retention in both tiers."""
         assert self._tier is not None
+        if self._ranked_tier():
+            self._drain_ranked_queued(step)
+            return
         with self._lock:
             self._pending.add(step)  # gc leaves the bucket's uncommitted step alone
         try:
@@ -479,14 +506,16 @@ class CheckpointManager:
             self._retain_quietly()
         self._retain_local()
 
-    def _retain_local(self) -> None:
-        """Local retention; never a step due and not drained, being saved, or restored."""
+    def _retain_local(self, group: Any = None) -> None:
+        """Local retention; never a step due and not drained, being saved, or restored.
+        With several ranks, the bucket's listing is shared on ``group`` (default: the
+        checkpoint group)."""
         assert self._tier is not None and self._drainer is not None
         with self._lock:
             protected = set(self._pending)
         protected |= self._drainer.unfinished()
         if self._ranked_tier():  # due steps wait for drain(): keep those not in the bucket
-            remote = on_first(self._list_local, checkpoint_group())
+            remote = on_first(self._list_local, group or checkpoint_group())
             protected.update(self._tier.undrained(c.step for c in remote))
         if self.restored_step is not None:
             protected.add(self.restored_step)
@@ -573,6 +602,20 @@ class CheckpointManager:
             self._drain_ranked_step(step, group, owner)
         on_first(self._retain_quietly, group, what=f"retention under {self.root_url}")
         self._retain_local()
+
+    def _drain_ranked_queued(self, step: int) -> None:
+        """The drainer's work with several ranks (after an ``async_save``): every rank's
+        drainer takes the same steps in the same order and drains each together, on a
+        group of their own (dist/groups.drain_group); a step ``drain()`` already sent is
+        skipped. A failure is raised on every rank and left for ``drain()``."""
+        group = drain_group()
+        if self._drain_owner is None:
+            self._drain_owner = self._dir_owner(group)[0]
+        remote = on_first(self._list_local, group, what="the bucket listing")
+        if step not in {c.step for c in remote}:
+            self._drain_ranked_step(step, group, self._drain_owner)
+            on_first(self._retain_quietly, group, what=f"retention under {self.root_url}")
+        self._retain_local(group)
 
     def _drain_ranked_step(self, step: int, group: Any, owner: bool) -> None:
         tier = self._tier
@@ -731,6 +774,7 @@ class CheckpointManager:
         not count). Retention never deletes the restored step afterwards.
         """
         if self._ranked_tier():
+            self._await_in_flight()
             return self._restore_ranks(step, map_location, weights_only, state)
         if step is None:
             info = self.latest()
