@@ -224,3 +224,15 @@ def test_retention_ignores_a_save_in_flight(store_url: StoreTarget) -> None:
     assert m.gc(grace_seconds=0).prefixes == []  # gc leaves the save in flight alone
     assert "step-000000005/state.pt" in keys_under(m)
     assert [c.step for c in m.list()] == [2]
+
+
+def test_retention_in_a_directory_leaves_no_empty_step_folders(tmp_path: Any) -> None:
+    """A filesystem run root looks like a bucket after retention: a deleted step's
+    folder goes with its files, and nothing above the step is touched."""
+    root = tmp_path / "runs" / "run1"
+    m = CheckpointManager(str(root), keep_last=1)
+    for step in (1, 2, 3):
+        m.save(step, {"w": torch.ones(4) * step})
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000003"]
+    m.delete(3)
+    assert root.is_dir() and list(root.iterdir()) == []  # the root itself stays

@@ -616,3 +616,74 @@ def test_drains_and_newer_saves_share_max_bytes_in_flight(
     m.drain()
     assert remote_steps(m) == [1, 2, 3]
     assert 0 < peak[0] <= 2 * part
+
+
+# -- peer copy: each node's local directory also keeps the next node's steps ------------
+def _ranks_save_with_peers(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+    m = CheckpointManager(
+        url,
+        local_dir=Path(base) / f"node{rank}",
+        kind="dcp",
+        keep_local=1,
+        replicate_to_peer=True,
+        storage_options=so,
+    )
+    for step in (1, 2):
+        m.save(step, _rank_state(rank, step))
+    m.drain()
+
+
+def _ranks_restore_from_peer(
+    rank: int, world: int, url: str, so: dict[str, str], base: str
+) -> None:
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cloudckpt").addHandler(handler)
+    m = CheckpointManager(
+        url,
+        local_dir=Path(base) / f"node{rank}",
+        kind="dcp",
+        replicate_to_peer=True,
+        storage_options=so,
+    )
+    got = m.restore(state=_rank_empty(rank))
+    assert m.restored_step == 2
+    want = _rank_state(rank, 2)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    from_peer = [s for s in seen if "back from its peer" in s]
+    assert len(from_peer) == (1 if rank == 1 else 0), seen
+    assert not [s for s in seen if "reading it from" in s], seen  # never the bucket
+
+
+def test_a_replaced_node_restores_from_its_peer_not_the_bucket(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    pytest.importorskip("cloudckpt.dcp")
+    from ranks import run_ranks
+
+    url = f"{bucket.url}/run"
+    run_ranks(_ranks_save_with_peers, 2, url, bucket.storage_options, str(tmp_path), timeout=300)
+
+    def names(path: Path) -> set[str]:
+        return {p.name for p in path.iterdir()}
+
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    # Each node keeps the other's newest step (keep_local=1), byte for byte, committed.
+    for here, there, source in ((node0, node1, 1), (node1, node0, 0)):
+        peer = here / "_peers" / f"rank-{source}"
+        assert names(peer) == {step_dir(2)}
+        assert names(peer / step_dir(2)) == names(there / step_dir(2))
+        for f in (there / step_dir(2)).iterdir():
+            assert (peer / step_dir(2) / f.name).read_bytes() == f.read_bytes()
+    own1 = {n for n in names(node1 / step_dir(2)) if n.endswith(".distcp")}
+    own1 -= names(node0 / step_dir(2))
+    assert own1  # node 1's own data files
+
+    shutil.rmtree(node1)  # node 1 is replaced: a fresh, empty local directory
+    bucket.requests.clear()
+    run_ranks(_ranks_restore_from_peer, 2, url, bucket.storage_options, str(tmp_path), timeout=300)
+    gets = [p for m, p in bucket.requests if m == "GET" and p.endswith((".distcp", ".metadata"))]
+    assert gets == []  # the bucket, which holds step 2 too, served no payload
+    assert (node1 / step_dir(2) / MARKER_NAME).is_file()  # the node's local copy is back
+    assert own1 <= names(node1 / step_dir(2))

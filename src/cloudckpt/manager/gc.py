@@ -51,6 +51,7 @@ def delete_prefix(
         store.delete(marker)
         keys.remove(marker)
     delete_keys(store, keys, options)
+    store.remove_prefix_dir(prefix)
     return total
 
 

@@ -55,6 +55,7 @@ from ..format.commit import DCP_MARKER as METADATA_NAME
 from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..store import Store, open_target
+from . import peers
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
 from .marker import (
     MARKER_NAME,
@@ -102,7 +103,9 @@ class CheckpointManager:
     divisible by ``drain_every_n_steps`` (default 1) are copied to ``root_url`` by a
     background thread (:meth:`drain` waits for them); ``keep_local`` newest local steps
     are kept (default all). ``restore`` reads the newest step of either tier, from
-    local when its copy there is whole. With several ranks (``kind="dcp"``), each rank
+    local when its copy there is whole. ``replicate_to_peer``: with several ranks, each
+    node's local directory also keeps the next node's steps, so a replaced node
+    restores from its peer rather than the bucket. With several ranks (``kind="dcp"``), each rank
     keeps its own files in its ``local_dir``; an ``async_save``'s due steps are drained
     by every rank's drainer together, and ``drain()`` on every rank drains what is left
     (docs/tiers.md, "Several ranks").
@@ -124,6 +127,7 @@ class CheckpointManager:
         local_dir: str | os.PathLike[str] | None = None,
         keep_local: int | None = None,
         drain_every_n_steps: int | None = None,
+        replicate_to_peer: bool = False,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
@@ -165,8 +169,12 @@ class CheckpointManager:
                 local_dir, self.root_url, self.options, keep_local, drain_every_n_steps or 1
             )
             self._drainer = Drainer(self._drain_step, self._tier.url, self.root_url)
-        elif keep_local is not None or drain_every_n_steps is not None:
-            raise ConfigError("keep_local= and drain_every_n_steps= need local_dir=")
+        elif keep_local is not None or drain_every_n_steps is not None or replicate_to_peer:
+            raise ConfigError(
+                "keep_local=, drain_every_n_steps= and replicate_to_peer= need local_dir="
+            )
+        #: Each local directory's steps are also kept by the next one (docs/tiers.md).
+        self.replicate_to_peer = bool(replicate_to_peer)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, kind={self.kind.name!r})"
@@ -409,7 +417,8 @@ class CheckpointManager:
             self._resume_drains()
         self._refuse_committed(step)
         if self._tier is not None:
-            self._tier.check_room(state)
+            peer = self.replicate_to_peer and self._ranked_tier()
+            self._tier.check_room(state, copies=2 if peer else 1)
 
     def _target(self, step: int) -> tuple[str, TransferOptions]:
         """Where a save writes ``step``'s payload: the local tier if any, else the bucket."""
@@ -574,10 +583,21 @@ class CheckpointManager:
         except Exception as exc:
             error = exc
         settle(error, f"the local commit of step {step}", group=group)
+        if self.replicate_to_peer:
+            self._replicate(step, group)
         info = tier.info(step)
         if info is None:
             raise NotFoundError(f"step {step} is not committed in the local tier {tier.url}")
         return replace(info, tiers=(LOCAL,))
+
+    def _replicate(self, step: int, group: Any) -> None:
+        """Send each directory's copy of ``step`` to the next directory (every rank).
+        A failure is a WARNING, on every rank alike: the step is committed locally."""
+        assert self._tier is not None
+        try:
+            peers.replicate(self._tier, step, group, peers.ring(self._tier, group))
+        except Exception as exc:
+            log.warning("the peer copy of step %d failed (it is committed locally): %s", step, exc)
 
     def _drain_ranks(self) -> None:
         """drain() on every rank: each directory's first rank copies its files of every
@@ -664,8 +684,29 @@ class CheckpointManager:
         group = checkpoint_group()
         remote = {c.step for c in on_first(self._list_local, group, what="the bucket listing")}
         whole = set(tier.whole_steps())
-        lists = agree(value=sorted(whole), group=group).values
-        candidates = set(lists[0]).intersection(*lists[1:]) | remote
+        layout = peers.ring(tier, group) if self.replicate_to_peer else None
+        held = peers.held(tier) if layout is not None else {}
+        values = agree(value=(sorted(whole), held), group=group).values
+        lists = [set(v[0]) for v in values]
+
+        def lacking(s: int) -> list[int] | None:
+            """The directories (their owners) that must get ``s`` from their peer for
+            every rank to hold it locally; None when some rank can't."""
+            need: set[int] = set()
+            for i, have in enumerate(lists):
+                if s in have:
+                    continue
+                if layout is None:
+                    return None
+                owner = layout.owner_of(i)
+                holder = layout.holder_of(owner)
+                if holder is None or s not in values[holder][1].get(layout.ranks[owner], ()):
+                    return None
+                need.add(owner)
+            return sorted(need)
+
+        everywhere = set().union(*lists, *(s for v in values for s in v[1].values()))
+        candidates = {s for s in everywhere if lacking(s) is not None} | remote
         if step is not None:
             self._check_step(step)
             if step not in candidates:
@@ -676,6 +717,20 @@ class CheckpointManager:
         elif not candidates:
             raise NotFoundError(f"no committed checkpoint under {self.root_url}")
         chosen = step if step is not None else max(candidates)
+        fill = lacking(chosen)
+        if layout is not None and fill:
+            for owner in fill:
+                if owner == layout.me:
+                    log.warning(
+                        "step %d is not whole in the local tier %s of rank %d; copying it "
+                        "back from its peer, rank %d",
+                        chosen,
+                        tier.url,
+                        rank(),
+                        layout.ranks[layout.holder_of(owner) or 0],
+                    )
+            peers.receive_missing(tier, chosen, group, layout, fill)
+            whole = set(tier.whole_steps())
         if chosen in whole:
             url, options = tier.step_url(chosen), tier.options
         else:

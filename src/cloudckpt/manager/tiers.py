@@ -187,12 +187,13 @@ class LocalTier:
         return read_marker(self.store, marker_key("", step)) if self.owned else None
 
     # -- save ----------------------------------------------------------------------------
-    def check_room(self, state: Any) -> None:
+    def check_room(self, state: Any, copies: int = 1) -> None:
         """LocalTierFullError, before anything is written, when the free space is below
-        the last local checkpoint's size (or the state's tensor bytes, if larger)."""
+        the last local checkpoint's size (or the state's tensor bytes, if larger), times
+        ``copies`` (2 when the directory also keeps a peer's copy)."""
         found = self.list()
         last = found[-1].size if found else 0
-        need = max(last, _tensor_bytes(state))
+        need = max(last, _tensor_bytes(state)) * copies
         free = shutil.disk_usage(self.path).free
         if free < need:
             raise LocalTierFullError(
@@ -275,10 +276,10 @@ class LocalTier:
         return found
 
     # -- restore -------------------------------------------------------------------------
-    def check_files(self, info: CheckpointInfo) -> None:
+    def check_files(self, info: CheckpointInfo, prefix: str | None = None) -> None:
         """Every file the local marker lists is there, at its size (else NotFoundError
-        or CorruptCheckpointError naming it)."""
-        prefix = self.step_prefix(info.step)
+        or CorruptCheckpointError naming it); under ``prefix`` (default: the step's)."""
+        prefix = self.step_prefix(info.step) if prefix is None else prefix
         for f in info.files:
             found = self.store.head(prefix + f.name)  # NotFoundError when missing
             if found.size != f.size:

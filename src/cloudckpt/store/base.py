@@ -209,6 +209,12 @@ class Store(ABC):
         check_key(key, self.root_url)
         self._retrying("delete", key, self._delete, key)
 
+    def remove_prefix_dir(self, prefix: str) -> None:
+        """After every object under ``prefix`` is deleted: drop what is left of the
+        prefix itself. Nothing in an object store, where a prefix is only a name; the
+        filesystem store removes the empty directory."""
+        return None
+
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix``, recursively, in key order.
 

@@ -167,12 +167,23 @@ class LocalStore(Store):
         except OSError as exc:
             raise self._oserror(exc, key) from None
 
+    def _open_temp(self, tmp: Path, path: Path, key: str) -> int:
+        """Create ``tmp`` (exclusive) for writing, with the directories above it; made
+        again if a delete removed them in between (:meth:`remove_prefix_dir`)."""
+        for attempt in range(3):
+            self._make_parents(path, key)
+            try:
+                return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
         path = self._path(key)
         tmp = self._temp_for(path)
-        self._make_parents(path, key)
         try:
-            with open(tmp, "xb") as f:
+            with os.fdopen(self._open_temp(tmp, path, key), "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -193,13 +204,26 @@ class LocalStore(Store):
         except OSError as exc:
             raise self._oserror(exc, key) from None
 
+    def remove_prefix_dir(self, prefix: str) -> None:
+        """Remove the directory of ``prefix`` (a key prefix ending in ``/``) if it is
+        empty, and nothing above it: after a checkpoint's objects are deleted, so a
+        prefix exists only while objects do, as in a bucket (retention would otherwise
+        leave one empty ``step-N/`` per deleted step). A writer that loses the directory
+        to this makes it again (:meth:`_open_temp`)."""
+        directory = self._path(prefix.rstrip("/"))
+        if directory == self.root:
+            return
+        try:
+            directory.rmdir()
+        except OSError:  # not empty, gone, or not a directory: nothing to do
+            return
+
     # -- multipart -----------------------------------------------------------------------
     def _create_multipart(self, key: str) -> MultipartUpload:
         path = self._path(key)
         tmp = self._temp_for(path)
-        self._make_parents(path, key)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = self._open_temp(tmp, path, key)
         except OSError as exc:
             raise self._oserror(exc, key) from None
         return MultipartUpload(key=key, upload_id=tmp.name, backend=[fd, tmp])
