@@ -6,30 +6,218 @@ In async mode ``save_checkpoint`` returns once the snapshot is taken. Removals t
 Lightning asks for (top-k, ``last`` rotation) wait until every earlier save has
 committed, and are skipped if one of them failed, so the last good checkpoint is
 never the one deleted.
+
+With ``local_dir=`` the checkpoints of one bucket directory are written to a local
+mirror first and drained to the bucket by one background thread (docs/tiers.md,
+"Lightning").
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from ..dist.collectives import rank
 from ..engine.async_save import SaveHandle, async_save
+from ..engine.copy import copy_object
+from ..engine.drain import RUN_FILE, Drainer, claim, read_owner
 from ..engine.load import load
 from ..engine.save import save
+from ..errors import CorruptCheckpointError, NotFoundError, UnsupportedFormatError
 from ..options import TransferOptions
-from ..store import Settings
+from ..store import ObjectInfo, Settings, Target
+from ..store.local import LocalStore
+from ..store.paths import exists
 from ._compat import CheckpointIO
-from .fs import register_settings, unwrap
+from .fs import is_remote, register_settings, unwrap
 
 __all__ = ["CloudCheckpointIO"]
 
 log = logging.getLogger("cloudckpt")
 
+#: Beside the run file: the files due for the bucket, and what the bucket held after
+#: each drain (so a restart finishes the drains a killed process left).
+JOURNAL = "_DRAIN.json"
+JOURNAL_FORMAT = "cloudckpt.io-drain/1"
+#: A local copy failing so is read from the bucket instead, with a WARNING.
+LOCAL_FAILURES = (NotFoundError, CorruptCheckpointError, UnsupportedFormatError)
+
+
+def _is_name(key: object) -> bool:
+    """A checkpoint's file name in the mirrored directory (not a path, not ours)."""
+    return isinstance(key, str) and bool(key) and "/" not in key and key not in (RUN_FILE, JOURNAL)
+
+
+def _identity(info: ObjectInfo) -> str:
+    """What tells one version of a bucket object from another: its ETag, else its size."""
+    return info.etag.strip('"') if info.etag else f"size:{info.size}"
+
+
+class _Mirror:
+    """The files of the bucket directory ``root`` mirrored in the local tier ``store``:
+    each written there first (atomically), then uploaded unchanged by one drainer.
+
+    A file is never uploaded while its local copy is being replaced, nor replaced
+    while it is being uploaded. The journal records the files due for the bucket and,
+    for each drained one, the bucket object it became.
+    """
+
+    def __init__(self, store: LocalStore, root: str, settings: Settings) -> None:
+        self.store, self.root, self._settings = store, root, settings
+        self._cond = threading.Condition()
+        self._writing: Counter[str] = Counter()
+        self._uploading: set[str] = set()
+        self._journal_lock = threading.Lock()
+        self._due: set[str] = set()
+        self._drained: dict[str, str] = {}
+        self._read_journal()
+        self.drainer: Drainer[str] = Drainer(
+            self._drain,
+            store.root_url,
+            root,
+            noun="file",
+            resumer="CloudCheckpointIO",
+            retry="the next save or wait()",
+        )
+
+    def remote(self, key: str) -> Target:
+        """The bucket object ``key`` mirrors, opened with the IO's settings."""
+        return self._settings.open(f"{self.root}/{key}")
+
+    # -- the journal ---------------------------------------------------------------------
+    def _read_journal(self) -> None:
+        try:
+            data = json.loads(self.store.get(JOURNAL))
+            if data.get("format") != JOURNAL_FORMAT or data.get("root_url") != self.root:
+                raise ValueError(f"not the journal of {self.root}")
+            due, drained = data["due"], data["drained"]
+            if not all(_is_name(k) for k in due) or not all(
+                _is_name(k) and isinstance(v, str) for k, v in drained.items()
+            ):
+                raise TypeError("names must be file names of the directory, identities strings")
+        except NotFoundError:
+            return
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning(
+                "%s is not a drain journal (%s): files saved there earlier are not drained again",
+                self.store.url(JOURNAL),
+                exc,
+            )
+            return
+        self._due, self._drained = set(due), dict(drained)
+
+    def _record(self, key: str, *, due: bool, identity: str | None = None) -> None:
+        """Note ``key`` as due for the bucket, or as drained to ``identity`` (None:
+        neither, once removed), and write the journal (atomically)."""
+        with self._journal_lock:
+            self._drained.pop(key, None)
+            if due:
+                self._due.add(key)
+            else:
+                self._due.discard(key)
+                if identity is not None:
+                    self._drained[key] = identity
+            body = {
+                "format": JOURNAL_FORMAT,
+                "root_url": self.root,
+                "due": sorted(self._due),
+                "drained": dict(sorted(self._drained.items())),
+            }
+            self.store.put(JOURNAL, json.dumps(body).encode())
+
+    def resume(self) -> None:
+        """Queue the drains a process left unfinished (the files still here)."""
+        with self._journal_lock:
+            due = sorted(self._due)
+        for key in due:
+            if exists(self.store, key):
+                self.drainer.submit(key)
+            else:
+                self._record(key, due=False)
+
+    # -- local writes and uploads, never of one file at once ---------------------------
+    def begin_write(self, key: str) -> None:
+        """Before replacing the local copy of ``key``: wait for its upload to end."""
+        with self._cond:
+            while key in self._uploading:
+                self._cond.wait()
+            self._writing[key] += 1
+
+    def end_write(self, key: str, committed: bool) -> None:
+        """After the local write of ``key``: due for the bucket if it committed."""
+        try:
+            if committed:
+                self._record(key, due=True)
+                self.drainer.submit(key)
+        finally:
+            with self._cond:
+                self._writing[key] -= 1
+                if self._writing[key] <= 0:
+                    del self._writing[key]
+                self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Wait until no local write is in flight (their drains are queued then)."""
+        with self._cond:
+            while self._writing:
+                self._cond.wait()
+
+    def _drain(self, key: str) -> None:
+        """The drainer's work: upload the local copy of ``key`` unchanged."""
+        with self._cond:
+            while key in self._writing:
+                self._cond.wait()
+            self._uploading.add(key)
+        try:
+            if not exists(self.store, key):  # removed since (rotation): nothing to send
+                self._record(key, due=False)
+                return
+            remote = self.remote(key)
+            copy_object(self.store, key, remote.store, remote.key, remote.options)
+            self._record(key, due=False, identity=_identity(remote.store.head(remote.key)))
+        finally:
+            with self._cond:
+                self._uploading.discard(key)
+                self._cond.notify_all()
+
+    # -- reads and removals -----------------------------------------------------------
+    def choose(self, key: str, remote: Target) -> tuple[bool, str]:
+        """Whether to read the local copy of ``key``; if not, why (empty: it was never
+        here, nothing to say). The bucket is asked for the object's description only."""
+        with self._journal_lock:
+            due, drained = key in self._due, self._drained.get(key)
+        if due:  # newer than the bucket's copy, if any
+            return True, ""
+        if drained is None:
+            return False, ""
+        try:
+            there = remote.store.head(remote.key)
+        except NotFoundError:
+            return True, ""  # the local copy is the only one
+        if _identity(there) != drained:
+            return False, "the bucket's object is not the one drained from here"
+        return True, ""
+
+    def remove(self, key: str) -> None:
+        """Delete the local copy of ``key`` and forget it."""
+        self.store.delete(key)
+        self._record(key, due=False)
+
 
 class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
-    """Save, load and remove Lightning checkpoints at any cloudckpt URL (or local path)."""
+    """Save, load and remove Lightning checkpoints at any cloudckpt URL (or local path).
+
+    ``local_dir``: a local tier for the bucket directory of the first checkpoint saved
+    (its ``dirpath``): saves commit there and return, one thread drains them to the
+    bucket, loads read the local copy when it is valid (docs/tiers.md, "Lightning").
+    """
 
     def __init__(
         self,
@@ -37,6 +225,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         *,
         max_in_flight: int = 1,
         share_reads: bool = True,
+        local_dir: str | os.PathLike[str] | None = None,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
@@ -44,8 +233,10 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self.async_save = async_save
         self.max_in_flight = max_in_flight
         #: Under an initialized process group, every rank loads a checkpoint at once
-        #: (Lightning's resume): read its bytes once in all and exchange them.
+        #: (Lightning's resume): read its bytes once in all and exchange them. Not with
+        #: a local tier: there each rank reads its own copy, local or the bucket's.
         self.share_reads = share_reads
+        self.local_dir = None if local_dir is None else Path(local_dir).expanduser()
         # Checked here (a bad option fails now, not at the first save) and resolved
         # once per call for its path, so a profile the path selects still applies.
         self._settings = Settings(options, overrides)
@@ -54,22 +245,106 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._removals: list[Future[None]] = []
         self._remover: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        #: Bucket directory -> its mirror (None: the local tier belongs to another one).
+        self._mirrors: dict[str, _Mirror | None] = {}
+        self._resumed = False
+
+    # -- the local tier ------------------------------------------------------------------
+    def _mirror_at(self, root: str, claim_it: bool) -> _Mirror | None:
+        """The mirror of the bucket directory ``root``; ``claim_it``: claim the local
+        tier for it if nobody has (else only a tier claimed already is used)."""
+        if self.local_dir is None:
+            return None
+        with self._lock:
+            if root in self._mirrors:
+                return self._mirrors[root]
+            store = LocalStore(self.local_dir)
+            if not claim_it and read_owner(store) is None:
+                return None
+            self.local_dir.mkdir(parents=True, exist_ok=True)
+            owner = claim(store, root)
+            mirror = _Mirror(store, root, self._settings) if owner == root else None
+            if mirror is None:
+                log.warning(
+                    "local_dir %s holds the local tier of %s, not of %s: checkpoints under "
+                    "%s are saved to and loaded from the bucket only",
+                    self.local_dir,
+                    owner,
+                    root,
+                    root,
+                )
+            self._mirrors[root] = mirror
+            return mirror
+
+    def _mirror_for(self, url: str, claim_it: bool) -> tuple[_Mirror, str] | None:
+        """The mirror holding the checkpoint ``url`` and its key there, if any."""
+        if self.local_dir is None or not is_remote(url):
+            return None
+        root, _, name = url.rpartition("/")
+        if not _is_name(name):
+            return None
+        mirror = self._mirror_at(root, claim_it)
+        return None if mirror is None else (mirror, name)
+
+    def _owned(self) -> list[_Mirror]:
+        with self._lock:
+            return [m for m in self._mirrors.values() if m is not None]
+
+    def _resume(self) -> None:
+        """Once, in the process that saves (rank 0): queue the drains a killed process
+        left in ``local_dir`` (its journal names them)."""
+        if self._resumed or self.local_dir is None or rank() != 0:
+            return
+        self._resumed = True
+        try:
+            data = json.loads(LocalStore(self.local_dir).get(JOURNAL))
+            root = data["root_url"]
+        except (NotFoundError, ValueError, KeyError, TypeError):
+            return
+        if isinstance(root, str):
+            mirror = self._mirror_at(root, claim_it=False)
+            if mirror is not None:
+                mirror.resume()
 
     # -- save ----------------------------------------------------------------------------
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         """Write ``checkpoint`` to ``path``; in async mode return once it is staged.
+        With a local tier the local copy is written (in the background in async mode)
+        and drained to ``path`` afterwards.
 
         ``storage_options`` (Lightning's per-call argument) are TransferOptions fields
         over the ones this IO was made with."""
-        target = self._settings.open(unwrap(path), **(storage_options or {}))
+        url = unwrap(path)
+        self._resume()
+        found = self._mirror_for(url, claim_it=True)
+        if found is None:
+            self._save(checkpoint, self._settings.open(url, **(storage_options or {})))
+            return
+        mirror, key = found
+        mirror.drainer.retry_failed()
+        target = self._settings.open(mirror.store.url(key), **(storage_options or {}))
+        mirror.begin_write(key)
+        try:
+            handle = self._save(checkpoint, target)
+        except BaseException:
+            mirror.end_write(key, committed=False)
+            raise
+        if handle is None:
+            mirror.end_write(key, committed=True)
+        else:
+            handle.add_done_callback(_ended(mirror, key))
+
+    def _save(self, checkpoint: dict[str, Any], target: Target) -> SaveHandle | None:
+        """Save to ``target``: at once, or in the background (the handle)."""
         if not self.async_save:
             save(checkpoint, target)
-            return
+            return None
         handle = async_save(checkpoint, target, max_in_flight=self.max_in_flight)
         with self._lock:
             self._pending = [h for h in self._pending if not h.done() or h.failed()] + [handle]
+        return handle
 
     # -- load ----------------------------------------------------------------------------
     def load_checkpoint(
@@ -77,26 +352,51 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
     ) -> dict[str, Any]:
         """Read a checkpoint; waits for a pending save of the same path first. Under
         an initialized process group (every rank resumes), the ranks read its bytes once
-        in all and exchange them (``share_reads``; see ``cloudckpt.load(share=True)``)."""
-        target = self._settings.open(unwrap(path))
+        in all and exchange them (``share_reads``; see ``cloudckpt.load(share=True)``).
+
+        With a local tier, the local copy is read when it is this run's and valid; a
+        copy failing its checks, or missing, is read from the bucket with a WARNING."""
+        url = unwrap(path)
+        target = self._settings.open(url)
+        found = self._mirror_for(url, claim_it=False)
+        local = None if found is None else found[0].store.url(found[1])
         for h in self._pending_handles():
-            if h.url == target.store.url(target.key):
+            if h.url in (target.store.url(target.key), local):
                 h.result()
-        result: dict[str, Any] = load(
-            target,
-            map_location=map_location,
-            weights_only=True if weights_only is None else weights_only,
-            share=self.share_reads,
-        )
+        only_mine = self.local_dir is not None  # the same choice on every rank
+        kwargs: dict[str, Any] = {
+            "map_location": map_location,
+            "weights_only": True if weights_only is None else weights_only,
+            "share": self.share_reads and not only_mine,
+        }
+        if found is not None:
+            mirror, key = found
+            use, why = mirror.choose(key, target)
+            if use:
+                try:
+                    result: dict[str, Any] = load(self._settings.open(str(local)), **kwargs)
+                    return result
+                except LOCAL_FAILURES as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+            if why:
+                log.warning(
+                    "the local copy %s of %s is not read (%s); reading the bucket's",
+                    local,
+                    url,
+                    why,
+                )
+        result = load(target, **kwargs)
         return result
 
     # -- remove --------------------------------------------------------------------------
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete ``path``, but only after every earlier save has committed."""
+        """Delete ``path`` (and its local copy), but only after every earlier save has
+        committed (and, with a local tier, every queued drain has reached the bucket)."""
         url = unwrap(path)
         with self._lock:  # still running, or failed: either way the removal must wait
             earlier = [h for h in self._pending if not h.done() or h.failed()]
-        if not earlier:
+        draining = any(m.drainer.unfinished() for m in self._owned())
+        if not earlier and not draining:
             self._delete(url)
             return
         with self._lock:
@@ -113,9 +413,22 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 "not removing %s: the newer checkpoint(s) %s did not commit", url, ", ".join(failed)
             )
             return
+        for mirror in self._owned():  # the removed file's own drain among them
+            mirror.settle()
+            undrained = [f"{mirror.root}/{key}" for key in sorted(mirror.drainer.wait())]
+            if undrained:
+                log.warning(
+                    "not removing %s: the drain of %s to the bucket failed",
+                    url,
+                    ", ".join(undrained),
+                )
+                return
         self._delete(url)
 
     def _delete(self, url: str) -> None:
+        found = self._mirror_for(url, claim_it=False)
+        if found is not None:
+            found[0].remove(found[1])
         target = self._settings.open(url)
         target.store.delete(target.key)  # absent already is fine
 
@@ -125,7 +438,9 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     # -- teardown ------------------------------------------------------------------------
     def wait(self) -> None:
-        """Wait for every pending save and removal; raise the first save error."""
+        """Wait for every pending save, drain and removal; raise the first save error,
+        else the first drain error (a StorageError naming the file)."""
+        self._resume()
         with self._lock:
             handles, self._pending = list(self._pending), []
             removals, self._removals = list(self._removals), []
@@ -134,16 +449,32 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             h.wait()
             if error is None and h.failed() and not h.reported:
                 error = h.exception()
+        for mirror in self._owned():
+            mirror.settle()
+            mirror.drainer.retry_failed()
+            failed = mirror.drainer.wait()
+            if error is None and failed:
+                error = failed[min(failed)]
         for f in removals:
             f.result()
         if error is not None:
             raise error
 
     def teardown(self) -> None:
-        """Called by Lightning at the end of fit: pending saves finish or raise here."""
+        """Called by Lightning at the end of fit: pending saves and drains finish or
+        raise here."""
         try:
             self.wait()
         finally:
             if self._remover is not None:
                 self._remover.shutdown(wait=True)
                 self._remover = None
+
+
+def _ended(mirror: _Mirror, key: str) -> Callable[[SaveHandle], None]:
+    """The callback of a background local write of ``key``: queue its drain."""
+
+    def done(handle: SaveHandle) -> None:
+        mirror.end_write(key, committed=not handle.failed())
+
+    return done

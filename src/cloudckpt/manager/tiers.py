@@ -10,16 +10,11 @@ skipped), then the manager commits the bucket's step with its own marker, create
 
 from __future__ import annotations
 
-import atexit
 import builtins
-import json
 import logging
 import os
 import shutil
 import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,15 +22,14 @@ from typing import Any
 
 from ..dist.collectives import world_size
 from ..engine.copy import copy_tree
+from ..engine.drain import RUN_FILE, Drainer, claim
 from ..errors import (
-    AlreadyExistsError,
     ConfigError,
     CorruptCheckpointError,
     LocalTierFullError,
     NotFoundError,
-    StorageError,
 )
-from ..format.commit import commit_marker, read_committed
+from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..store import Store
 from ..store.local import LocalStore
@@ -57,9 +51,6 @@ log = logging.getLogger("cloudckpt")
 
 LOCAL = "local"
 REMOTE = "remote"
-#: The run file at the top of a local tier: which bucket root the tier belongs to.
-RUN_FILE = "_TIER.json"
-RUN_FORMAT = "cloudckpt.tier/1"
 #: A bucket object under an uncommitted step older than the local commit by more than
 #: this (seconds; clocks and the bucket's whole-second times differ) is a leftover of an
 #: earlier save of the same step, not of this drain: it is sent again, never kept.
@@ -104,21 +95,7 @@ class LocalTier:
     def _claim(self) -> str:
         """Create the run file naming ``remote_url`` (create-only), or read the owner
         an earlier manager recorded there."""
-        body = json.dumps({"format": RUN_FORMAT, "root_url": self.remote_url}, sort_keys=True)
-        try:
-            commit_marker(self.store, RUN_FILE, body.encode())
-            return self.remote_url
-        except AlreadyExistsError:
-            pass
-        data = read_committed(self.store, RUN_FILE) or b""
-        try:
-            owner = json.loads(data)["root_url"]
-            if not isinstance(owner, str):
-                raise TypeError(f"root_url is {type(owner).__name__}, not a string")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptCheckpointError(
-                f"{self.store.url(RUN_FILE)} is not a local tier's run file: {exc}"
-            ) from exc
+        owner = claim(self.store, self.remote_url)
         if owner != self.remote_url:
             log.warning(
                 "local_dir %s holds the local tier of %s, not of %s: it is neither "
@@ -314,108 +291,3 @@ def _tensor_bytes(state: Any, depth: int = 0) -> int:
         nbytes = state.nbytes
         return nbytes if isinstance(nbytes, int) else 0
     return 0
-
-
-class Drainer:
-    """One daemon thread per manager running ``work(step)`` for queued steps, in order
-    (FIFO). A failure is kept with its error, naming the step, until the step is
-    queued again; the thread ends when the queue is empty and starts on the next one.
-
-    Nothing waits for it at exit: what is left is logged at WARNING, for the next
-    manager on the same ``local_dir`` to finish.
-    """
-
-    def __init__(self, work: Callable[[int], object], src: str, dst: str) -> None:
-        self._work = work
-        self.src, self.dst = src, dst
-        self._cond = threading.Condition()
-        self._queue: deque[int] = deque()
-        self._busy: int | None = None
-        self._failed: dict[int, BaseException] = {}
-        self._thread: threading.Thread | None = None
-        atexit.register(_report_at_exit, weakref.ref(self))
-
-    def submit(self, step: int) -> None:
-        """Queue ``step`` (once; a failed step is forgotten and tried again)."""
-        with self._cond:
-            if step in self._queue or step == self._busy:
-                return
-            self._failed.pop(step, None)
-            self._queue.append(step)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="cloudckpt-drain", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
-
-    def retry_failed(self) -> None:
-        """Queue every failed step again, oldest first."""
-        with self._cond:
-            failed = sorted(self._failed)
-        for step in failed:
-            self.submit(step)
-
-    def unfinished(self) -> set[int]:
-        """Steps queued, draining or failed: due for the bucket, not committed there."""
-        with self._cond:
-            left = set(self._queue) | set(self._failed)
-            if self._busy is not None:
-                left.add(self._busy)
-            return left
-
-    def wait(self, timeout: float | None = None) -> dict[int, BaseException]:
-        """Wait until nothing is queued or draining; the failed steps and their errors.
-        TimeoutError after ``timeout`` seconds."""
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._queue or self._busy is not None:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    steps = sorted({*self._queue, *([] if self._busy is None else [self._busy])})
-                    raise TimeoutError(
-                        f"the drain of step(s) {steps} from {self.src} to {self.dst} "
-                        f"did not finish within {timeout} s"
-                    )
-                self._cond.wait(left)
-            return dict(self._failed)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                step = self._busy = self._queue.popleft()
-            error: BaseException | None = None
-            try:
-                self._work(step)
-            except BaseException as exc:  # kept for drain(): the thread never dies silently
-                error = StorageError(
-                    f"the drain of step {step} from {self.src} to {self.dst} failed "
-                    f"({type(exc).__name__}: {exc}); the next save or drain() tries again"
-                )
-                error.__cause__ = exc
-                log.warning("%s", error)
-            with self._cond:
-                self._busy = None
-                if error is not None:
-                    self._failed[step] = error
-                self._cond.notify_all()
-
-
-def _report_at_exit(ref: weakref.ref[Drainer]) -> None:
-    """At interpreter exit: say which drains are left for the next manager."""
-    drainer = ref()
-    if drainer is None:
-        return
-    left = drainer.unfinished()
-    if left:
-        log.warning(
-            "the drain of step(s) %s from %s to %s is unfinished at exit; the next "
-            "CheckpointManager with this local_dir finishes it",
-            sorted(left),
-            drainer.src,
-            drainer.dst,
-        )

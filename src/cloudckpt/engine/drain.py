@@ -1,0 +1,192 @@
+"""A local tier's two shared pieces: the run file that claims a directory for one bucket
+root, and the background thread that drains what was committed locally to the bucket.
+
+The manager's tier (``manager/tiers.py``: keys are steps) and Lightning's checkpoint
+I/O (``lightning/checkpoint_io.py``: keys are file names) both use them (docs/tiers.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, Generic, TypeVar
+
+from ..errors import AlreadyExistsError, CorruptCheckpointError, StorageError
+from ..format.commit import commit_marker, read_committed
+from ..store import Store
+
+__all__ = ["RUN_FILE", "RUN_FORMAT", "Drainer", "claim", "read_owner"]
+
+log = logging.getLogger("cloudckpt")
+
+#: The run file at the top of a local tier: which bucket root the tier belongs to.
+RUN_FILE = "_TIER.json"
+RUN_FORMAT = "cloudckpt.tier/1"
+
+K = TypeVar("K", bound=Hashable)
+
+
+def claim(store: Store, root_url: str) -> str:
+    """Create the run file of the tier ``store`` naming ``root_url`` (create-only), or
+    read the owner an earlier process recorded there; returns the owner."""
+    body = json.dumps({"format": RUN_FORMAT, "root_url": root_url}, sort_keys=True)
+    try:
+        commit_marker(store, RUN_FILE, body.encode())
+        return root_url
+    except AlreadyExistsError:
+        pass
+    owner = read_owner(store)
+    if owner is None:  # removed between the two calls: nobody owns it now
+        return claim(store, root_url)
+    return owner
+
+
+def read_owner(store: Store) -> str | None:
+    """The bucket root the tier ``store``'s run file names (None: no run file yet);
+    CorruptCheckpointError naming the file when it is not one."""
+    data = read_committed(store, RUN_FILE)
+    if data is None:
+        return None
+    try:
+        owner = json.loads(data)["root_url"]
+        if not isinstance(owner, str):
+            raise TypeError(f"root_url is {type(owner).__name__}, not a string")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(
+            f"{store.url(RUN_FILE)} is not a local tier's run file: {exc}"
+        ) from exc
+    return owner
+
+
+def _in_order(keys: Iterable[K]) -> list[K]:
+    """``keys`` sorted when they compare (steps, file names), else as given."""
+    found = list(keys)
+    try:
+        return sorted(found)  # type: ignore[type-var]
+    except TypeError:
+        return found
+
+
+class Drainer(Generic[K]):
+    """One daemon thread running ``work(key)`` for queued keys, in order (FIFO). A
+    failure is kept with its error, naming the key, until the key is queued again; the
+    thread ends when the queue is empty and starts on the next one.
+
+    ``noun`` names a key in messages ("step", "file"); ``resumer`` is what finishes
+    a drain left at exit, ``retry`` what tries a failed one again. Nothing waits for
+    the thread at exit: what is left is logged at WARNING.
+    """
+
+    def __init__(
+        self,
+        work: Callable[[K], object],
+        src: str,
+        dst: str,
+        *,
+        noun: str = "step",
+        resumer: str = "CheckpointManager",
+        retry: str = "the next save or drain()",
+    ) -> None:
+        self._work = work
+        self.src, self.dst = src, dst
+        self.noun, self.resumer, self.retry = noun, resumer, retry
+        self._cond = threading.Condition()
+        self._queue: deque[K] = deque()
+        self._busy: K | None = None
+        self._failed: dict[K, BaseException] = {}
+        self._thread: threading.Thread | None = None
+        atexit.register(_report_at_exit, weakref.ref(self))
+
+    def submit(self, key: K) -> None:
+        """Queue ``key`` (once; a failed key is forgotten and tried again)."""
+        with self._cond:
+            if key in self._queue or key == self._busy:
+                return
+            self._failed.pop(key, None)
+            self._queue.append(key)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="cloudckpt-drain", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def retry_failed(self) -> None:
+        """Queue every failed key again, oldest first."""
+        with self._cond:
+            failed = _in_order(self._failed)
+        for key in failed:
+            self.submit(key)
+
+    def unfinished(self) -> set[K]:
+        """Keys queued, draining or failed: due for the bucket, not there yet."""
+        with self._cond:
+            left = set(self._queue) | set(self._failed)
+            if self._busy is not None:
+                left.add(self._busy)
+            return left
+
+    def wait(self, timeout: float | None = None) -> dict[K, BaseException]:
+        """Wait until nothing is queued or draining; the failed keys and their errors.
+        TimeoutError after ``timeout`` seconds."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy is not None:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    busy = [] if self._busy is None else [self._busy]
+                    keys = _in_order({*self._queue, *busy})
+                    raise TimeoutError(
+                        f"the drain of {self.noun}(s) {keys} from {self.src} to {self.dst} "
+                        f"did not finish within {timeout} s"
+                    )
+                self._cond.wait(left)
+            return dict(self._failed)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                key = self._busy = self._queue.popleft()
+            error: BaseException | None = None
+            try:
+                self._work(key)
+            except BaseException as exc:  # kept for wait(): the thread never dies silently
+                error = StorageError(
+                    f"the drain of {self.noun} {key} from {self.src} to {self.dst} failed "
+                    f"({type(exc).__name__}: {exc}); {self.retry} tries again"
+                )
+                error.__cause__ = exc
+                log.warning("%s", error)
+            with self._cond:
+                self._busy = None
+                if error is not None:
+                    self._failed[key] = error
+                self._cond.notify_all()
+
+
+def _report_at_exit(ref: weakref.ref[Drainer[Any]]) -> None:
+    """At interpreter exit: say which drains are left for the next process."""
+    drainer = ref()
+    if drainer is None:
+        return
+    left = drainer.unfinished()
+    if left:
+        log.warning(
+            "the drain of %s(s) %s from %s to %s is unfinished at exit; the next "
+            "%s with this local_dir finishes it",
+            drainer.noun,
+            _in_order(left),
+            drainer.src,
+            drainer.dst,
+            drainer.resumer,
+        )
