@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudckpt-installed
 URL    ?=
 
-.PHONY: venv demo test test-fast test-plain test-compat test-nemo lint bench bench-quick fuzz clean
+.PHONY: venv demo test test-fast test-plain test-compat test-nemo test-integrations test-torchtitan lint bench bench-quick fuzz clean
 
 venv: $(STAMP)
 
@@ -61,6 +61,19 @@ test-compat: venv
 	PYTHONPATH=.cache/megatron-core-$(MCORE_OLD) $(BIN)/python -m pytest -q tests/megatron \
 		tests/dcp/test_metadata_compat.py
 
+# $(call overlay-venv,DIR,REQUIREMENTS[,PIP_ARGS]): a venv at DIR that sees .venv's
+# packages (torch, lightning, the test servers) through a .pth file, with REQUIREMENTS
+# installed on top, so .venv itself is untouched; used by the NeMo, integrations and
+# torchtitan environments below.
+define overlay-venv
+	test -x $(1)/bin/python || $(BIN)/python -m venv $(1)
+	$(BIN)/python -c "import sysconfig; print('import site; site.addsitedir(%r)' \
+		% sysconfig.get_paths()['purelib'])" > "$$($(1)/bin/python -c \
+		"import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-cloudckpt-venv.pth"
+	$(1)/bin/python -m pip install -q $(3) -r $(2)
+	touch $(1)/.cloudckpt-installed
+endef
+
 # cloudckpt.nemo against NeMo 2.7.3 (tests/nemo; docs/megatron.md). NeMo and what
 # `import nemo.lightning` needs go into a venv of their own under .cache, which sees
 # .venv's packages (torch, lightning, megatron-core, the test servers) through a .pth
@@ -70,18 +83,37 @@ NEMO_VENV ?= .cache/nemo-2.7.3
 NEMO_LIGHTNING ?= 2.4.0
 NEMO_STAMP := $(NEMO_VENV)/.cloudckpt-installed
 $(NEMO_STAMP): $(STAMP) tests/nemo/requirements.txt
-	test -x $(NEMO_VENV)/bin/python || $(BIN)/python -m venv $(NEMO_VENV)
-	$(BIN)/python -c "import sysconfig; print('import site; site.addsitedir(%r)' \
-		% sysconfig.get_paths()['purelib'])" > "$$($(NEMO_VENV)/bin/python -c \
-		"import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-cloudckpt-venv.pth"
-	$(NEMO_VENV)/bin/python -m pip install -q -r tests/nemo/requirements.txt
-	touch $(NEMO_STAMP)
+	$(call overlay-venv,$(NEMO_VENV),tests/nemo/requirements.txt)
 
 test-nemo: $(NEMO_STAMP)
 	test -d .cache/lightning-$(NEMO_LIGHTNING) || $(BIN)/python -m pip install -q --no-deps \
 		--target .cache/lightning-$(NEMO_LIGHTNING) lightning==$(NEMO_LIGHTNING)
 	PYTHONPATH=.cache/lightning-$(NEMO_LIGHTNING) $(NEMO_VENV)/bin/python -m pytest -q tests/nemo
 	$(NEMO_VENV)/bin/python -m pytest -q tests/nemo
+
+# The trainers users already run (docs/integrations.md): the Hugging Face Trainer and
+# Accelerate (tests/hf, tests/accelerate) in .cache/integrations, which sees .venv's
+# packages through a .pth file (transformers 5 and accelerate go there, not into .venv),
+# and torchtitan (tests/torchtitan) in .cache/torchtitan, the same way: its pins
+# conflict with transformers 5, so it gets an environment of its own.
+INTEGRATIONS_VENV ?= .cache/integrations
+INTEGRATIONS_STAMP := $(INTEGRATIONS_VENV)/.cloudckpt-installed
+$(INTEGRATIONS_STAMP): $(STAMP) tests/hf/requirements.txt
+	$(call overlay-venv,$(INTEGRATIONS_VENV),tests/hf/requirements.txt)
+
+test-integrations: $(INTEGRATIONS_STAMP)
+	$(INTEGRATIONS_VENV)/bin/python -m pytest -q tests/hf tests/accelerate
+
+# torchtitan's checkpoint code (tests/torchtitan; docs/integrations.md) in
+# .cache/torchtitan. Only what `torchtitan.components.checkpoint` imports is installed,
+# with --no-deps (tests/torchtitan/requirements.txt): about 10 s and 40 MB, the venv included.
+TORCHTITAN_VENV ?= .cache/torchtitan
+TORCHTITAN_STAMP := $(TORCHTITAN_VENV)/.cloudckpt-installed
+$(TORCHTITAN_STAMP): $(STAMP) tests/torchtitan/requirements.txt
+	$(call overlay-venv,$(TORCHTITAN_VENV),tests/torchtitan/requirements.txt,--no-deps)
+
+test-torchtitan: $(TORCHTITAN_STAMP)
+	$(TORCHTITAN_VENV)/bin/python -m pytest -q tests/torchtitan
 
 # Benchmarks against the peers (benchmarks/README.md). The peers' packages are
 # installed here, not in the test environment: s3fs pulls an aiobotocore that pins an
