@@ -174,16 +174,19 @@ class LocalStore(Store):
             self._make_parents(path, key)
             try:
                 return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
                 if attempt == 2:
-                    raise
+                    raise self._oserror(exc, key) from None
+            except OSError as exc:
+                raise self._oserror(exc, key) from None
         raise AssertionError("unreachable")
 
     def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
         path = self._path(key)
         tmp = self._temp_for(path)
+        fd = self._open_temp(tmp, path, key)
         try:
-            with os.fdopen(self._open_temp(tmp, path, key), "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -222,10 +225,7 @@ class LocalStore(Store):
     def _create_multipart(self, key: str) -> MultipartUpload:
         path = self._path(key)
         tmp = self._temp_for(path)
-        try:
-            fd = self._open_temp(tmp, path, key)
-        except OSError as exc:
-            raise self._oserror(exc, key) from None
+        fd = self._open_temp(tmp, path, key)
         return MultipartUpload(key=key, upload_id=tmp.name, backend=[fd, tmp])
 
     def _upload_part(
