@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STUDY_RESULTS", "many_ranks_section"]
+__all__ = ["STUDY_RESULTS", "many_ranks_section", "part", "read_study"]
 
 #: The studies' results files the page's "Many ranks" section is rendered from.
 STUDY_RESULTS = Path(__file__).with_name("studies") / "results"
@@ -29,12 +29,21 @@ def _median_of(data: dict[str, Any], what: str) -> str:
     return f", median of {reps} {what}{'s' * (reps != 1)}" if isinstance(reps, int) else ""
 
 
-def _read_study(path: Path) -> dict[str, Any] | None:
+def read_study(path: Path) -> dict[str, Any] | None:
+    """A study's results file as a dict; None when it is missing, unreadable or not an
+    object (the page then says there are no results yet)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def part(data: dict[str, Any] | None, key: str) -> dict[str, Any]:
+    """``data[key]`` where it is an object, else an empty one: the renderers read a
+    results file written by another version without checking every level."""
+    value = (data or {}).get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def _num(data: dict[str, Any], key: str, digits: int = 2) -> str:
@@ -66,7 +75,7 @@ def many_ranks_section(results: Path = STUDY_RESULTS) -> list[str]:
         "### Read once, share: a DDP resume",
         "",
     ]
-    shared = _read_study(results / "shared_load.json")
+    shared = read_study(results / "shared_load.json")
     medians = (shared or {}).get("medians")
     if not isinstance(medians, dict) or not medians:
         lines += ["No results yet: `.venv/bin/python -m benchmarks.studies.shared_load` "
@@ -103,7 +112,7 @@ def many_ranks_section(results: Path = STUDY_RESULTS) -> list[str]:
                 lines += ["", f"shared / alone: {', '.join(ratios)}."]
         lines.append("")
     lines += ["### Many ranks behind a request limit", ""]
-    limit = _read_study(results / "ranks_under_limit.json")
+    limit = read_study(results / "ranks_under_limit.json")
     modes = (limit or {}).get("modes")
     if not isinstance(modes, dict) or not modes:
         lines += ["No results yet: `.venv/bin/python -m benchmarks.studies.ranks_under_limit` "

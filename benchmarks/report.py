@@ -13,7 +13,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli_startup import cli_startup_section
 from benchmarks.many_ranks import many_ranks_section
+from benchmarks.studies.tiers import tiers_section
 from benchmarks.systems import family, systems_for
 from cloudckpt.format import checksum
 
@@ -61,6 +63,41 @@ MANY_SMALL_TARGETS = (
     ("DCP load vs best ceiling GET", "cloudckpt-dcp", "load_vs_ceiling", 0.25, True),
 )  # fmt: skip
 FINDINGS = Path(__file__).with_name("findings")  # dated studies, newest first by name
+#: The studies ``run.py`` runs after the variants (its ``STUDIES``), in the page's order,
+#: each with the renderer of its section (from its results file).
+STUDY_SECTIONS = (("cli-startup", cli_startup_section), ("tiers", tiers_section))
+
+
+def studies_sections(doc: dict[str, Any], results: Path | None = None) -> list[str]:
+    """The studies' sections (``STUDY_SECTIONS``), each from its results file under
+    ``results`` (default ``benchmarks/studies/results/``); a study that failed in this
+    run (``doc["studies"]``) says so under its heading, with its error line, above the
+    figures of its last good run if there are any."""
+    failed = {o.get("name"): o for o in doc.get("studies", []) if isinstance(o, dict)
+              and o.get("error")}  # fmt: skip
+    lines: list[str] = []
+    for name, render in STUDY_SECTIONS:
+        heading, *body = render() if results is None else render(results)
+        if name in failed:
+            o = failed[name]
+            note = (f"**Failed in this run** (`{o.get('command', name)}`): `{o['error']}`. "
+                    "Any figures below are from an earlier run.")  # fmt: skip
+            body = ["", note, *body]
+        lines += [heading, *body]
+    return lines
+
+
+def demote_headings(text: str, levels: int = 2) -> list[str]:
+    """``text``'s lines with every Markdown heading outside fenced code ``levels`` deeper,
+    so a study's title and sections nest under the page's "Findings"."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            line = "#" * levels + line
+        out.append(line)
+    return out
 
 
 def findings_section() -> list[str]:
@@ -69,7 +106,7 @@ def findings_section() -> list[str]:
     if not studies:
         return []
     newest, *older = studies
-    lines = ["", "## Findings", "", newest.read_text().rstrip().replace("# ", "### ", 1), ""]
+    lines = ["", "## Findings", "", *demote_headings(newest.read_text().rstrip()), ""]
     if older:
         lines += ["Earlier studies (benchmarks/findings/):", ""]
         for path in older:
@@ -93,7 +130,7 @@ def machine() -> dict[str, Any]:
             mem_gib = int(f.readline().split()[1]) / 1024**2
     except OSError:
         mem_gib = 0.0
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
@@ -872,6 +909,7 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
     lines.append(markdown_tables(doc))
     lines += scaling_section(doc, scaling_png.name if has_scaling_chart else None)
     lines += many_ranks_section()
+    lines += studies_sections(doc)
     lines += findings_section()
     lines += [
         "",
@@ -884,6 +922,7 @@ def write_page(doc: dict[str, Any], path: Path) -> None:
         ".venv/bin/python -m benchmarks.run --variants megatron --docs ''   # Megatron alone",
         ".venv/bin/python -m benchmarks.run --variants gpt-adamw --docs '' --out /tmp/ga.json",
         ".venv/bin/python -m benchmarks.run --variants scaling --docs '' --out /tmp/sc.json",
+        ".venv/bin/python -m benchmarks.run --variants tiers,cli-startup   # the studies alone",
         "```",
         "",
     ]

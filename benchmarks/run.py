@@ -6,6 +6,7 @@
     .venv/bin/python -m benchmarks.run --variants megatron   # the Megatron scenario alone
     .venv/bin/python -m benchmarks.run --variants safetensors   # the safetensors scenario
     .venv/bin/python -m benchmarks.run --variants gpt-adamw,scaling   # mixed state, sweep
+    .venv/bin/python -m benchmarks.run --variants tiers,cli-startup   # the studies alone
 
 Run from the repository root (``make bench`` does). Starts ``rclone serve s3`` with its
 data on tmpfs (``server.py``), then for every repetition runs every system of the
@@ -15,6 +16,12 @@ systems of its own, ``systems.SCENARIOS``), each in a fresh worker process
 ``benchmarks/results/latest.json`` (one record per variant, system and figure, with the
 machine description), ``docs/benchmarks.md``, ``docs/benchmarks.png`` and
 ``docs/benchmarks-scaling.png``, and prints the tables.
+
+After the variants, with the server stopped, it runs the studies the page renders
+(``STUDIES``: the CLI start-up, the tiered checkpoints), each in a subprocess that starts
+what it needs and writes its results file under ``benchmarks/studies/results/``; a study
+that fails is recorded in ``latest.json`` and shown as failed on the page. With only
+studies selected, the page is rendered again from the existing ``--out`` file.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report, server
+from benchmarks.many_ranks import STUDY_RESULTS
 from benchmarks.systems import SYSTEMS, family, systems_for
 from benchmarks.systems.gpt_adamw import FULL as GA_FULL
 from benchmarks.systems.gpt_adamw import QUICK as GA_QUICK
@@ -100,13 +108,22 @@ QUICK = [
     _scenario(GPT_ADAMW, True, 1),
     *_scaling(True, 1),
 ]
+#: The studies run after the variants, each as ``python -m MODULE --out RESULTS [ARGS]``:
+#: name -> (module, results file under ``benchmarks/studies/results/``, full arguments,
+#: quick arguments). ``report.write_page`` renders their sections from those files.
+STUDIES: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...]]] = {
+    "cli-startup": ("benchmarks.cli_startup", "cli_startup.json", (), ()),
+    "tiers": ("benchmarks.studies.tiers", "tiers.json", (), ("--mib", "128", "--reps", "3")),
+}
+#: Seconds a study may run (the full tiers study takes 2-3 minutes on 2 cores).
+STUDY_TIMEOUT = 1800.0
 #: How the worker builds each family's state (``worker.LAYOUTS``); others: "matrices".
 LAYOUT = {GPT_ADAMW: "gpt-adamw", SCALING: "even"}
 
 
-def _worker_env(srv: server.S3Server) -> dict[str, str]:
-    """The worker's environment: the server's, no user AWS/MSC/cloudckpt settings, and the
-    benchmark's own ``CLOUDCKPT_BENCH_*`` switches (the profiling one)."""
+def _clean_env() -> dict[str, str]:
+    """This process's environment without user AWS/MSC/cloudckpt settings or proxies,
+    keeping the benchmark's own ``CLOUDCKPT_BENCH_*`` switches (the profiling one)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -114,13 +131,55 @@ def _worker_env(srv: server.S3Server) -> dict[str, str]:
         and k not in ("HTTP_PROXY", "HTTPS_PROXY")
     }
     env.update(
-        srv.env(),
-        AWS_ENDPOINT_URL_S3=srv.endpoint_url,  # for peers that read the service-specific one
-        AWS_EC2_METADATA_DISABLED="true",
-        NO_PROXY="127.0.0.1,localhost",
-        PYTHONWARNINGS="ignore",
+        AWS_EC2_METADATA_DISABLED="true", NO_PROXY="127.0.0.1,localhost", PYTHONWARNINGS="ignore"
     )
     return env
+
+
+def _worker_env(srv: server.S3Server) -> dict[str, str]:
+    """The worker's environment: the clean one (``_clean_env``) and the server's."""
+    env = _clean_env()
+    # AWS_ENDPOINT_URL_S3: for peers that read the service-specific one
+    env.update(srv.env(), AWS_ENDPOINT_URL_S3=srv.endpoint_url)
+    return env
+
+
+def run_study(
+    name: str, quick: bool, results: Path = STUDY_RESULTS, timeout: float = STUDY_TIMEOUT
+) -> dict[str, Any]:
+    """Run the study ``name`` of ``STUDIES`` in a subprocess, its results file under
+    ``results``: its name, command line and seconds, and ``error`` (the last line it
+    printed, or the timeout) when it failed, so the page can say so."""
+    module, results_name, full, quick_args = STUDIES[name]
+    argv = [sys.executable, "-m", module, "--out", str(results / results_name)]
+    argv += quick_args if quick else full
+    shown = " ".join(["python", *argv[1:]])
+    outcome: dict[str, Any] = {"name": name, "command": shown}
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, env=_clean_env(), cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        outcome["error"] = f"timed out after {timeout:.0f} s"
+    else:
+        if proc.returncode != 0:
+            said = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+            last = said[-1][:300] if said else "no output"
+            outcome["error"] = f"exited with {proc.returncode}: {last}"
+    outcome["seconds"] = round(time.perf_counter() - started, 1)
+    return outcome
+
+
+def run_studies(names: list[str], quick: bool) -> list[dict[str, Any]]:
+    """Run each study of ``names`` in turn (``run_study``), printing how each went."""
+    outcomes = []
+    for name in names:
+        print(f"# study {name}", flush=True)
+        outcome = run_study(name, quick)
+        state = f"FAILED ({outcome['error']})" if "error" in outcome else "done"
+        print(f"  {name}: {state} in {outcome['seconds']:.0f}s", flush=True)
+        outcomes.append(outcome)
+    return outcomes
 
 
 def run_worker(
@@ -202,9 +261,11 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="smaller states, fewer reps (~9 min)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument("--variants",
-                   default="default,many-small,megatron,safetensors,gpt-adamw,scaling",
+                   default="default,many-small,megatron,safetensors,gpt-adamw,scaling,"
+                           "cli-startup,tiers",
                    help="comma-separated subset (megatron, safetensors: scenarios; scaling: "
-                        "every point of the sweep, or one by its name)")  # fmt: skip
+                        "every point of the sweep, or one by its name; cli-startup, tiers: "
+                        "the studies, run after the rest)")  # fmt: skip
     p.add_argument("--reps", type=int, default=None, help="override repetitions")
     p.add_argument("--state-mib", type=int, default=None, help="override the default state size")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker")
@@ -229,9 +290,11 @@ def main() -> int:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    studies = [name for name in STUDIES if name in wanted]
     variants = []
     for name, mib, tensors, reps in QUICK if args.quick else FULL:
-        if not _selected(name, args.variants.split(",")) or not systems_for(name, systems):
+        if not _selected(name, wanted) or not systems_for(name, systems):
             continue
         if name == "default" and args.state_mib:
             mib = args.state_mib
@@ -239,6 +302,13 @@ def main() -> int:
 
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if not variants:  # the studies alone: their sections on the page of the last run
+        outcomes = run_studies(studies, args.quick)
+        if args.docs and Path(args.out).is_file():
+            doc = json.loads(Path(args.out).read_text())
+            report.write_page({**doc, "studies": outcomes}, Path(args.docs))
+            print(f"# wrote {args.docs} (from {args.out})")
+        return 1 if any("error" in o for o in outcomes) else 0
     models = {name: shapes[args.quick] for name, shapes in MODELS.items()}
     started = time.time()
     srv = server.start(args.tmpfs)
@@ -261,9 +331,11 @@ def main() -> int:
                     print(_line(r), flush=True)
     finally:
         server.stop(srv)
+    outcomes = run_studies(studies, args.quick)
     doc = report.build(results, variants, systems, srv.version, args.quick, args.note,
                        time.time() - started,
                        {n: m.describe() for n, m in models.items()})  # fmt: skip
+    doc["studies"] = outcomes
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
