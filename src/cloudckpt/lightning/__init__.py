@@ -9,13 +9,25 @@
     )
     trainer.fit(model, ckpt_path="last")
 
-See docs/lightning.md.
+``CloudFSDPStrategy`` and ``CloudModelParallelStrategy`` (and Fabric's
+``CloudFabricFSDPStrategy``, ``CloudFabricModelParallelStrategy``) write the sharded
+checkpoints of those strategies through cloudckpt's DCP writer. See docs/lightning.md.
 """
 
 from __future__ import annotations
 
 from .callback import CloudModelCheckpoint
 from .checkpoint_io import CloudCheckpointIO
+from .fabric import CloudFabricFSDPStrategy, CloudFabricModelParallelStrategy
 from .fs import CloudFileSystem
+from .strategies import CloudFSDPStrategy, CloudModelParallelStrategy
 
-__all__ = ["CloudCheckpointIO", "CloudFileSystem", "CloudModelCheckpoint"]
+__all__ = [
+    "CloudCheckpointIO",
+    "CloudFSDPStrategy",
+    "CloudFabricFSDPStrategy",
+    "CloudFabricModelParallelStrategy",
+    "CloudFileSystem",
+    "CloudModelCheckpoint",
+    "CloudModelParallelStrategy",
+]

@@ -4,7 +4,8 @@ A drop-in subclass. With a local ``dirpath`` it is ``ModelCheckpoint`` unchanged
 a URL (``s3://...``) it uses cloudckpt for everything Lightning does through fsspec:
 
 - listing and existence checks go through cloudckpt's stores (no s3fs needed);
-- ``trainer.fit(ckpt_path="last")`` finds the newest committed ``last*.ckpt`` with one
+- ``trainer.fit(ckpt_path="last")`` finds the newest committed ``last*.ckpt`` (an
+  object, or a sharded checkpoint's prefix holding its ``.metadata``) with one
   narrow listing of ``DIRPATH/last``; with ``torch.distributed`` initialized only rank 0
   lists and broadcasts the answer;
 - top-k and ``last`` rotation never delete the checkpoint the run resumed from, nor
@@ -17,6 +18,7 @@ import re
 from typing import Any
 
 from ..dist.collectives import on_first
+from ..format.commit import DCP_MARKER
 from ..options import TransferOptions
 from ._compat import ModelCheckpoint
 from .fs import (
@@ -68,8 +70,9 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
             )
             base = key.rstrip("/") + "/"
             for obj in store.list(base + self.CHECKPOINT_NAME_LAST):
-                name = obj.key[len(base) :]
-                if "/" not in name and pattern.match(name):
+                name, _, inside = obj.key[len(base) :].partition("/")
+                # One object, or a sharded checkpoint's prefix once its marker is there.
+                if inside in ("", DCP_MARKER) and pattern.match(name):
                     found.append(wrap(f"{self.dirpath}/{name}"))
             return found
 

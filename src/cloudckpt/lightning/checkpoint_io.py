@@ -34,9 +34,10 @@ from ..errors import CorruptCheckpointError, NotFoundError, UnsupportedFormatErr
 from ..options import TransferOptions
 from ..store import ObjectInfo, Settings, Target
 from ..store.local import LocalStore
-from ..store.paths import exists
+from ..store.paths import exists, is_prefix
 from ._compat import CheckpointIO
 from .fs import is_remote, register_settings, unwrap
+from .strategies import delete_tree
 
 __all__ = ["CloudCheckpointIO"]
 
@@ -430,7 +431,10 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if found is not None:
             found[0].remove(found[1])
         target = self._settings.open(url)
-        target.store.delete(target.key)  # absent already is fine
+        if is_prefix(target.store, target.key.rstrip("/")):  # a sharded checkpoint's folder
+            delete_tree(target)
+        else:
+            target.store.delete(target.key)  # absent already is fine
 
     def _pending_handles(self) -> list[SaveHandle]:
         with self._lock:

@@ -23,9 +23,10 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
+from ..format.commit import DCP_MARKER
 from ..io.bulk import delete_keys
 from ..options import TransferOptions
-from ..store import Settings, Store, Target
+from ..store import Settings, Store, Target, join_key
 from ..store.paths import children, classify, dir_prefix
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "register_options",
     "register_settings",
     "remote_dirpath",
+    "settings_for",
     "setup_remote_dirpath",
     "target_for",
     "unwrap",
@@ -66,14 +68,18 @@ def register_settings(url_prefix: str, settings: Settings) -> None:
         _settings[url_prefix.rstrip("/")] = settings
 
 
-def target_for(url: str) -> Target:
-    """The store, key and options for ``url``: the registered settings with the longest
-    prefix matching it (else none), resolved once for this URL."""
+def settings_for(url: str) -> Settings:
+    """The registered settings with the longest prefix matching ``url`` (else none)."""
     with _settings_lock:
         matches = [p for p in _settings if url == p or url.startswith(p + "/") or p == ""]
         best = max(matches, key=len, default=None)
-        settings = _settings[best] if best is not None else Settings()
-    return settings.open(url)
+        return _settings[best] if best is not None else Settings()
+
+
+def target_for(url: str) -> Target:
+    """The store, key and options for ``url``: :func:`settings_for` it, resolved once
+    for this URL."""
+    return settings_for(url).open(url)
 
 
 def is_remote(path: Any) -> bool:
@@ -172,8 +178,17 @@ class CloudFileSystem(AbstractFileSystem):  # type: ignore[misc]
         return True
 
     def modified(self, path: str) -> dt.datetime:
-        mtime = self.info(path).get("mtime") or 0.0
-        return dt.datetime.fromtimestamp(mtime, tz=dt.timezone.utc)
+        """When ``path`` was written; for a sharded (DCP) checkpoint's prefix, when its
+        commit marker was, so the newest of several ``last`` checkpoints can be told."""
+        url = unwrap(path).rstrip("/")
+        store, key = self._store(url)
+        entry = classify(store, key)
+        if entry.kind == "missing":
+            raise FileNotFoundError(url)
+        if entry.kind == "prefix":
+            entry = classify(store, join_key(key, DCP_MARKER))
+        mtime = entry.info.mtime if entry.info is not None else None
+        return dt.datetime.fromtimestamp(mtime or 0.0, tz=dt.timezone.utc)
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         url = unwrap(path).rstrip("/")

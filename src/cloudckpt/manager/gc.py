@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..io.bulk import delete_keys
+from ..io.bulk import delete_prefix as bulk_delete_prefix
 from ..options import TransferOptions
 from ..store import MultipartUpload, ObjectInfo, Store
 from .marker import MARKER_NAME, parse_step, root_prefix
@@ -36,23 +37,11 @@ def delete_prefix(
     options: TransferOptions,
     objects: Iterable[ObjectInfo] | None = None,
 ) -> int:
-    """Delete every object under ``prefix`` (ending in ``/``), the marker first.
-
-    Once the marker is gone the checkpoint no longer counts as committed, so an
-    interrupted delete leaves garbage for :func:`collect_garbage`, never a checkpoint
-    with missing files. Returns the number of objects deleted.
-    """
-    if objects is None:
-        objects = list(store.list(prefix))
-    keys = [o.key for o in objects]
-    total = len(keys)
-    marker = prefix + MARKER_NAME
-    if marker in keys:
-        store.delete(marker)
-        keys.remove(marker)
-    delete_keys(store, keys, options)
-    store.remove_prefix_dir(prefix)
-    return total
+    """Delete every object under a checkpoint's ``prefix`` (ending in ``/``), the marker
+    first (``io/bulk.delete_prefix``): once it is gone the checkpoint no longer counts
+    as committed, so an interrupted delete leaves garbage for :func:`collect_garbage`,
+    never a checkpoint with missing files. Returns the number of objects deleted."""
+    return bulk_delete_prefix(store, prefix, options, (MARKER_NAME,), objects)
 
 
 def delete_tree(
