@@ -59,6 +59,8 @@ ALLOWED = {
     "cli": {"cli", "manager", "dcp", "engine", "store", "io.progress"},
     # torchtitan's CheckpointManager over the manager (one module, torchtitan.py).
     "torchtitan": {"torchtitan", "manager", "dcp", "engine"} | _BASE,
+    # The Hugging Face Trainer's callback over the manager (one module, hf.py).
+    "hf": {"hf", "manager", "dcp", "engine"} | _BASE,
     # The local servers make buckets through cloudckpt's own S3 store.
     "testing": {"testing", "store"},
 }
@@ -169,6 +171,7 @@ SUBPACKAGES = {
         "list_checkpoints",
     },
     "torchtitan": {"CloudCheckpointManager"},
+    "hf": {"CloudCheckpointCallback", "fetch_latest"},
     "store": {
         "MultipartUpload",
         "ObjectInfo",
@@ -199,7 +202,7 @@ def test_every_public_subpackage_surface_is_pinned():
     for name, expected in SUBPACKAGES.items():
         module = importlib.import_module(f"cloudckpt.{name}")
         assert set(module.__all__) == expected, name
-        if name not in ("nemo", "torchtitan"):  # their names import NeMo, torchtitan
+        if name not in ("nemo", "torchtitan", "hf"):  # NeMo, torchtitan, transformers
             assert all(hasattr(module, n) for n in module.__all__), name
 
 

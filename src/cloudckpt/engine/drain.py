@@ -78,7 +78,7 @@ class Drainer(Generic[K]):
     failure is kept with its error, naming the key, until the key is queued again; the
     thread ends when the queue is empty and starts on the next one.
 
-    ``noun`` names a key in messages ("step", "file"); ``resumer`` is what finishes
+    ``noun`` names a key in messages ("step", "file"); ``at_exit`` says what becomes of
     a drain left at exit, ``retry`` what tries a failed one again. Nothing waits for
     the thread at exit: what is left is logged at WARNING.
     """
@@ -90,12 +90,12 @@ class Drainer(Generic[K]):
         dst: str,
         *,
         noun: str = "step",
-        resumer: str = "CheckpointManager",
+        at_exit: str = "the next CheckpointManager with this local_dir finishes it",
         retry: str = "the next save or drain()",
     ) -> None:
         self._work = work
         self.src, self.dst = src, dst
-        self.noun, self.resumer, self.retry = noun, resumer, retry
+        self.noun, self.at_exit, self.retry = noun, at_exit, retry
         self._cond = threading.Condition()
         self._queue: deque[K] = deque()
         self._busy: K | None = None
@@ -182,11 +182,10 @@ def _report_at_exit(ref: weakref.ref[Drainer[Any]]) -> None:
     left = drainer.unfinished()
     if left:
         log.warning(
-            "the drain of %s(s) %s from %s to %s is unfinished at exit; the next "
-            "%s with this local_dir finishes it",
+            "the drain of %s(s) %s from %s to %s is unfinished at exit; %s",
             drainer.noun,
             _in_order(left),
             drainer.src,
             drainer.dst,
-            drainer.resumer,
+            drainer.at_exit,
         )

@@ -84,7 +84,7 @@ class _Mirror:
             store.root_url,
             root,
             noun="file",
-            resumer="CloudCheckpointIO",
+            at_exit="the next CloudCheckpointIO with this local_dir finishes it",
             retry="the next save or wait()",
         )
 

@@ -1,0 +1,252 @@
+"""The Hugging Face Trainer with ``cloudckpt.hf``: real Trainers on a moto S3 server, a
+run killed by ``kill -9`` and resumed, retention in the bucket, fetching."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from run_train import Tokens, arguments, losses, tiny_model
+from transformers import Trainer
+
+from cloudckpt import CheckpointManager
+from cloudckpt.cli import main as cli_main
+from cloudckpt.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigError,
+    InvalidURLError,
+    StorageError,
+)
+from cloudckpt.hf import CloudCheckpointCallback, fetch_latest
+from servers import unique_bucket_name
+
+SCRIPT = str(Path(__file__).with_name("run_train.py"))
+
+
+def committed(server, url):
+    """The steps committed under ``url`` (the manager's listing: markers only)."""
+    return [c.step for c in CheckpointManager(url, storage_options=server.storage_options()).list()]
+
+
+def run_train(server, url, output_dir, max_steps, *extra):
+    cmd = [sys.executable, SCRIPT, url, str(output_dir), json.dumps(server.storage_options())]
+    return [*cmd, "--max-steps", str(max_steps), *extra]
+
+
+def report_of(server, url, output_dir, max_steps, report, *extra):
+    out = subprocess.run(
+        run_train(server, url, output_dir, max_steps, "--report", str(report), *extra),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-6000:]
+    return json.loads(report.read_text())
+
+
+def test_a_run_killed_after_a_commit_resumes_with_the_same_losses(moto_server, tmp_path):
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-kill"))
+    base = report_of(moto_server, f"s3://{bucket}/base", tmp_path / "base", 12, tmp_path / "a")
+    assert [step for step, _ in base["losses"]] == list(range(1, 13))
+
+    url = f"s3://{bucket}/run"
+    cmd = run_train(moto_server, url, tmp_path / "killed", 12, "--block-at", "10")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while 8 not in committed(moto_server, url):
+            assert proc.poll() is None, proc.stderr.read().decode()[-6000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "checkpoint-8 was never committed"
+            time.sleep(0.2)
+        proc.kill()  # SIGKILL: the training thread is blocked at step 10
+    finally:
+        proc.wait(60)
+        if proc.stderr:
+            proc.stderr.close()
+    assert committed(moto_server, url) == [4, 8]
+
+    resumed = report_of(moto_server, url, tmp_path / "resumed", 12, tmp_path / "b", "--resume")
+    assert resumed["resumed_from"] == str(tmp_path / "resumed" / "checkpoint-8")
+    assert resumed["losses"] == base["losses"]
+    assert committed(moto_server, url) == [8, 12]  # save_total_limit=2 in the bucket too
+    marker = moto_server.client().list_objects_v2(Bucket=bucket, Prefix="run/step-000000012/")
+    names = {o["Key"].rpartition("/")[2] for o in marker["Contents"]}
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"} <= names
+    assert {"trainer_state.json", "_CHECKPOINT.json"} <= names
+
+
+def test_retention_follows_save_total_limit_and_keeps_the_best(moto_server, tmp_path):
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-best"))
+    url = f"s3://{bucket}/run"
+    callback = CloudCheckpointCallback(url, storage_options=moto_server.storage_options())
+    args = arguments(
+        str(tmp_path / "out"),
+        12,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,  # the highest eval loss: an early checkpoint is the best
+    )
+    trainer = Trainer(
+        model=tiny_model(),
+        args=args,
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(8),
+        callbacks=[callback],
+    )
+    trainer.train()
+    best = int(Path(trainer.state.best_model_checkpoint).name.split("-")[1])
+    assert best != 12, "the best checkpoint must be an older one for this test to mean much"
+    # The Trainer's rule with save_total_limit=1: the newest and the best survive.
+    assert committed(moto_server, url) == sorted({best, 12})
+    assert (tmp_path / "out" / f"checkpoint-{best}").is_dir()
+    assert not (tmp_path / "out" / ".cloudckpt-upload").exists() or not any(
+        (tmp_path / "out" / ".cloudckpt-upload").iterdir()
+    )
+
+
+def test_fetch_latest_ignores_an_uncommitted_newer_folder(
+    moto_server, tmp_path, monkeypatch, capsys
+):
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-fetch"))
+    url = f"s3://{bucket}/run"
+    opts = moto_server.storage_options()
+    assert fetch_latest(url, tmp_path / "empty", storage_options=opts) is None
+
+    trainer = Trainer(
+        model=tiny_model(),
+        args=arguments(str(tmp_path / "out"), 4),
+        train_dataset=Tokens(),
+        callbacks=[CloudCheckpointCallback(url, storage_options=opts)],
+    )
+    trainer.train()
+    client = moto_server.client()
+    for name in ("model.safetensors", "trainer_state.json"):  # a newer step, no marker
+        client.put_object(Bucket=bucket, Key=f"run/step-000000099/{name}", Body=b"partial")
+
+    # The command line reads the run too: the committed step, checked file by file.
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    assert cli_main(["verify", url]) == 0
+    assert cli_main(["ls", url]) == 0
+    assert "hf-trainer" in capsys.readouterr().out
+
+    path = fetch_latest(url, tmp_path / "fetched", storage_options=opts)
+    assert path == str(tmp_path / "fetched" / "checkpoint-4")
+    local = sorted(p.name for p in (tmp_path / "out" / "checkpoint-4").iterdir())
+    assert sorted(p.name for p in Path(path).iterdir()) == local
+    for name in local:
+        assert (Path(path) / name).read_bytes() == (
+            tmp_path / "out" / "checkpoint-4" / name
+        ).read_bytes()
+    assert [p.name for p in (tmp_path / "fetched").iterdir()] == ["checkpoint-4"]
+    # A second fetch finds the folder whole and returns it as it is.
+    assert fetch_latest(url, tmp_path / "fetched", storage_options=opts) == path
+
+    # A Trainer resumes from there: its history up to step 4 is the first run's.
+    resumed = Trainer(
+        model=tiny_model(),
+        args=arguments(str(tmp_path / "fetched"), 6),
+        train_dataset=Tokens(),
+    )
+    resumed.train(resume_from_checkpoint=path)
+    assert losses(resumed)[:4] == losses(trainer)
+    assert [step for step, _ in losses(resumed)[4:]] == [5, 6]
+
+
+def test_a_bad_url_is_a_typed_error_before_training_starts(moto_server, tmp_path):
+    with pytest.raises(InvalidURLError):
+        CloudCheckpointCallback("s3://")
+    missing = f"s3://{unique_bucket_name('hf-none')}/run"
+    callback = CloudCheckpointCallback(missing, storage_options=moto_server.storage_options())
+    trainer = Trainer(
+        model=tiny_model(),
+        args=arguments(str(tmp_path / "out"), 4),
+        train_dataset=Tokens(),
+        callbacks=[callback],
+    )
+    with pytest.raises(BucketNotFoundError, match="does not exist"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_several_processes_are_refused_by_name(tmp_path):
+    callback = CloudCheckpointCallback(str(tmp_path / "bucket"))
+    args = SimpleNamespace(world_size=2, output_dir=str(tmp_path), save_total_limit=None)
+    state = SimpleNamespace(best_model_checkpoint=None)
+    with pytest.raises(ConfigError, match="single-process"):
+        callback.on_train_begin(args, state, None)
+    with pytest.raises(ConfigError, match="keep_local"):
+        CloudCheckpointCallback(str(tmp_path / "bucket"), keep_local=0)
+
+
+def test_keep_local_deletes_committed_folders_beyond_the_newest(moto_server, tmp_path):
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-keep"))
+    url = f"s3://{bucket}/run"
+    callback = CloudCheckpointCallback(
+        url, keep_local=1, storage_options=moto_server.storage_options()
+    )
+    args = arguments(str(tmp_path / "out"), 12, save_total_limit=None)
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    trainer.train()
+    assert committed(moto_server, url) == [4, 8, 12]  # no limit: every checkpoint kept
+    # Each save, and the end, prune the local folders committed but the newest.
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-12"]
+
+
+def test_a_failed_upload_is_raised_by_train_naming_the_checkpoint(
+    moto_server, tmp_path, monkeypatch
+):
+    import cloudckpt.hf
+
+    def refuse(*args, **kwargs):
+        raise AccessDeniedError("the bucket refused the upload")
+
+    monkeypatch.setattr(cloudckpt.hf, "copy_tree", refuse)
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-fail"))
+    url = f"s3://{bucket}/run"
+    callback = CloudCheckpointCallback(url, storage_options=moto_server.storage_options())
+    trainer = Trainer(
+        model=tiny_model(),
+        args=arguments(str(tmp_path / "out"), 4),
+        train_dataset=Tokens(),
+        callbacks=[callback],
+    )
+    with pytest.raises(StorageError, match=r"checkpoint 4 from .*refused the upload") as info:
+        trainer.train()
+    assert str(tmp_path / "out") in str(info.value)
+    assert isinstance(info.value.__cause__, AccessDeniedError)
+    assert committed(moto_server, url) == []
+    # The staged files wait for a retry; the Trainer's folder is untouched.
+    assert (tmp_path / "out" / ".cloudckpt-upload" / "checkpoint-4" / "optimizer.pt").is_file()
+    assert (tmp_path / "out" / "checkpoint-4" / "optimizer.pt").is_file()
+
+
+def test_the_docs_example_runs(moto_server, tmp_path):
+    """The Hugging Face section of docs/integrations.md, as written, on the local server."""
+    doc = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
+    section = doc.split("\n## Hugging Face Trainer\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-docs"))
+    script = tmp_path / "example.py"
+    script.write_text(code.replace("s3://ckpt/", f"s3://{bucket}/"))
+    env = {**os.environ, **moto_server.env()}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert out.returncode == 0, out.stderr[-6000:]
+    assert committed(moto_server, f"s3://{bucket}/hf-run") == [8, 12]
