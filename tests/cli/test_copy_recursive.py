@@ -139,18 +139,19 @@ def test_cp_r_resumes_skipping_what_is_already_there(moto_server: S3Server, tmp_
     dst, dst_key = open_url(f"s3://{bucket}/run", opts)
     state = tmp_path / "state"
     faulty = FaultyStore(dst)
-    # Objects go in key order, markers last: notes/readme.txt (a put), then big.bin, whose
-    # third part fails; its first two parts stay in the open upload.
+    # The small objects go first (one put each, several at once), then big.bin, whose
+    # third part fails (its first two parts stay in the open upload); markers last.
     faulty.faults["upload_part"] = lambda n: StorageError("injected") if n == 3 else None
     with pytest.raises(StorageError, match="injected"):
         copy_tree(src, src_key, faulty, dst_key, opts, state_dir=state)
-    assert [o.key for o in dst.list("run/")] == ["run/notes/readme.txt"]
+    small = ["notes/readme.txt", "step-000000001/dcp/__0_0.distcp"]
+    assert [o.key for o in dst.list("run/")] == [f"run/{n}" for n in small]  # no marker
 
     plan = plan_tree(src, src_key, dst, dst_key)
-    assert [e.name for e in plan if e.skip] == ["notes/readme.txt"]
+    assert sorted(e.name for e in plan if e.skip) == small
     again = FaultyStore(dst)
     result = copy_tree(src, src_key, again, dst_key, opts, state_dir=state)
-    assert [e.name for e in result.skipped] == ["notes/readme.txt"]
+    assert sorted(e.name for e in result.skipped) == small
     assert again.calls["upload_part"] == 1  # big.bin's last part only
     assert result.resumed_bytes == 10 * MiB
     assert result.moved_bytes == result.size - 10 * MiB
@@ -215,3 +216,29 @@ def test_the_rate_counts_only_the_bytes_moved(
     monkeypatch.setattr(commands, "copy_object", nothing_moved)
     done = _call("cp", str(tmp_path / "a.bin"), str(tmp_path / "b.bin"))
     assert done.returncode == 0 and "MB/s" not in done.stdout, done.stdout
+
+
+def test_cp_r_copies_small_objects_several_at_once(tmp_path: Path) -> None:
+    """Small objects go several at a time: the first two puts meet at a barrier, which a
+    copy of one object after another would never reach (BrokenBarrierError)."""
+    import threading
+
+    root = tmp_path / "src"
+    files = {f"step-000000001/shard-{i}.bin": os.urandom(1000 + i) for i in range(6)}
+    files["step-000000001/_CHECKPOINT.json"] = b"{}"
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    opts = resolve_options(write_concurrency=4)
+    src, src_key = open_url(str(root), opts)
+    dst, dst_key = open_url(str(tmp_path / "dst"), opts)
+    meet = threading.Barrier(2, timeout=60)
+
+    def first_two_meet(n: int) -> None:
+        if n <= 2:
+            meet.wait()
+
+    faulty = FaultyStore(dst)
+    faulty.faults["put"] = first_two_meet
+    copy_tree(src, src_key, faulty, dst_key, opts)
+    assert _read_tree(dst, dst_key.rstrip("/") + "/") == files

@@ -301,6 +301,17 @@ def copy_object(
 # -- to the filesystem ---------------------------------------------------------------------
 
 
+def _not_a_link(dst: LocalStore, dst_key: str) -> Path:
+    """The path of ``dst_key``; DestinationIsSymlinkError when it is a symbolic link."""
+    path = dst.root / check_key(dst_key, dst.url(dst_key))
+    if path.is_symlink():
+        raise DestinationIsSymlinkError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); cp does not write through "
+            "links: copy to the link's target, or remove the link first"
+        )
+    return path
+
+
 def _journal_chunks(
     journal: dict[str, Any],
     partial: os.stat_result,
@@ -441,12 +452,7 @@ def _download(
     moved: Callable[[int], None],
     state: CopyState,
 ) -> int:
-    path = dst.root / check_key(dst_key, dst.url(dst_key))
-    if path.is_symlink():
-        raise DestinationIsSymlinkError(
-            f"{path} is a symbolic link (to {os.readlink(path)}); cp does not write through "
-            "links: copy to the link's target, or remove the link first"
-        )
+    path = _not_a_link(dst, dst_key)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     journal_path = path.with_name(path.name + PARTIAL_SUFFIX + ".json")
@@ -790,6 +796,50 @@ def plan_tree(
     return [e for _, e in sorted(entries, key=lambda item: item[0])]
 
 
+def _small_limit(options: TransferOptions) -> int:
+    """Objects up to this size are copied whole in one request each (one GET, one PUT),
+    several at once: below a part and a read chunk, and at most 8 MiB, so the copies in
+    flight hold at most ``write_concurrency`` x 8 MiB."""
+    return min(options.part_size, options.read_chunk_size, 8 << 20)
+
+
+def _copy_small(
+    src: Store,
+    dst: Store,
+    entries: Sequence[TreeEntry],
+    options: TransferOptions,
+    advance: Callable[[int], None],
+    state: CopyState,
+) -> None:
+    """Copy ``entries`` (each at most :func:`_small_limit`), ``write_concurrency`` at a
+    time on the I/O threads: each read whole, checked against the listed size, and
+    written in one atomic put (a filesystem destination through a temp file, never
+    through a link). A failure cancels the rest and is raised."""
+    if not entries:
+        return
+    lock = threading.Lock()
+
+    def one(e: TreeEntry) -> None:
+        if isinstance(dst, LocalStore):
+            _not_a_link(dst, e.dst_key)
+        data = src.get(e.src_key)
+        if len(data) != e.size:
+            raise StorageError(
+                f"{src.url(e.src_key)} changed during the copy: {len(data)} bytes read, "
+                f"{e.size} listed; run the copy again"
+            )
+        dst.put(e.dst_key, data)
+        state.add_moved(len(data))
+        advance(len(data))
+        with lock:
+            state.copied += 1
+
+    group = TransferGroup(options, options.write_concurrency)
+    for e in entries:
+        group.submit(functools.partial(one, e), f"copy {src.url(e.src_key)}")
+    group.wait()
+
+
 def copy_tree(
     src: Store,
     src_prefix: str,
@@ -807,8 +857,10 @@ def copy_tree(
     """Copy every object under ``src_prefix`` to ``dst_prefix``, keys relative to it
     (objects named in ``exclude`` left out: :func:`plan_tree`).
 
-    Objects already whole at the destination are skipped; the rest go one by one through
-    :func:`copy_object` (so an object interrupted midway resumes), commit markers last.
+    Objects already whole at the destination are skipped. Small ones (one request each,
+    :func:`_small_limit`) go first, ``write_concurrency`` at a time; then the larger ones
+    one by one through :func:`copy_object` (each in parallel parts, and resumed midway
+    after an interruption); commit markers last, one by one.
     ``on_size`` hears the bytes to copy, once. With ``dry_run`` nothing is written: the
     result is the plan. The whole copy is bounded by ``options.deadline``."""
     started = time.perf_counter()
@@ -824,7 +876,10 @@ def copy_tree(
         state.objects = len(todo)
         on_size(sum(e.size for e in todo))
         resumed = 0
-        for e in todo:
+        small = _small_limit(options)
+        quick = [e for e in todo if not e.marker and e.size <= small]
+        _copy_small(src, dst, quick, options, advance, state)
+        for e in [e for e in todo if e.marker or e.size > small]:
             result = copy_object(
                 src,
                 e.src_key,
