@@ -61,6 +61,8 @@ ALLOWED = {
     "torchtitan": {"torchtitan", "manager", "dcp", "engine"} | _BASE,
     # The Hugging Face Trainer's callback over the manager (one module, hf.py).
     "hf": {"hf", "manager", "dcp", "engine"} | _BASE,
+    # Accelerate's save_state/load_state over the manager (one module, accelerate.py).
+    "accelerate": {"accelerate", "manager", "dcp", "engine"} | _BASE,
     # The local servers make buckets through cloudckpt's own S3 store.
     "testing": {"testing", "store"},
 }
@@ -172,6 +174,7 @@ SUBPACKAGES = {
     },
     "torchtitan": {"CloudCheckpointManager"},
     "hf": {"CloudCheckpointCallback", "fetch_latest"},
+    "accelerate": {"AccelerateSaveHandle", "load_state", "save_state"},
     "store": {
         "MultipartUpload",
         "ObjectInfo",

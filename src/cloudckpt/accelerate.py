@@ -1,0 +1,368 @@
+"""Accelerate's ``save_state`` / ``load_state`` on object storage, committed as a
+:class:`cloudckpt.CheckpointManager` run.
+
+    from cloudckpt.accelerate import load_state, save_state
+
+    load_state(accelerator, "s3://bucket/run1")  # the newest committed step, or None
+    ...
+    save_state(accelerator, "s3://bucket/run1", step=step)
+
+``accelerator.save_state(dir)`` itself writes each process's files (weights, optimizer,
+schedulers, samplers, scaler, ``random_states_R.pkl``, registered objects; FSDP's
+sharded files) into a local staging folder of that process; every file name is
+uploaded once, by the lowest rank that wrote it, to ``URL/step-N/`` (``copy_tree``);
+once every rank's upload succeeded, rank 0 writes the manager's ``_CHECKPOINT.json``
+(create-only, last). ``load_state`` downloads a committed step (each rank its own RNG
+file and everything shared), checks the files against the marker and hands the folder
+to ``accelerator.load_state``, so exactly what accelerate restores is restored. See
+docs/integrations.md (Accelerate).
+
+accelerate is imported only inside the functions: this module imports without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .dist.collectives import agree, is_distributed, on_first, rank, settle, world_size
+from .dist.groups import checkpoint_group, drain_group
+from .engine.copy import copy_tree
+from .engine.handle import SaveHandle, in_flight
+from .errors import (
+    AlreadyExistsError,
+    ConfigError,
+    CorruptCheckpointError,
+    DistributedLoadError,
+    DistributedSaveError,
+)
+from .format.commit import read_committed
+from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
+from .manager.gc import delete_prefix
+from .manager.marker import commit_step, marker_key, root_prefix, step_dir
+from .options import TransferOptions
+from .store.local import LocalStore
+
+__all__ = ["AccelerateSaveHandle", "load_state", "save_state"]
+
+log = logging.getLogger("cloudckpt")
+
+#: The ``kind`` recorded in the marker of an Accelerate checkpoint.
+KIND = "accelerate"
+
+_lock = threading.Lock()
+#: The background save still running, per run URL: the next save of that run waits.
+_running: dict[str, AccelerateSaveHandle] = {}
+
+
+class AccelerateSaveHandle(SaveHandle[CheckpointInfo]):
+    """An ``async_save`` of :func:`save_state`: staged once accelerate's files are on
+    local disk (the call returned), done once the step is committed in the bucket
+    (``result()``: its :class:`CheckpointInfo`) or failed."""
+
+    kind = "accelerate save"
+
+    def __init__(self, step: int, url: str) -> None:
+        super().__init__(url, staged=True)
+        self.step = step
+
+
+def _require_accelerate() -> Any:
+    """The ``accelerate`` package (ImportError naming the extra when it is missing)."""
+    try:
+        import accelerate
+    except ImportError as exc:
+        raise ImportError(
+            "cloudckpt.accelerate needs accelerate (pip install 'cloudckpt[accelerate]')"
+        ) from exc
+    return accelerate
+
+
+def _open_run(
+    url: str | os.PathLike[str],
+    options: TransferOptions | None,
+    storage_options: Mapping[str, Any] | None,
+    keep_last: int | None = None,
+) -> CheckpointManager:
+    """The manager of the run at ``url`` (the URL and its options resolved once)."""
+    overrides: dict[str, Any] = {}
+    if storage_options is not None:
+        overrides["storage_options"] = dict(storage_options)
+    return CheckpointManager(url, keep_last=keep_last, options=options, **overrides)
+
+
+def _group() -> Any:
+    """The dedicated gloo group of a save's or load's collectives (None: one process)."""
+    return checkpoint_group() if is_distributed() else None
+
+
+def _step_prefix(manager: CheckpointManager, step: int) -> str:
+    return f"{root_prefix(manager.root_key)}{step_dir(step)}/"
+
+
+def _checked_step(step: Any) -> int:
+    """``step`` if it is a non-negative integer (ConfigError otherwise)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step={step!r} must be a non-negative integer")
+    return step
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file under ``folder``, as sorted ``/``-separated relative paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def save_state(
+    accelerator: Any,
+    url: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    async_save: bool = False,
+    keep_last: int | None = None,
+    staging_dir: str | os.PathLike[str] | None = None,
+    safe_serialization: bool = True,
+    options: TransferOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointInfo | AccelerateSaveHandle:
+    """Save ``accelerator``'s state as step ``step`` of the run at ``url`` (every
+    process calls it, as ``accelerator.save_state``).
+
+    ``step`` None: one past the newest committed step (0 for a new run). A step
+    already committed is refused (:class:`~cloudckpt.errors.AlreadyExistsError`);
+    leftovers of an uncommitted save of it are deleted first. Returns the committed
+    :class:`CheckpointInfo`; with ``async_save`` returns once accelerate's files are on
+    local disk, and the upload and commit run in a background thread: the returned
+    :class:`AccelerateSaveHandle`'s ``result()`` waits (the next save of the run waits
+    for it first). ``keep_last``: the manager's retention after each commit.
+    ``staging_dir``: where each process's local folder is made (default the temp dir).
+    """
+    _require_accelerate()
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ConfigError(
+            "cloudckpt.accelerate.save_state names the checkpoint itself; "
+            "turn off ProjectConfiguration(automatic_checkpoint_naming=True)"
+        )
+    in_flight.raise_unreported()
+    manager = _open_run(url, options, storage_options, keep_last)
+    with _lock:
+        previous = _running.get(manager.root_url)
+    if previous is not None:
+        previous.wait()
+    group = _group()
+    if step is None:
+        newest = manager.latest()
+        step = 0 if newest is None else newest.step + 1
+    chosen = _checked_step(step)
+    url_of_step = manager.step_url(chosen)
+
+    def refuse_committed() -> None:
+        if read_committed(manager.store, marker_key(manager.root_key, chosen)) is not None:
+            raise AlreadyExistsError(
+                f"step {chosen} is already committed at {url_of_step}; delete it first "
+                "(cloudckpt rm) or save another step"
+            )
+
+    on_first(
+        refuse_committed,
+        group,
+        what=f"the check that {url_of_step} is not committed",
+        error_type=DistributedSaveError,
+    )
+    folder = Path(tempfile.mkdtemp(prefix=f"cloudckpt-accelerate-{chosen}-", dir=staging_dir))
+    try:
+        error: BaseException | None = None
+        try:
+            accelerator.save_state(str(folder), safe_serialization=safe_serialization)
+        except Exception as exc:
+            error = exc
+        settle(
+            error,
+            f"accelerate's save_state for {url_of_step}",
+            group=group,
+            error_type=DistributedSaveError,
+        )
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    metadata = {"world_size": world_size()}
+    if not async_save:
+        try:
+            return _upload_and_commit(manager, chosen, folder, metadata, group)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    background = drain_group() if is_distributed() else None
+    handle = AccelerateSaveHandle(chosen, url_of_step)
+
+    def run() -> None:
+        result: CheckpointInfo | None = None
+        failure: BaseException | None = None
+        try:
+            result = _upload_and_commit(manager, chosen, folder, metadata, background)
+        except BaseException as exc:
+            failure = exc
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+            with _lock:
+                if _running.get(manager.root_url) is handle:
+                    del _running[manager.root_url]
+        handle.finish(result, failure)
+
+    with _lock:
+        _running[manager.root_url] = handle
+    in_flight.add(handle)
+    threading.Thread(target=run, name=f"cloudckpt-accelerate-{chosen}", daemon=True).start()
+    return handle
+
+
+def _upload_and_commit(
+    manager: CheckpointManager,
+    step: int,
+    folder: Path,
+    metadata: Mapping[str, Any],
+    group: Any,
+) -> CheckpointInfo:
+    """Upload each file of every rank's ``folder`` once (the lowest rank holding a name
+    uploads it), then, once every rank's upload succeeded, commit the step (rank 0)
+    and apply the manager's retention."""
+    store, options = manager.store, manager.options
+    prefix, url = _step_prefix(manager, step), manager.step_url(step)
+    names: list[str] = []
+    error: BaseException | None = None
+    try:
+        names = _files_under(folder)
+    except Exception as exc:
+        error = exc
+    agreement = agree(error, names, group=group)
+    if error is not None:
+        raise error
+    agreement.raise_failures(f"the listing of each rank's files for {url}", DistributedSaveError)
+    me = rank() if group is not None else 0
+    owner: dict[str, int] = {}
+    for index, listed in enumerate(agreement.values):
+        for name in listed:
+            owner.setdefault(name, index)
+    mine = [n for n in names if owner[n] == me]
+    on_first(
+        lambda: delete_prefix(store, prefix, options),
+        group,
+        what=f"clearing leftovers under {url}",
+        error_type=DistributedSaveError,
+    )
+    try:
+        for name in set(names) - set(mine):  # another rank uploads the same file
+            (folder / name).unlink()
+        if mine:
+            copy_tree(LocalStore(folder), "", store, prefix, options, exclude=(MARKER_NAME,))
+    except Exception as exc:
+        error = exc
+    settle(
+        error,
+        f"the upload of each rank's files to {url}",
+        group=group,
+        error_type=DistributedSaveError,
+    )
+
+    def commit() -> CheckpointInfo:  # every rank's files are in the bucket
+        info = commit_step(store, prefix, step, KIND, {}, metadata)
+        try:
+            manager.apply_retention()
+        except Exception as exc:
+            log.warning("retention under %s failed (step %d is committed): %s", url, step, exc)
+        return info
+
+    return on_first(commit, group, what=f"the commit of {url}", error_type=DistributedSaveError)
+
+
+def load_state(
+    accelerator: Any,
+    url: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    staging_dir: str | os.PathLike[str] | None = None,
+    options: TransferOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    **load_kwargs: Any,
+) -> CheckpointInfo | None:
+    """Restore ``accelerator``'s state from step ``step`` of the run at ``url`` (the
+    newest committed one when None); returns its :class:`CheckpointInfo`, or None when
+    the run has no committed checkpoint (a ``step`` not committed raises
+    :class:`~cloudckpt.errors.NotFoundError`). Every process calls it.
+
+    Each process downloads the step into a local folder of its own (under
+    ``staging_dir``, default the temp dir; every file but the other ranks' RNG files),
+    checks it against the marker (:class:`~cloudckpt.errors.CorruptCheckpointError`)
+    and calls ``accelerator.load_state(folder, **load_kwargs)``.
+    """
+    _require_accelerate()
+    from accelerate.utils import RNG_STATE_NAME
+
+    manager = _open_run(url, options, storage_options)
+    with _lock:
+        previous = _running.get(manager.root_url)
+    if previous is not None:
+        previous.wait()  # this process's background save of the run commits first
+    group = _group()
+    info = manager.latest() if step is None else manager.info(_checked_step(step))
+    if info is None:
+        return None
+    prefix = _step_prefix(manager, info.step)
+    me, ranks = rank(), world_size()
+    if info.metadata.get("world_size", ranks) != ranks:
+        log.warning(
+            "%s was saved by %s processes and is restored by %d: accelerate restores the "
+            "RNG states of the ranks both runs have",
+            info.url,
+            info.metadata.get("world_size"),
+            ranks,
+        )
+    others = tuple(
+        f.name
+        for f in info.files
+        if f.name.startswith(RNG_STATE_NAME + "_")
+        and f.name != f"{RNG_STATE_NAME}_{me}.pkl"
+        and "/" not in f.name
+    )
+    folder = Path(tempfile.mkdtemp(prefix=f"cloudckpt-accelerate-{info.step}-", dir=staging_dir))
+    try:
+        error: BaseException | None = None
+        try:
+            fetched = LocalStore(folder)
+            copy_tree(
+                manager.store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME, *others)
+            )
+            _check_files(fetched, info, skip=set(others))
+        except Exception as exc:
+            error = exc
+        settle(error, f"the download of {info.url}", group=group, error_type=DistributedLoadError)
+        try:
+            accelerator.load_state(str(folder), **load_kwargs)
+        except Exception as exc:
+            error = exc
+        settle(
+            error,
+            f"accelerate's load_state of {info.url}",
+            group=group,
+            error_type=DistributedLoadError,
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    manager.restored_step = info.step
+    return info
+
+
+def _check_files(store: LocalStore, info: CheckpointInfo, skip: set[str]) -> None:
+    """Every file the marker lists (but ``skip``) was fetched, at its size."""
+    for f in info.files:
+        if f.name in skip:
+            continue
+        size = store.head(f.name).size  # NotFoundError when missing
+        if size != f.size:
+            raise CorruptCheckpointError(
+                f"{store.url(f.name)} holds {size} bytes, its marker {info.url} says {f.size}"
+            )

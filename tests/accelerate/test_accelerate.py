@@ -1,0 +1,225 @@
+"""Accelerate with ``cloudckpt.accelerate``: real ``Accelerator(cpu=True)`` loops on a moto
+S3 server, one process and two gloo ranks, runs killed by ``kill -9`` after a commit and
+resumed in fresh processes, and a save killed before its commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# tests/ is on sys.path, where this folder reads as a namespace package named
+# accelerate: skip unless the real package's accelerator module imports, and leave no
+# namespace package behind.
+try:
+    pytest.importorskip("accelerate.accelerator")
+except pytest.skip.Exception:
+    sys.modules.pop("accelerate", None)
+    raise
+
+from cloudckpt import CheckpointManager
+from cloudckpt.cli import main as cli_main
+from cloudckpt.errors import ConfigError
+from ranks import HOST, free_port
+from servers import unique_bucket_name
+
+SCRIPT = str(Path(__file__).with_name("run_accel.py"))
+
+
+def committed(server, url):
+    """The steps committed under ``url`` (the manager's listing: markers only)."""
+    return [c.step for c in CheckpointManager(url, storage_options=server.storage_options()).list()]
+
+
+def launch(server, url, world, *extra, report=None):
+    """Start the loop as ``world`` processes (gloo ranks when more than one)."""
+    cmd = [sys.executable, SCRIPT, url, json.dumps(server.storage_options()), *extra]
+    if report is not None:
+        cmd += ["--report", str(report)]
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ)
+        if world > 1:
+            env.update(
+                MASTER_ADDR=HOST,
+                MASTER_PORT=str(port),
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+            )
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        )
+    return procs
+
+
+def finish(procs, timeout=600):
+    """Wait for every process; fail with the stderr of any that failed."""
+    errors = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        if p.returncode != 0:
+            errors.append(err.decode()[-4000:])
+    assert not errors, "\n---\n".join(errors)
+
+
+def kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()  # SIGKILL
+    for p in procs:
+        p.communicate(timeout=60)
+
+
+def reports(path, world):
+    return [json.loads(Path(f"{path}.{r}").read_text()) for r in range(world)]
+
+
+def wait_for_commit(server, url, step, procs):
+    """Poll the bucket until ``step`` is committed (every process still alive)."""
+    deadline = time.monotonic() + 300
+    while step not in committed(server, url):
+        for p in procs:
+            assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
+        assert time.monotonic() < deadline, f"step {step} was never committed"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_run_killed_after_a_commit_resumes_with_the_same_losses(moto_server, tmp_path, world):
+    bucket = moto_server.make_bucket(unique_bucket_name(f"accel-kill-{world}"))
+    base_url, url = f"s3://{bucket}/base", f"s3://{bucket}/run"
+    finish(launch(moto_server, base_url, world, report=tmp_path / "base"))
+    base = reports(tmp_path / "base", world)
+    assert [s for s, _ in base[0]["losses"]] == list(range(1, 13))
+    assert committed(moto_server, base_url) == [4, 8, 12]
+
+    procs = launch(moto_server, url, world, "--block-at", "10")
+    try:
+        wait_for_commit(moto_server, url, 8, procs)
+    finally:
+        kill(procs)
+    assert committed(moto_server, url) == [4, 8]
+
+    finish(launch(moto_server, url, world, "--resume", report=tmp_path / "resumed"))
+    resumed = reports(tmp_path / "resumed", world)
+    for r in range(world):
+        assert resumed[r]["resumed_from"] == 8
+        assert resumed[r]["losses"] == base[r]["losses"][8:]
+    assert committed(moto_server, url) == [4, 8, 12]
+
+
+def test_every_ranks_rng_file_is_committed(moto_server, tmp_path, monkeypatch, capsys):
+    bucket = moto_server.make_bucket(unique_bucket_name("accel-files"))
+    url = f"s3://{bucket}/run"
+    finish(launch(moto_server, url, 2, "--max-steps", "4"))
+    manager = CheckpointManager(url, storage_options=moto_server.storage_options())
+    info = manager.latest()
+    assert info is not None and info.step == 4 and info.kind == "accelerate"
+    names = {f.name for f in info.files}
+    assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= names
+    assert any(n.startswith("optimizer") for n in names)
+    assert any(n.startswith("scheduler") for n in names)
+    assert info.metadata["world_size"] == 2
+    # Each file was uploaded once; the command line reads the run, checked file by file.
+    assert len(names) == len(info.files)
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    assert cli_main(["verify", url]) == 0
+    assert cli_main(["ls", url]) == 0
+    assert "accelerate" in capsys.readouterr().out
+
+
+def test_a_save_killed_before_its_commit_is_not_committed(moto_server, tmp_path):
+    bucket = moto_server.make_bucket(unique_bucket_name("accel-torn"))
+    url = f"s3://{bucket}/run"
+    procs = launch(moto_server, url, 1, "--kill-before-commit", "8")
+    for p in procs:
+        p.communicate(timeout=600)
+        assert p.returncode == -9
+    assert committed(moto_server, url) == [4]
+    manager = CheckpointManager(url, storage_options=moto_server.storage_options())
+    latest = manager.latest()
+    assert latest is not None and latest.step == 4
+    # The payload of step 8 is there, its marker is not.
+    assert any("step-000000008/" in o.key for o in manager.store.list(""))
+
+    # A fresh process resumes from 4 and saves step 8 again over the leftovers.
+    finish(launch(moto_server, url, 1, "--resume", "--max-steps", "8", report=tmp_path / "r"))
+    assert reports(tmp_path / "r", 1)[0]["resumed_from"] == 4
+    assert committed(moto_server, url) == [4, 8]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_async_saves_commit_and_resume_with_the_same_losses(moto_server, tmp_path, world):
+    bucket = moto_server.make_bucket(unique_bucket_name(f"accel-async-{world}"))
+    base_url, url = f"s3://{bucket}/base", f"s3://{bucket}/run"
+    finish(launch(moto_server, base_url, world, report=tmp_path / "base"))
+    base = reports(tmp_path / "base", world)
+    finish(launch(moto_server, url, world, "--async", "--max-steps", "8", report=tmp_path / "a"))
+    assert committed(moto_server, url) == [4, 8]
+    first = reports(tmp_path / "a", world)
+    finish(launch(moto_server, url, world, "--resume", "--async", report=tmp_path / "b"))
+    resumed = reports(tmp_path / "b", world)
+    assert committed(moto_server, url) == [4, 8, 12]
+    for r in range(world):
+        assert resumed[r]["resumed_from"] == 8
+        assert first[r]["losses"] + resumed[r]["losses"] == base[r]["losses"]
+
+
+def test_nothing_committed_is_none_and_automatic_naming_is_refused(moto_server, tmp_path):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from cloudckpt.accelerate import load_state, save_state
+
+    bucket = moto_server.make_bucket(unique_bucket_name("accel-empty"))
+    url = f"s3://{bucket}/run"
+    accelerator = Accelerator(cpu=True)
+    assert load_state(accelerator, url, storage_options=moto_server.storage_options()) is None
+    accelerator.project_configuration = ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True
+    )
+    with pytest.raises(ConfigError, match="automatic_checkpoint_naming"):
+        save_state(accelerator, url, storage_options=moto_server.storage_options())
+
+
+def test_the_docs_example_runs(moto_server, tmp_path):
+    """The Accelerate section of docs/integrations.md, as written, on the local server."""
+    doc = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
+    section = doc.split("\n## Accelerate\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    bucket = moto_server.make_bucket(unique_bucket_name("accel-docs"))
+    script = tmp_path / "example.py"
+    script.write_text(code.replace("s3://ckpt/", f"s3://{bucket}/"))
+    env = {**os.environ, **moto_server.env()}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert out.returncode == 0, out.stderr[-6000:]
+    assert committed(moto_server, f"s3://{bucket}/accelerate-run") == [8, 12]
+
+
+def test_a_ranks_failed_upload_fails_every_rank_and_commits_nothing(moto_server, tmp_path):
+    bucket = moto_server.make_bucket(unique_bucket_name("accel-fail"))
+    url = f"s3://{bucket}/run"
+    procs = launch(moto_server, url, 2, "--fail-upload", "1:8", report=tmp_path / "r")
+    for p in procs:
+        p.communicate(timeout=600)
+        assert p.returncode == 3
+    failed = reports(tmp_path / "r", 2)
+    assert failed[1]["error"] == "StorageError"  # the failed rank raises its own error
+    assert failed[0]["error"] == "DistributedSaveError"
+    assert "rank 1" in failed[0]["message"] and "refused upload" in failed[0]["message"]
+    assert committed(moto_server, url) == [4]
