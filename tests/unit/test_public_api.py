@@ -52,7 +52,8 @@ ALLOWED = {
     "dcp": {"dcp", "engine"} | _BASE,
     # Lightning's sharded strategies save through the DCP writer and reader.
     "lightning": {"lightning", "dcp", "engine"} | _BASE,
-    "manager": {"manager", "dcp", "engine"} | _BASE,
+    # The manager saves and loads Megatron-core checkpoints (kind="megatron").
+    "manager": {"manager", "dcp", "megatron", "engine"} | _BASE,
     "megatron": {"megatron", "dcp", "engine"} | _BASE,
     "nemo": {"nemo", "megatron", "lightning", "manager", "dcp", "engine"} | _BASE,
     # The command line parses, calls the engine and the manager, and prints.

@@ -51,7 +51,6 @@ from ..errors import (
     DistributedSaveError,
     NotFoundError,
 )
-from ..format.commit import DCP_MARKER as METADATA_NAME
 from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..store import Store, open_target
@@ -96,8 +95,10 @@ class CheckpointManager:
     ``keep_last`` newest steps, every step divisible by ``keep_every_n_steps``, the
     ``keep_top_k`` best by ``metric`` (``mode`` "min"/"max"). ``policies=`` takes
     ready :mod:`~cloudckpt.manager.retention` objects instead. ``kind`` is "object" (one
-    ``torch.save`` archive, ``filename``) or "dcp" (a torch.distributed.checkpoint
-    directory). Other keyword arguments are :class:`~cloudckpt.TransferOptions` fields.
+    ``torch.save`` archive, ``filename``), "dcp" (a torch.distributed.checkpoint
+    directory) or "megatron" (a Megatron-core sharded state dict, saved with
+    ``cloudckpt.megatron.save``). Other keyword arguments are
+    :class:`~cloudckpt.TransferOptions` fields.
 
     ``local_dir``: a local tier (docs/tiers.md). Saves commit there and return; steps
     divisible by ``drain_every_n_steps`` (default 1) are copied to ``root_url`` by a
@@ -105,7 +106,8 @@ class CheckpointManager:
     are kept (default all). ``restore`` reads the newest step of either tier, from
     local when its copy there is whole. ``replicate_to_peer``: with several ranks, each
     node's local directory also keeps the next node's steps, so a replaced node
-    restores from its peer rather than the bucket. With several ranks (``kind="dcp"``), each rank
+    restores from its peer rather than the bucket. With several ranks (``kind="dcp"`` or
+    ``"megatron"``), each rank
     keeps its own files in its ``local_dir``; an ``async_save``'s due steps are drained
     by every rank's drainer together, and ``drain()`` on every rank drains what is left
     (docs/tiers.md, "Several ranks").
@@ -413,7 +415,7 @@ class CheckpointManager:
         """The checks before a save writes anything: the step is new, and a local tier
         is this run's and has room (LocalTierFullError)."""
         if self._tier is not None:
-            self._tier.check_ready(self.kind.name)
+            self._tier.check_ready(self.kind)
             self._resume_drains()
         self._refuse_committed(step)
         if self._tier is not None:
@@ -533,7 +535,7 @@ class CheckpointManager:
         except Exception as exc:
             log.warning("retention in the local tier %s failed: %s", self._tier.url, exc)
 
-    # -- a local tier on several ranks (kind="dcp") ----------------------------------------
+    # -- a local tier on several ranks (kind="dcp" or "megatron") --------------------------
     def _ranked_tier(self) -> bool:
         """Whether a local tier serves several ranks: each rank keeps its own files."""
         return self._tier is not None and world_size() > 1
@@ -551,32 +553,30 @@ class CheckpointManager:
     def _commit_ranks(
         self, step: int, metrics: Mapping[str, float], metadata: Mapping[str, Any]
     ) -> CheckpointInfo:
-        """After a DCP save into each rank's local tier: every directory gets the
-        coordinator's ``.metadata`` (and layout index), then its first rank commits it
-        locally; raises on every rank if any rank failed."""
+        """After a save into each rank's local tier: every directory gets the files the
+        coordinator alone wrote (the kind's ``coordinator_files``, in commit order), then
+        its first rank commits it locally; raises on every rank if any rank failed."""
         tier = self._tier
         assert tier is not None
         group = checkpoint_group()
         owner, coordinators = self._dir_owner(group)
         prefix = tier.step_prefix(step)
-
-        from ..format.dcp.layout import LAYOUT_NAME  # imports torch: not at import (the CLI)
+        names = self.kind.coordinator_files
 
         def read_commit_files() -> dict[str, bytes]:
             found = {o.key.rpartition("/")[2] for o in tier.store.list(prefix)}
-            return {
-                n: tier.store.get(prefix + n) for n in (LAYOUT_NAME, METADATA_NAME) if n in found
-            }
+            return {n: tier.store.get(prefix + n) for n in names if n in found}
 
+        what = f"step {step}'s coordinator files ({', '.join(names)})"
         error: BaseException | None = None
         try:
-            files = on_first(read_commit_files, group, what=f"reading step {step}'s .metadata")
+            files = on_first(read_commit_files, group, what=f"reading {what}")
             if owner and not coordinators:
-                for name, data in files.items():  # .metadata last: it commits the DCP save
+                for name, data in files.items():  # in commit order: the last one commits
                     tier.store.put(prefix + name, data)
         except Exception as exc:
             error = exc
-        settle(error, f"the copy of step {step}'s .metadata to every local tier", group=group)
+        settle(error, f"the copy of {what} to every local tier", group=group)
         try:  # every directory is whole: each commits (a step some rank lacks is skipped)
             if owner:
                 tier.commit(step, self.kind.name, metrics, metadata)
@@ -601,8 +601,9 @@ class CheckpointManager:
 
     def _drain_ranks(self) -> None:
         """drain() on every rank: each directory's first rank copies its files of every
-        due step not in the bucket; once all are there the coordinator copies
-        ``.metadata`` and commits the bucket's marker, step by step, oldest first."""
+        due step not in the bucket; once all are there the coordinator copies the
+        kind's coordinator files (commit markers last) and commits the bucket's marker,
+        step by step, oldest first."""
         tier = self._tier
         assert tier is not None
         group = checkpoint_group()
@@ -654,17 +655,15 @@ class CheckpointManager:
                     group,
                     what=f"clearing leftovers under {url}",
                 )
-                if owner:
-                    from ..format.dcp.layout import LAYOUT_NAME  # imports torch
-
-                    skip = (MARKER_NAME, METADATA_NAME, LAYOUT_NAME)
+                if owner:  # each directory holds the coordinator's files: sent once, last
+                    skip = (MARKER_NAME, *self.kind.coordinator_files)
                     tier.copy_payload(step, self.store, prefix, self.options, skip)
             except Exception as exc:
                 error = exc
             settle(error, f"the drain of step {step} to {url}", group=group)
 
             def commit() -> CheckpointInfo:  # every rank's files are in the bucket
-                assert local is not None
+                assert local is not None  # copy_tree writes the commit markers last
                 tier.copy_payload(step, self.store, prefix, self.options, (MARKER_NAME,))
                 return self._commit(step, local.metrics, local.metadata, local.time)
 

@@ -1,9 +1,15 @@
-"""What a managed checkpoint holds besides its marker: one object, or a DCP directory.
+"""What a managed checkpoint holds besides its marker: one object, a DCP directory, or a
+Megatron-core ``dist_checkpointing`` directory.
 
 A payload kind writes the bytes of one checkpoint under its step prefix and reads them
 back; it never writes the marker (the manager does, last, on rank 0). Call order on
 save: ``kind.save(...)`` on every rank (a kind decides which ranks write), then the
 manager lists the prefix and commits. On restore: ``kind.load(...)`` on every rank.
+
+A kind whose ranks each write their own files declares ``coordinator_files``: the files
+its first rank alone writes, in the order they commit. A local tier on several ranks
+copies them into every rank's directory (each directory then loads on its own) and
+drains them last; a kind without them (``()``) takes a local tier on one process only.
 """
 
 from __future__ import annotations
@@ -16,13 +22,18 @@ from ..dist.collectives import on_first
 from ..errors import ConfigError
 from ..options import TransferOptions
 
-__all__ = ["DcpPayload", "ObjectPayload", "PayloadKind", "payload_kind"]
+__all__ = ["DcpPayload", "MegatronPayload", "ObjectPayload", "PayloadKind", "payload_kind"]
 
 
 class PayloadKind(Protocol):
     """Writes and reads the payload of one checkpoint under ``prefix_url`` (ends in ``/``)."""
 
     name: str
+
+    @property
+    def coordinator_files(self) -> tuple[str, ...]:
+        """The files only the first rank writes, commit last (empty: one writer only)."""
+        ...
 
     def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None: ...
 
@@ -49,6 +60,11 @@ class ObjectPayload:
         if not filename or "/" in filename:
             raise ConfigError(f"filename={filename!r} must be a plain object name")
         self.filename = filename
+
+    @property
+    def coordinator_files(self) -> tuple[str, ...]:
+        """None: one process writes the whole payload."""
+        return ()
 
     def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
         from ..engine.save import save  # imports torch: not at import (the CLI lists fast)
@@ -83,6 +99,13 @@ class DcpPayload:
     """
 
     name = "dcp"
+
+    @property
+    def coordinator_files(self) -> tuple[str, ...]:
+        """The layout index, then ``.metadata`` (DCP's commit)."""
+        from ..format.dcp.layout import LAYOUT_NAME, METADATA_NAME  # imports torch
+
+        return (LAYOUT_NAME, METADATA_NAME)
 
     def _dcp(self) -> Any:
         try:
@@ -140,12 +163,56 @@ class DcpPayload:
         return state
 
 
+class MegatronPayload:
+    """A Megatron-core ``dist_checkpointing`` directory written by every rank.
+
+    Saves a ``sharded_state_dict`` with :func:`cloudckpt.megatron.save` and restores with
+    :func:`cloudckpt.megatron.load` into the ``sharded_state_dict`` given as ``state``
+    (returning the loaded state dict); megatron's own loader reads the step's prefix too.
+    """
+
+    name = "megatron"
+
+    @property
+    def coordinator_files(self) -> tuple[str, ...]:
+        """DCP's layout index and ``.metadata``, then ``common.pt`` and ``metadata.json``
+        (megatron's commit), as megatron's save writes them."""
+        from ..format.dcp.layout import LAYOUT_NAME, METADATA_NAME  # imports torch
+        from ..format.megatron import COMMON_NAME, CONFIG_NAME
+
+        return (LAYOUT_NAME, METADATA_NAME, COMMON_NAME, CONFIG_NAME)
+
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+        from .. import megatron  # imports torch and megatron-core: only when used
+
+        megatron.save(state, prefix_url, options=options)
+
+    def load(
+        self,
+        prefix_url: str,
+        options: TransferOptions,
+        *,
+        map_location: Any,
+        weights_only: bool,
+        state: Any,
+    ) -> Any:
+        from .. import megatron
+
+        if state is None:
+            raise ConfigError(
+                "restoring a Megatron checkpoint needs state= (the sharded_state_dict to load into)"
+            )
+        return megatron.load(state, prefix_url, weights_only=weights_only, options=options)
+
+
 def payload_kind(kind: str | PayloadKind, filename: str = "state.pt") -> PayloadKind:
-    """``"object"``, ``"dcp"`` or a ready :class:`PayloadKind`."""
+    """``"object"``, ``"dcp"``, ``"megatron"`` or a ready :class:`PayloadKind`."""
     if kind == "object":
         return ObjectPayload(filename)
     if kind == "dcp":
         return DcpPayload()
+    if kind == "megatron":
+        return MegatronPayload()
     if isinstance(kind, str):
-        raise ConfigError(f"kind={kind!r} must be 'object', 'dcp' or a PayloadKind")
+        raise ConfigError(f"kind={kind!r} must be 'object', 'dcp', 'megatron' or a PayloadKind")
     return kind

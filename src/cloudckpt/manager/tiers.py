@@ -43,6 +43,7 @@ from .marker import (
     read_marker,
     step_dir,
 )
+from .payload import PayloadKind
 from .retention import KeepLast, to_delete
 
 __all__ = ["LOCAL", "REMOTE", "RUN_FILE", "Drainer", "LocalTier", "merge_tiers"]
@@ -111,18 +112,19 @@ class LocalTier:
         """Whether the directory belongs to this run (its run file names our bucket root)."""
         return self.owner == self.remote_url
 
-    def check_ready(self, kind: str) -> None:
+    def check_ready(self, kind: PayloadKind) -> None:
         """Refuse a save the tier cannot take: a directory of another run, or a job of
-        several processes saving anything but ``kind="dcp"`` (each rank's own files)."""
+        several processes saving a kind that writes no per-rank files (no
+        ``coordinator_files`` to complete each rank's directory with)."""
         if not self.owned:
             raise ConfigError(
                 f"local_dir {self.path} holds the local tier of {self.owner}; give the run "
                 f"{self.remote_url} a directory of its own"
             )
-        if world_size() > 1 and kind != "dcp":
+        if world_size() > 1 and not kind.coordinator_files:
             raise ConfigError(
-                f"a local tier (local_dir=) in a job of several processes takes kind='dcp', "
-                f"not {kind!r}"
+                "a local tier (local_dir=) in a job of several processes takes kind='dcp' "
+                f"or kind='megatron', not {kind.name!r}"
             )
 
     # -- naming --------------------------------------------------------------------------
