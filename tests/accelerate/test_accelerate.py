@@ -25,6 +25,7 @@ except pytest.skip.Exception:
 from cloudckpt import CheckpointManager
 from cloudckpt.cli import main as cli_main
 from cloudckpt.errors import ConfigError
+from docs_examples import docs_examples, run_example
 from ranks import HOST, free_port
 from servers import unique_bucket_name
 
@@ -197,17 +198,7 @@ def test_nothing_committed_is_none_and_automatic_naming_is_refused(moto_server, 
 
 def test_the_docs_example_runs(moto_server, tmp_path):
     """The Accelerate section of docs/integrations.md, as written, on the local server."""
-    doc = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
-    section = doc.split("\n## Accelerate\n", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    bucket = moto_server.make_bucket(unique_bucket_name("accel-docs"))
-    script = tmp_path / "example.py"
-    script.write_text(code.replace("s3://ckpt/", f"s3://{bucket}/"))
-    env = {**os.environ, **moto_server.env()}
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert out.returncode == 0, out.stderr[-6000:]
+    bucket = run_example(moto_server, docs_examples("Accelerate")[0], tmp_path, "accel-docs")
     assert committed(moto_server, f"s3://{bucket}/accelerate-run") == [8, 12]
 
 

@@ -4,7 +4,6 @@ run killed by ``kill -9`` and resumed, retention in the bucket, fetching."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.hf import CloudCheckpointCallback, fetch_latest
+from docs_examples import docs_examples, run_example
 from servers import unique_bucket_name
 
 SCRIPT = str(Path(__file__).with_name("run_train.py"))
@@ -238,15 +238,5 @@ def test_a_failed_upload_is_raised_by_train_naming_the_checkpoint(
 
 def test_the_docs_example_runs(moto_server, tmp_path):
     """The Hugging Face section of docs/integrations.md, as written, on the local server."""
-    doc = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
-    section = doc.split("\n## Hugging Face Trainer\n", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    bucket = moto_server.make_bucket(unique_bucket_name("hf-docs"))
-    script = tmp_path / "example.py"
-    script.write_text(code.replace("s3://ckpt/", f"s3://{bucket}/"))
-    env = {**os.environ, **moto_server.env()}
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert out.returncode == 0, out.stderr[-6000:]
+    bucket = run_example(moto_server, docs_examples("Hugging Face Trainer")[0], tmp_path, "hf-docs")
     assert committed(moto_server, f"s3://{bucket}/hf-run") == [8, 12]

@@ -24,6 +24,7 @@ import torch
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.torchtitan import CloudCheckpointManager
+from docs_examples import docs_examples, run_example
 from servers import unique_bucket_name
 
 SCRIPT = str(Path(__file__).with_name("titan_run.py"))
@@ -133,17 +134,7 @@ def test_a_fresh_run_starts_from_initial_load_path_in_another_bucket_run(moto_se
 
 def test_the_docs_example_runs(moto_server, tmp_path):
     """The torchtitan section of docs/integrations.md, as written, on the local server."""
-    doc = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
-    section = doc.split("\n## torchtitan\n", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    bucket = moto_server.make_bucket(unique_bucket_name("titan-docs"))
-    script = tmp_path / "example.py"
-    script.write_text(code.replace("s3://ckpt/", f"s3://{bucket}/"))
-    env = {**os.environ, **moto_server.env()}
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert out.returncode == 0, out.stderr[-6000:]
+    bucket = run_example(moto_server, docs_examples("torchtitan")[0], tmp_path, "titan-docs")
     listing = moto_server.client().list_objects_v2(Bucket=bucket, Prefix="titan-run/")
     markers = [o["Key"] for o in listing["Contents"] if o["Key"].endswith("_CHECKPOINT.json")]
     assert sorted(markers) == [
