@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("lightning")
 
 import torch
-from docs_examples import docs_examples, run_example
 from lightning.fabric import Fabric
 
 import cloudckpt
 from cloudckpt.lightning import CloudCheckpointIO
+from docs_examples import docs_examples, run_example
 from ranks import run_ranks
 
 

@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("lightning")
 
 import torch
-from docs_examples import docs_examples, run_example
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,6 +28,7 @@ from cloudckpt.lightning import (
     CloudModelCheckpoint,
     CloudModelParallelStrategy,
 )
+from docs_examples import docs_examples, run_example
 from ranks import run_ranks
 
 WIDTH = 8
