@@ -14,19 +14,19 @@ strategies (cloudckpt.lightning.strategies): the layout is Fabric's (DCP's files
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from ..errors import ConfigError, MissingKeyError
-from ..options import TransferOptions
 from .fs import is_remote
 from .strategies import (
+    FSDPSettings,
+    ModelParallelSettings,
     kind_of,
     open_checkpoint,
     path_text,
     refuse_full,
     restore_sharded,
     save_sharded,
-    strategy_settings,
 )
 
 try:
@@ -149,7 +149,7 @@ class _FabricShardedCheckpoints:
         return meta
 
 
-class CloudFabricFSDPStrategy(_FabricShardedCheckpoints, FSDPStrategy):  # type: ignore[misc]
+class CloudFabricFSDPStrategy(FSDPSettings, _FabricShardedCheckpoints, FSDPStrategy):  # type: ignore[misc]
     """Fabric's ``FSDPStrategy`` whose sharded checkpoints go through cloudckpt's DCP
     writer and reader, at ``s3://``, ``gs://``, ``az://`` URLs or local paths.
 
@@ -157,25 +157,10 @@ class CloudFabricFSDPStrategy(_FabricShardedCheckpoints, FSDPStrategy):  # type:
     ``CloudCheckpointIO`` registered). Other arguments are ``FSDPStrategy``'s, by keyword.
     """
 
-    _sharded_setting = "state_dict_type='sharded'"
 
-    def __init__(
-        self,
-        *,
-        state_dict_type: Literal["full", "sharded"] = "sharded",
-        options: TransferOptions | None = None,
-        storage_options: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(state_dict_type=state_dict_type, **kwargs)
-        self._cloud_settings = strategy_settings(options, storage_options)
-
-    @property
-    def _sharded(self) -> bool:
-        return bool(self._state_dict_type == "sharded")
-
-
-class CloudFabricModelParallelStrategy(_FabricShardedCheckpoints, ModelParallelStrategy):  # type: ignore[misc]
+class CloudFabricModelParallelStrategy(
+    ModelParallelSettings, _FabricShardedCheckpoints, ModelParallelStrategy
+):  # type: ignore[misc]
     """Fabric's ``ModelParallelStrategy`` whose sharded checkpoints go through
     cloudckpt's DCP writer and reader, at ``s3://``, ``gs://``, ``az://`` URLs or local
     paths.
@@ -183,19 +168,3 @@ class CloudFabricModelParallelStrategy(_FabricShardedCheckpoints, ModelParallelS
     ``options`` and ``storage_options`` are the store settings (else those a
     ``CloudCheckpointIO`` registered). Other arguments are ``ModelParallelStrategy``'s.
     """
-
-    _sharded_setting = "save_distributed_checkpoint=True"
-
-    def __init__(
-        self,
-        *args: Any,
-        options: TransferOptions | None = None,
-        storage_options: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._cloud_settings = strategy_settings(options, storage_options)
-
-    @property
-    def _sharded(self) -> bool:
-        return bool(self._save_distributed_checkpoint)

@@ -255,16 +255,14 @@ class _ShardedCheckpoints:
             delete_tree(target)
 
 
-class CloudFSDPStrategy(_ShardedCheckpoints, FSDPStrategy):  # type: ignore[misc]
-    """``FSDPStrategy`` whose sharded checkpoints go through cloudckpt's DCP writer and
-    reader, at ``s3://``, ``gs://``, ``az://`` URLs or local paths.
+class FSDPSettings:
+    """What an FSDP strategy adds, the Trainer's or Fabric's alike: the store settings
+    (``options``, ``storage_options``), and ``state_dict_type`` defaulting to
+    ``"sharded"`` (Lightning's to ``"full"``), which says whether it saves sharded."""
 
-    ``state_dict_type`` defaults to ``"sharded"`` (Lightning's to ``"full"``); ``options``
-    and ``storage_options`` are the store settings (else those the checkpoint I/O or
-    the callback registered). Other arguments are ``FSDPStrategy``'s, by keyword.
-    """
+    _state_dict_type: str
+    _cloud_settings: Settings | None
 
-    _model_key = "model"
     _sharded_setting = "state_dict_type='sharded'"
 
     def __init__(
@@ -275,7 +273,8 @@ class CloudFSDPStrategy(_ShardedCheckpoints, FSDPStrategy):  # type: ignore[misc
         storage_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(state_dict_type=state_dict_type, **kwargs)
+        # the Lightning strategy class after this one in the method order
+        super().__init__(state_dict_type=state_dict_type, **kwargs)  # type: ignore[call-arg]
         self._cloud_settings = strategy_settings(options, storage_options)
 
     @property
@@ -283,16 +282,13 @@ class CloudFSDPStrategy(_ShardedCheckpoints, FSDPStrategy):  # type: ignore[misc
         return bool(self._state_dict_type == "sharded")
 
 
-class CloudModelParallelStrategy(_ShardedCheckpoints, ModelParallelStrategy):  # type: ignore[misc]
-    """``ModelParallelStrategy`` whose sharded checkpoints go through cloudckpt's DCP
-    writer and reader, at ``s3://``, ``gs://``, ``az://`` URLs or local paths.
+class ModelParallelSettings:
+    """What a ModelParallel strategy adds, the Trainer's or Fabric's alike: the store
+    settings; ``save_distributed_checkpoint`` says whether it saves sharded."""
 
-    ``options`` and ``storage_options`` are the store settings (else those the
-    checkpoint I/O or the callback registered). Other arguments are
-    ``ModelParallelStrategy``'s.
-    """
+    _save_distributed_checkpoint: bool
+    _cloud_settings: Settings | None
 
-    _model_key = "state_dict"
     _sharded_setting = "save_distributed_checkpoint=True"
 
     def __init__(
@@ -308,6 +304,30 @@ class CloudModelParallelStrategy(_ShardedCheckpoints, ModelParallelStrategy):  #
     @property
     def _sharded(self) -> bool:
         return bool(self._save_distributed_checkpoint)
+
+
+class CloudFSDPStrategy(FSDPSettings, _ShardedCheckpoints, FSDPStrategy):  # type: ignore[misc]
+    """``FSDPStrategy`` whose sharded checkpoints go through cloudckpt's DCP writer and
+    reader, at ``s3://``, ``gs://``, ``az://`` URLs or local paths.
+
+    ``state_dict_type`` defaults to ``"sharded"`` (Lightning's to ``"full"``); ``options``
+    and ``storage_options`` are the store settings (else those the checkpoint I/O or
+    the callback registered). Other arguments are ``FSDPStrategy``'s, by keyword.
+    """
+
+    _model_key = "model"
+
+
+class CloudModelParallelStrategy(ModelParallelSettings, _ShardedCheckpoints, ModelParallelStrategy):  # type: ignore[misc]
+    """``ModelParallelStrategy`` whose sharded checkpoints go through cloudckpt's DCP
+    writer and reader, at ``s3://``, ``gs://``, ``az://`` URLs or local paths.
+
+    ``options`` and ``storage_options`` are the store settings (else those the
+    checkpoint I/O or the callback registered). Other arguments are
+    ``ModelParallelStrategy``'s.
+    """
+
+    _model_key = "state_dict"
 
 
 def strategy_settings(
