@@ -104,7 +104,8 @@ _TMP_ROOT: list[str] = []
 
 
 def load_ours(data: bytes, entry: str = "bytes") -> Any:
-    """cloudckpt's load of an archive held in ``data``."""
+    """cloudckpt's load of an archive held in ``data``: in memory ("bytes", where that
+    entry point exists), from a file ("file"), or a file mapped ("mapped": ``mmap=True``)."""
     if entry == "bytes" and LOAD_TORCH_BYTES is not None:
         return LOAD_TORCH_BYTES(data, map_location="cpu", weights_only=True, url=URL)
     if not _tmpdir:
@@ -112,7 +113,7 @@ def load_ours(data: bytes, entry: str = "bytes") -> Any:
     path = os.path.join(_tmpdir[0], "case.pt")
     with open(path, "wb") as f:
         f.write(data)
-    return cloudckpt.load(path, map_location="cpu", weights_only=True)
+    return cloudckpt.load(path, map_location="cpu", weights_only=True, mmap=entry == "mapped")
 
 
 def load_torch(data: bytes) -> Any:

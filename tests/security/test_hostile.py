@@ -126,7 +126,8 @@ def _chain(exc: BaseException | None) -> list[str]:
 def _child(conn: Any, name: str, marker: str, side: str) -> None:
     """In the child: load payload ``name`` by ``side``: "torch", or "bytes" (cloudckpt's
     in-memory entry point, or cloudckpt.load where it is absent) or "file"
-    (cloudckpt.load of a file, which reads record by record)."""
+    (cloudckpt.load of a file, which reads record by record) or "mapped" (the same,
+    ``mmap=True``: storages over the file's mapping)."""
     try:
         torch.set_num_threads(1)
         warnings.simplefilter("ignore")
@@ -135,7 +136,7 @@ def _child(conn: Any, name: str, marker: str, side: str) -> None:
         p = craft.payload(name, marker)
         for module, attr, code in p.extensions:
             copyreg.add_extension(module, attr, code)
-        if side == "file":  # its lazy state first (the parent never starts its I/O thread)
+        if side in ("file", "mapped"):  # lazy state first (the parent never starts its I/O)
             fuzz.load_ours(craft.torch_archive(_BENIGN, craft.STORAGES), "file")
         objects = fuzz.canary_objects()
         before = fuzz.snapshot(objects)
@@ -250,7 +251,9 @@ def test_torch_judges_the_payload_as_craft_says(name, tmp_path):
 _CASES = [
     (name, entry)
     for name in sorted(craft.HOSTILE)
-    for entry in (("bytes", "file") if craft.HOSTILE[name].target == "archive" else ("bytes",))
+    for entry in (
+        ("bytes", "file", "mapped") if craft.HOSTILE[name].target == "archive" else ("bytes",)
+    )
 ]
 
 

@@ -1,6 +1,7 @@
 """A plain load places every record from the directory before unpickling
 (engine/records.py): small records in shared page-aligned blocks, each tensor still
-over a storage of its own; large ones in storages of their own."""
+over a storage of its own; large ones in storages of their own. With ``mmap=True``
+every storage lies over a copy-on-write mapping of the file."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ import cloudckpt
 from cloudckpt._runtime import switch
 from cloudckpt.engine import load as load_mod
 from cloudckpt.engine.records import SMALL_RECORD
-from cloudckpt.errors import StorageError, UnsafeCheckpointError
+from cloudckpt.errors import (
+    ChecksumError,
+    ConfigError,
+    NotAnObjectError,
+    StorageError,
+    UnsafeCheckpointError,
+)
 from cloudckpt.format.torch.unpickle import typed_storage
 from cloudckpt.store.local import LocalStore
 from dtypes import DTYPES
@@ -104,9 +111,8 @@ def test_a_tensor_keeps_its_block_alive_after_the_rest_is_dropped(tmp_path):
     assert torch.equal(kept, torch.full((100,), 123.0)) and junk
 
 
-def test_records_not_aligned_as_torch_aligns_them_get_storages_of_their_own(tmp_path):
-    """An archive rewritten by another zip writer (no padding) still loads exactly."""
-    state = _state()
+def _unpadded(state: dict[str, object], tmp_path) -> object:
+    """``state`` saved by torch, then rewritten by another zip writer (no padding)."""
     torch.save(state, tmp_path / "t.pt")
     with (
         zipfile.ZipFile(tmp_path / "t.pt") as src,
@@ -114,7 +120,13 @@ def test_records_not_aligned_as_torch_aligns_them_get_storages_of_their_own(tmp_
     ):
         for info in src.infolist():
             dst.writestr(info.filename, src.read(info))
-    got = cloudckpt.load(tmp_path / "plain.pt")
+    return tmp_path / "plain.pt"
+
+
+def test_records_not_aligned_as_torch_aligns_them_get_storages_of_their_own(tmp_path):
+    """An archive rewritten by another zip writer (no padding) still loads exactly."""
+    state = _state()
+    got = cloudckpt.load(_unpadded(state, tmp_path))
     _same(got, state)
     assert got["n7"].untyped_storage().resizable()  # its own storage, not a block's
 
@@ -191,3 +203,79 @@ def test_typed_storages_are_what_the_constructor_makes():
     assert type(fast) is type(slow) and vars(fast).keys() == vars(slow).keys()
     assert fast.dtype is slow.dtype and fast._untyped_storage is storage
     assert fast.size() == slow.size() == 4
+
+
+# -- mmap=True: storages over a copy-on-write mapping of the file -------------------------
+
+
+def test_a_mapped_load_equals_torch_load_and_never_writes_the_file(tmp_path):
+    state = _state()
+    path = tmp_path / "m.pt"
+    cloudckpt.save(state, path)
+    before = path.read_bytes()
+    got = cloudckpt.load(path, mmap=True)
+    _same(got, torch.load(path, weights_only=True))
+    mapped = torch.load(path, weights_only=True, mmap=True)  # torch's own mapped load
+    _same(got, mapped)
+    # Views that shared a storage share it again; the others have their own.
+    assert got["big"].untyped_storage().data_ptr() == got["big_rows"].untyped_storage().data_ptr()
+    assert got["n5"].untyped_storage().data_ptr() != got["n6"].untyped_storage().data_ptr()
+    got["big"].fill_(0)  # copy-on-write: this process's pages only
+    got["n5"].add_(1)
+    assert path.read_bytes() == before
+    _same(cloudckpt.load(path, mmap=True), state)
+
+
+def test_a_mapped_tensor_outlives_its_file(tmp_path):
+    path = tmp_path / "gone.pt"
+    cloudckpt.save({"t": torch.arange(1 << 20, dtype=torch.float32)}, path)
+    got = cloudckpt.load(path, mmap=True)
+    path.unlink()  # a local tier's retention deletes files under restored tensors
+    junk = [torch.full((1 << 18,), -1.0) for _ in range(8)]
+    assert torch.equal(got["t"], torch.arange(1 << 20, dtype=torch.float32)) and junk
+
+
+def test_a_mapped_load_checks_every_record_it_returns(tmp_path):
+    state = {"a": torch.randn(1 << 16), "b": torch.randn(64)}
+    path = tmp_path / "c.pt"
+    cloudckpt.save(state, path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data/0"))
+    data[info.header_offset + 200] ^= 0xFF  # inside a's bytes, size unchanged
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="data/0"):
+        cloudckpt.load(path, mmap=True)
+    # keys= checks only the records it returns
+    assert torch.equal(cloudckpt.load(path, mmap=True, keys=["b"])["b"], state["b"])
+
+
+def test_a_mapped_load_refuses_what_the_plain_load_refuses(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    torch.save({"t": torch.randn(4), "evil": Evil()}, tmp_path / "e.pt")
+    with pytest.raises(UnsafeCheckpointError):
+        cloudckpt.load(tmp_path / "e.pt", mmap=True)
+
+
+def test_a_mapped_load_of_an_unaligned_archive_copies_those_records(tmp_path):
+    state = _state()
+    _same(cloudckpt.load(_unpadded(state, tmp_path), mmap=True), state)
+
+
+def test_mmap_needs_a_store_that_is_the_filesystem(tmp_path, counting):
+    cloudckpt.save({"t": torch.randn(4)}, tmp_path / "x.pt")
+    with pytest.raises(ConfigError, match="not on a filesystem"):
+        cloudckpt.load("x.pt", mmap=True)
+
+
+def test_mmap_needs_a_torch_archive_in_a_file(tmp_path):
+    cloudckpt.save({"t": torch.randn(4)}, tmp_path / "x.pt")
+    with pytest.raises(ConfigError, match="exclude each other"):
+        cloudckpt.load(tmp_path / "x.pt", mmap=True, share=True)
+    with pytest.raises(ConfigError, match="safetensors"):
+        cloudckpt.load(tmp_path / "x.safetensors", mmap=True)
+    with pytest.raises(NotAnObjectError):
+        cloudckpt.load(tmp_path, mmap=True)

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import io
+import mmap as mmap_module
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -54,9 +55,17 @@ from ..io.ranges import RangeReader
 from ..options import TransferOptions
 from ..store import Store, Target, object_url, open_target
 from ..store.deadline import deadline_scope
+from ..store.local import LocalStore
 from ..store.paths import head_object
 from .directory import read_directory
-from .records import PlacedRecords, RecordReads, check_record, read_record, storage_view
+from .records import (
+    MappedRecords,
+    PlacedRecords,
+    RecordReads,
+    check_record,
+    read_record,
+    storage_view,
+)
 
 __all__ = ["load"]
 
@@ -152,7 +161,7 @@ def _structure(
     small: dict[str, memoryview],
     weights_only: bool,
     keys: Sequence[str] | None,
-    placed: PlacedRecords | None,
+    placed: PlacedRecords | MappedRecords | None,
 ) -> _Fetched:
     """Unpickle ``data.pkl``, each storage it names taken from ``placed`` (else allocated,
     to be read after); with ``keys``, only the storages they reference are kept.
@@ -326,6 +335,7 @@ def load(
     keys: Sequence[str] | None = None,
     share: bool = False,
     process_group: Any = None,
+    mmap: bool = False,
     options: TransferOptions | None = None,
     **overrides: Any,
 ) -> Any:
@@ -344,6 +354,13 @@ def load(
     a rank that fails makes every rank raise. Without an initialized process group, or
     alone in it, it is a plain load.
 
+    ``mmap=True`` (a local path or ``file://`` URL): as ``torch.load(..., mmap=True)``,
+    the tensors are built over a copy-on-write mapping of the file instead of being
+    read into new memory; every record is still checked (local header, CRC-32), which
+    reads each page once. Writing to a tensor copies the pages it touches; the file
+    is never changed. Keep the file in place (deleting it is safe; truncating it is
+    not) while the tensors live.
+
     A URL ending in ``.safetensors`` or ``.safetensors.index.json`` is read by
     :func:`cloudckpt.load_safetensors` (``{name: tensor}``; ``keys`` are tensor names,
     ``map_location`` is its ``device``; ``weights_only`` does not apply: the format
@@ -353,12 +370,44 @@ def load(
         keys = [keys]
     text = os.fspath(url) if isinstance(url, os.PathLike) else url
     if isinstance(text, str) and is_safetensors_url(text):
+        if mmap:
+            raise ConfigError(f"mmap=True maps torch archives; {text} is a safetensors file")
         from .safetensors import load_safetensors  # it imports this module
 
         return load_safetensors(url, keys=keys, device=map_location, options=options, **overrides)
     where = open_target(object_url(url), options, **overrides)
+    if mmap and share:
+        raise ConfigError("mmap=True and share=True exclude each other: each rank maps its file")
+    if mmap and not isinstance(where.store, LocalStore):
+        raise ConfigError(
+            f"mmap=True maps a local file; {where.store.url(where.key)} is not on a "
+            "filesystem (pass a path or a file:// URL)"
+        )
     with deadline_scope(where.options.deadline):  # bounds the whole load (store/deadline.py)
+        if mmap:
+            return _load_mapped(where, map_location, weights_only, keys)
         return _load(where, map_location, weights_only, keys, share, process_group)
+
+
+def _load_mapped(
+    where: Target, map_location: Any, weights_only: bool, keys: Sequence[str] | None
+) -> Any:
+    """:func:`load` with ``mmap=True`` of a file: the structure unpickled over storages
+    built on the file's mapping, then the wanted records checked there."""
+    assert isinstance(where.store, LocalStore)
+    plan = _plan(where.store, where.key)
+    if plan.whole:  # a legacy or compressed archive has no records to map
+        result = _read_whole(plan, map_location, weights_only)
+        return _select(result, keys, plan.url) if keys is not None else result
+    memory = where.store.map_private(where.key)
+    if keys is None:  # every page is checked: ask the kernel to read ahead now
+        memory.madvise(mmap_module.MADV_WILLNEED)
+    mapped = MappedRecords(memory, plan.url)
+    small = _small_records(plan, where.options)
+    fetched = _structure(plan, small, weights_only, keys, mapped)
+    mapped.check((plan.records[k] for k in fetched.storages), where.options.read_concurrency)
+    validate_sparse(fetched.sparse, plan.url)
+    return _restore(fetched, map_location, weights_only, plan.url, keys)
 
 
 def _load(

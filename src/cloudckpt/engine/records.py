@@ -1,6 +1,6 @@
 """Reading a ``torch.save`` archive's storage records, each checked where it lands.
 
-Two ways, by what the load knows when it starts reading:
+Three ways, by what the load knows when it starts reading:
 
 - :class:`RecordReads`, when the storages are already allocated (``keys=``, a shared
   load): large records are read straight into their storage, runs of small neighbours
@@ -12,8 +12,11 @@ Two ways, by what the load knows when it starts reading:
   block, with no copy. Such a storage is not resizable (as with ``torch.load(...,
   mmap=True)``); a block is freed when the last tensor over it is (docs/format.md,
   "Reading").
+- :class:`MappedRecords`, for a local file loaded with ``mmap=True``: no read at all,
+  each storage built over a copy-on-write mapping of the file.
 
-Each record's local header and CRC-32 are checked in the thread that read it.
+Each record's local header and CRC-32 are checked in the thread that read it (mapped:
+once the structure says which records are wanted).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import functools
 import mmap
 import threading
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,6 +39,7 @@ __all__ = [
     "BATCH_BYTES",
     "BATCH_GAP",
     "SMALL_RECORD",
+    "MappedRecords",
     "PlacedRecords",
     "RecordReads",
     "check_record",
@@ -235,9 +240,68 @@ class PlacedRecords:
         if not ref.nbytes:
             return torch.UntypedStorage(0), None
         block, at = self._in_block[entry.name]
-        if _frombuffer_takes(ref.dtype):
-            count = ref.nbytes // ref.dtype.itemsize
-            tensor = torch.frombuffer(block.memory, dtype=ref.dtype, count=count, offset=at)
-            return tensor.untyped_storage(), tensor
-        tensor = torch.frombuffer(block.memory, dtype=torch.uint8, count=ref.nbytes, offset=at)
-        return tensor.untyped_storage(), None
+        return _storage_over(block.memory, at, ref)
+
+
+def _storage_over(
+    memory: mmap.mmap, at: int, ref: StorageRef
+) -> tuple[torch.UntypedStorage, torch.Tensor | None]:
+    """A storage over ``ref.nbytes`` of ``memory`` from ``at`` (no copy; it keeps the
+    mapping alive), and the 1-D tensor of ``ref.dtype`` made on the way (else None)."""
+    if _frombuffer_takes(ref.dtype):
+        count = ref.nbytes // ref.dtype.itemsize
+        tensor = torch.frombuffer(memory, dtype=ref.dtype, count=count, offset=at)
+        return tensor.untyped_storage(), tensor
+    tensor = torch.frombuffer(memory, dtype=torch.uint8, count=ref.nbytes, offset=at)
+    return tensor.untyped_storage(), None
+
+
+class MappedRecords:
+    """The storage records of a local archive as a copy-on-write mapping of its file
+    (``load(..., mmap=True)``): each storage is built over its record's bytes in the
+    mapping, with no read and no copy; a write to a tensor copies only the pages it
+    touches, and the file is never changed. :meth:`check` then checks each wanted
+    record's local header and CRC-32 over the mapping, several records at once."""
+
+    def __init__(self, memory: mmap.mmap, url: str) -> None:
+        self._memory = memory
+        self._url = url
+
+    def storage(
+        self, entry: Entry, ref: StorageRef
+    ) -> tuple[torch.UntypedStorage, torch.Tensor | None]:
+        """The storage of ``entry`` over the mapping; a copy when the record's data is
+        not aligned as torch writes it (another writer's archive)."""
+        if not ref.nbytes:
+            return torch.UntypedStorage(0), None
+        if entry.data_offset % _ALIGN:
+            storage = torch.UntypedStorage(entry.size)
+            view = memoryview(self._memory)[entry.data_offset : entry.data_offset + entry.size]
+            storage_view(storage)[:] = view
+            return storage, None
+        return _storage_over(self._memory, entry.data_offset, ref)
+
+    def check(self, entries: Iterable[Entry], workers: int) -> None:
+        """Check every record in ``entries`` (local header, CRC-32) over the mapping,
+        on up to ``workers`` threads (the CRC releases the interpreter lock); the first
+        failure is raised."""
+        batches: list[list[Entry]] = [[]]
+        filled = 0
+        for entry in sorted(entries, key=lambda e: e.header_offset):
+            if filled >= BATCH_BYTES:
+                batches.append([])
+                filled = 0
+            batches[-1].append(entry)
+            filled += entry.size
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="cloudckpt-check") as pool:
+            for done in [pool.submit(self._check_batch, b) for b in batches if b]:
+                done.result()
+
+    def _check_batch(self, entries: list[Entry]) -> None:
+        view = memoryview(self._memory)
+        try:
+            for e in entries:
+                header = view[e.header_offset : e.data_offset]
+                check_record(self._url, e, header, view[e.data_offset : e.data_offset + e.size])
+        finally:
+            view.release()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -80,12 +82,15 @@ class LocalStore(Store):
             raise NotAnObjectError(f"{self.url(key)} is a directory, not a checkpoint object")
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
-    def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
-        path = self._path(key)
+    def _open_read(self, key: str) -> int:
+        """A read-only descriptor of ``key``'s file (NotFoundError and the like)."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            return os.open(self._path(key), os.O_RDONLY)
         except OSError as exc:
             raise self._oserror(exc, key) from None
+
+    def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
+        fd = self._open_read(key)
         try:
             pending = [byte_view(b) for b in buffers if b.nbytes]
             first = 0  # pending[first:] still needs filling
@@ -102,6 +107,26 @@ class LocalStore(Store):
                     first += 1
                 if n:
                     pending[first] = pending[first][n:]
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+        finally:
+            os.close(fd)
+
+    def map_private(self, key: str) -> mmap.mmap:
+        """``key``'s file mapped copy-on-write: reads share the file's pages, writes
+        through the mapping stay in this process and never reach the file. For loads
+        that build tensors over a local file instead of reading it (``mmap=True``)."""
+        fd = self._open_read(key)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotAnObjectError(f"{self.url(key)} is not a file")
+            size = st.st_size
+            if size == 0:
+                raise CorruptCheckpointError(f"{self.url(key)} is empty")
+            return mmap.mmap(
+                fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
         except OSError as exc:
             raise self._oserror(exc, key) from None
         finally:
