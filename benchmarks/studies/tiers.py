@@ -24,7 +24,8 @@ Each figure is the median of ``--reps`` repetitions, after one untimed warm-up:
 
 Two figures explain the others: ``cloudckpt.save`` of the state to a new file on
 ``/dev/shm`` (what a synchronous save writes before it returns) and allocating and
-filling tensors of the state's shapes (the fresh memory every restore loads into).
+filling tensors of the state's shapes (the fresh memory a restore from the bucket loads
+into; a restore from local maps the tier's file instead).
 
 :func:`measure` returns every repetition, the medians, the traffic counts, the load
 averages before and after and the WARNING seen; the command writes them to ``--out``
@@ -434,11 +435,13 @@ def tiers_section(results: Path = STUDY_RESULTS) -> list[str]:
         )
     if isinstance(fresh, int | float):
         notes.append(
-            f"Both restores load into fresh memory: allocating and filling the state's "
-            f"tensors alone took {fresh:.3f} s in this run (timed apart, under the same "
-            f"load), a cost the two restores share, and this bucket is a tmpfs server over "
-            f"loopback ({rate(m.get('restore_bucket_s'))} on a restore), so the ratio "
-            "between them stays small here and grows with a slower bucket."
+            "The restore from the bucket loads into fresh memory: allocating and filling "
+            f"the state's tensors alone took {fresh:.3f} s in this run (timed apart, under "
+            "the same load). The restore from local maps the tier's file instead "
+            "(`load(mmap=True)`, copy-on-write) and reads each page once, for the CRC-32 "
+            "of every record. This bucket is a tmpfs server over loopback "
+            f"({rate(m.get('restore_bucket_s'))} on a restore): the ratio grows with a "
+            "slower bucket."
         )
     notes.append("The drain and the ceiling are both bound by this server's multipart writes.")
     warning = corrupt.get("warning")

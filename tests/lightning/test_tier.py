@@ -178,7 +178,12 @@ def test_an_undrained_file_is_loaded_from_local_and_a_failed_drain_raises_at_wai
         local_dir=tier, storage_options=moto_server.storage_options(), max_attempts=1
     )
     io.save_checkpoint({"w": torch.arange(8.0)}, url)
-    assert torch.equal(io.load_checkpoint(url)["w"], torch.arange(8.0))
+    loaded = io.load_checkpoint(url)
+    assert torch.equal(loaded["w"], torch.arange(8.0))
+    # read by mapping the local copy (load(mmap=True)), not into new memory
+    path = os.path.realpath(next(tier.rglob("a.ckpt")))
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert any(line.endswith(" " + path) for line in maps), path
     with pytest.raises(StorageError, match=r"drain of file a\.ckpt .* failed") as failed:
         io.teardown()
     assert "no-such-bucket-tier" in str(failed.value.__cause__)

@@ -162,6 +162,13 @@ def test_restore_from_local_reads_no_payload_from_the_bucket(
     restored = again.restore()
     assert restored["step"] == 2 and torch.equal(restored["w"], state(2)["w"])
     assert bucket.payload_reads() == reads  # no byte of state.pt from the bucket
+    # The local file is mapped (load(mmap=True)), not copied into new memory ...
+    path = os.path.realpath(local_file(tmp_path / "tier", 2))
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert any(line.endswith(" " + path) for line in maps), path
+    # ... copy-on-write: writing the restored tensor leaves the committed copy as it was.
+    restored["w"].add_(1)
+    assert torch.equal(again.restore(step=2)["w"], state(2)["w"])
     assert again.restore(step=1)["step"] == 1 and bucket.payload_reads() == reads
 
 

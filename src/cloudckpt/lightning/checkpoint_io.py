@@ -355,8 +355,9 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         an initialized process group (every rank resumes), the ranks read its bytes once
         in all and exchange them (``share_reads``; see ``cloudckpt.load(share=True)``).
 
-        With a local tier, the local copy is read when it is this run's and valid; a
-        copy failing its checks, or missing, is read from the bucket with a WARNING."""
+        With a local tier, the local copy is read (mapped: ``load(mmap=True)``) when it
+        is this run's and valid; a copy failing its checks, or missing, is read from the
+        bucket with a WARNING."""
         url = unwrap(path)
         target = self._settings.open(url)
         found = self._mirror_for(url, claim_it=False)
@@ -375,7 +376,9 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             use, why = mirror.choose(key, target)
             if use:
                 try:
-                    result: dict[str, Any] = load(self._settings.open(str(local)), **kwargs)
+                    result: dict[str, Any] = load(
+                        self._settings.open(str(local)), mmap=True, **kwargs
+                    )
                     return result
                 except LOCAL_FAILURES as exc:
                     why = f"{type(exc).__name__}: {exc}"

@@ -837,9 +837,14 @@ class CheckpointManager:
         else:
             info = self.info(step)
 
-        def load(url: str, options: TransferOptions) -> Any:
+        def load(url: str, options: TransferOptions, local: bool = False) -> Any:
             return self.kind.load(
-                url, options, map_location=map_location, weights_only=weights_only, state=state
+                url,
+                options,
+                map_location=map_location,
+                weights_only=weights_only,
+                state=state,
+                local=local,
             )
 
         if self._tier is not None and LOCAL in info.tiers:
@@ -849,17 +854,16 @@ class CheckpointManager:
         self.restored_step = info.step
         return result
 
-    def _restore_local(
-        self, info: CheckpointInfo, load: Callable[[str, TransferOptions], Any]
-    ) -> Any:
-        """Load ``info``'s step from the local tier; when the local copy fails a check
-        (a missing file, a wrong size, a corrupt record), say so at WARNING and load the
-        same step from the bucket (the error is raised when the bucket lacks it)."""
+    def _restore_local(self, info: CheckpointInfo, load: Callable[..., Any]) -> Any:
+        """Load ``info``'s step from the local tier (its files mapped where the kind can:
+        ``local=True``); when the local copy fails a check (a missing file, a wrong size,
+        a corrupt record), say so at WARNING and load the same step from the bucket (the
+        error is raised when the bucket lacks it)."""
         assert self._tier is not None
         local = self._tier.step_url(info.step)
         try:
             self._tier.check_files(self._tier.info(info.step) or info)
-            return load(local, self._tier.options)
+            return load(local, self._tier.options, local=True)
         except (CorruptCheckpointError, NotFoundError) as exc:
             if REMOTE not in info.tiers:
                 raise

@@ -26,7 +26,11 @@ __all__ = ["DcpPayload", "MegatronPayload", "ObjectPayload", "PayloadKind", "pay
 
 
 class PayloadKind(Protocol):
-    """Writes and reads the payload of one checkpoint under ``prefix_url`` (ends in ``/``)."""
+    """Writes and reads the payload of one checkpoint under ``prefix_url`` (ends in ``/``).
+
+    ``load(..., local=True)``: ``prefix_url`` is this node's local tier, whose files a
+    kind may map rather than read (docs/tiers.md).
+    """
 
     name: str
 
@@ -45,6 +49,7 @@ class PayloadKind(Protocol):
         map_location: Any,
         weights_only: bool,
         state: Any,
+        local: bool = False,
     ) -> Any: ...
 
 
@@ -80,6 +85,7 @@ class ObjectPayload:
         map_location: Any,
         weights_only: bool,
         state: Any,
+        local: bool = False,
     ) -> Any:
         from ..engine.load import load  # imports torch: not at import
 
@@ -87,6 +93,7 @@ class ObjectPayload:
             prefix_url + self.filename,
             map_location=map_location,
             weights_only=weights_only,
+            mmap=local,
             options=options,
         )
 
@@ -150,6 +157,7 @@ class DcpPayload:
         map_location: Any,
         weights_only: bool,
         state: Any,
+        local: bool = False,
     ) -> Any:
         import torch.distributed.checkpoint as dcp
 
@@ -195,6 +203,7 @@ class MegatronPayload:
         map_location: Any,
         weights_only: bool,
         state: Any,
+        local: bool = False,
     ) -> Any:
         from .. import megatron
 
