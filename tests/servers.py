@@ -3,7 +3,8 @@
 The launchers (moto, ``rclone serve s3``, the GCS emulator, Azurite) live in
 ``cloudckpt.testing``; this module re-exports what the tests import, installs Azurite
 under ``.cache/node`` in the repository (git-ignored, so ``make test`` needs only
-``npm``), and holds :class:`StoreTarget`, the ``store_url`` fixture's value.
+``npm``), and holds :class:`StoreTarget`, the ``store_url`` fixture's value, and
+:func:`recorded_bucket`, a moto bucket behind a request-recording proxy.
 
 Usage by hand (prints ``export K=V`` lines, then runs until killed)::
 
@@ -13,11 +14,14 @@ Usage by hand (prints ``export K=V`` lines, then runs until killed)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from cloudckpt.testing import (
     AzureServer,
@@ -38,6 +42,7 @@ from cloudckpt.testing.emulators import (
     Emulator,
     EmulatorName,
 )
+from cloudckpt.testing.fault_proxy import FaultProxy
 from cloudckpt.testing.s3 import SERVER_NAMES, ServerName, launch
 
 __all__ = [
@@ -121,6 +126,26 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
         for c in psutil.Process(pid).net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN
     ]
+
+
+@contextlib.contextmanager
+def recorded_bucket(
+    server: S3Server,
+) -> Iterator[tuple[str, dict[str, str], list[tuple[str, str]]]]:
+    """A fresh bucket on ``server`` reached through a proxy that records every request:
+    (its name, storage options for the proxy, the list of (method, path) forwarded so
+    far). The bucket is removed afterwards."""
+    name = server.make_bucket(unique_bucket_name())
+    seen: list[tuple[str, str]] = []
+
+    def record(method: str, target: str) -> bool:
+        seen.append((method, unquote(urlsplit(target).path)))
+        return False  # inject nothing
+
+    with FaultProxy(server.endpoint_url, match=record) as proxy:
+        yield name, {**server.storage_options(), "endpoint_url": proxy.url}, seen
+    with contextlib.suppress(Exception):
+        server.remove_bucket(name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,6 @@ bucket. Resumes read the local copy when it is valid, the bucket's otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from cloudckpt.errors import StorageError
 from cloudckpt.lightning import CloudCheckpointIO, CloudModelCheckpoint
 from cloudckpt.lightning.checkpoint_io import JOURNAL
 from cloudckpt.testing.fault_proxy import FaultProxy
-from servers import S3Server, unique_bucket_name
+from servers import S3Server, recorded_bucket, unique_bucket_name
 
 
 @dataclass
@@ -66,18 +65,8 @@ class Bucket:
 
 @pytest.fixture
 def bucket(moto_server: S3Server) -> Iterator[Bucket]:
-    name = moto_server.make_bucket(unique_bucket_name())
-    seen: list[tuple[str, str]] = []
-
-    def record(method: str, target: str) -> bool:
-        seen.append((method, unquote(urlsplit(target).path)))
-        return False  # inject nothing
-
-    with FaultProxy(moto_server.endpoint_url, match=record) as proxy:
-        options = {**moto_server.storage_options(), "endpoint_url": proxy.url}
+    with recorded_bucket(moto_server) as (name, options, seen):
         yield Bucket(moto_server, name, options, seen)
-    with contextlib.suppress(Exception):
-        moto_server.remove_bucket(name)
 
 
 def mirrored(tier: Path) -> dict[str, bytes]:

@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit
 
 import pytest
 import torch
@@ -34,9 +33,8 @@ from cloudckpt.manager import MARKER_NAME, CheckpointManager
 from cloudckpt.manager.marker import step_dir
 from cloudckpt.manager.tiers import RUN_FILE
 from cloudckpt.store import Store
-from cloudckpt.testing.fault_proxy import FaultProxy
 from faults import FaultyStore
-from servers import S3Server, unique_bucket_name
+from servers import S3Server, recorded_bucket
 
 
 @dataclass
@@ -55,18 +53,8 @@ class Bucket:
 
 @pytest.fixture
 def bucket(moto_server: S3Server) -> Iterator[Bucket]:
-    name = moto_server.make_bucket(unique_bucket_name())
-    seen: list[tuple[str, str]] = []
-
-    def record(method: str, target: str) -> bool:
-        seen.append((method, unquote(urlsplit(target).path)))
-        return False  # inject nothing
-
-    with FaultProxy(moto_server.endpoint_url, match=record) as proxy:
-        options = {**moto_server.storage_options(), "endpoint_url": proxy.url}
+    with recorded_bucket(moto_server) as (name, options, seen):
         yield Bucket(f"s3://{name}", options, seen)
-    with contextlib.suppress(Exception):
-        moto_server.remove_bucket(name)
 
 
 def tiered(bucket: Bucket, tier: Path, run: str = "run", **kwargs: Any) -> CheckpointManager:
