@@ -4,7 +4,9 @@ Each rank saves into its own local tier; ``drain()`` sends every rank's files to
 bucket, the coordinator's last; the bucket's copy loads with megatron's own
 ``dist_checkpointing.load``; a rank whose local copy is gone restores from the bucket
 while the other reads only its local directory (each rank reaches the bucket through a
-request-recording proxy of its own during the restore).
+request-recording proxy of its own during the restore). ``async_save`` commits in the
+background, in the bucket or in each rank's tier (then drained by the ranks' drainers),
+and a save that fails on one rank fails on every rank with nothing committed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ pytest.importorskip("megatron.core.dist_checkpointing")
 import mcore_workers as w
 import torch.distributed as dist
 
-from cloudckpt.errors import ConfigError
+from cloudckpt.dcp import writer as writer_module
+from cloudckpt.engine.handle import in_flight
+from cloudckpt.errors import ConfigError, DistributedSaveError
 from cloudckpt.manager import MARKER_NAME, CheckpointManager
 from cloudckpt.manager.marker import step_dir
 from cloudckpt.options import TransferOptions
@@ -108,18 +112,26 @@ def tiers_then_bucket(
     assert len(from_bucket) == (1 if rank == 1 else 0), seen.messages
 
 
-def bucket_only(rank: int, world: int, root: str, so: dict[str, Any]) -> None:
-    """Without a local tier the manager saves and restores straight in the bucket."""
+def bucket_only(rank: int, world: int, root: str, so: dict[str, Any], background: bool) -> None:
+    """Without a local tier the manager saves and restores straight in the bucket. An
+    async_save returns once staged, training changes the weights meanwhile, and the
+    handle gives the committed checkpoint on every rank."""
     model = w.build_gpt(2)
-    opt = w.adam_for(model, 1)
-    want = w.full_state(model, opt)
+    opt, want = _trained(model, 1)
     manager = CheckpointManager(root, kind="megatron", storage_options=so)
-    manager.save(5, w.checkpoint_state(model, opt))
-    fresh = w.build_gpt(2, seed=31)
-    fresh_opt = w.adam_for(fresh, 1)
-    restored = manager.restore(state=w.checkpoint_state(fresh, fresh_opt))
-    assert manager.restored_step == 5
-    w.assert_same(_restored(fresh, fresh_opt, restored), want, "step 5 from the bucket")
+    state = w.checkpoint_state(model, opt)
+    if background:
+        handle = manager.async_save(5, state, metrics={"loss": 0.5})
+        with torch.no_grad():  # training goes on while the save uploads
+            for p in model.parameters():
+                p.add_(1.0)
+        info = handle.result(timeout=TIMEOUT)
+    else:
+        info = manager.save(5, state, metrics={"loss": 0.5})
+    assert (info.step, info.metrics) == (5, {"loss": 0.5})
+    latest = manager.latest()
+    assert latest is not None and latest.step == 5
+    _restores(manager, 5, want, seed=31)
 
 
 def object_refused(rank: int, world: int, root: str, so: dict[str, Any], tmp: str) -> None:
@@ -130,6 +142,74 @@ def object_refused(rank: int, world: int, root: str, so: dict[str, Any], tmp: st
     with pytest.raises(ConfigError, match="kind='dcp' or kind='megatron', not 'object'"):
         manager.save(1, {"w": torch.ones(4)})
     assert not (local / step_dir(1)).exists()
+
+
+def _trained(model: Any, steps: int) -> tuple[Any, dict[str, Any]]:
+    """The model after ``steps`` Adam steps, with what a save of it must restore."""
+    opt = w.adam_for(model, steps)
+    return opt, w.full_state(model, opt)
+
+
+def _restores(manager: CheckpointManager, step: int, want: dict[str, Any], seed: int) -> None:
+    """``manager.restore()`` on a fresh model gives back ``want``, saved as ``step``."""
+    fresh = w.build_gpt(2, seed=seed)
+    fresh_opt = w.adam_for(fresh, 1)
+    loaded = manager.restore(state=w.checkpoint_state(fresh, fresh_opt))
+    assert manager.restored_step == step
+    w.assert_same(_restored(fresh, fresh_opt, loaded), want, f"step {step} restored")
+
+
+def tiers_async(rank: int, world: int, root: str, so: dict[str, Any], tmp: str) -> None:
+    """Two async saves commit in each rank's directory; each rank's drainer sends both
+    to the bucket with no drain() called; the bucket's newest step restores."""
+    local = Path(tmp) / f"tier{rank}"
+    model = w.build_gpt(2)
+    manager = CheckpointManager(root, local_dir=local, kind="megatron", storage_options=so)
+    opt, _ = _trained(model, 1)
+    first = manager.async_save(1, w.checkpoint_state(model, opt))
+    opt, want = _trained(model, 2)  # changes the weights while step 1 may still be saving
+    second = manager.async_save(2, w.checkpoint_state(model, opt))
+    assert [h.result(timeout=TIMEOUT).tiers for h in (first, second)] == [("local",)] * 2
+    # Both steps were queued for this rank's drainer when their handles finished.
+    assert manager._drainer is not None and manager._drainer.wait(TIMEOUT) == {}
+    plain = CheckpointManager(root, kind="megatron", storage_options=so)
+    assert [c.step for c in plain.list()] == [1, 2]  # drained in the background
+    manager.drain()  # nothing left to send
+    assert [(c.step, c.tiers) for c in manager.list()] == [
+        (1, ("local", "remote")),
+        (2, ("local", "remote")),
+    ]
+    # From the bucket: rank 1's directory lacks the replicated tensors rank 0 wrote.
+    _restores(plain, 2, want, seed=42)
+
+
+def failing_rank(rank: int, world: int, root: str, so: dict[str, Any], tmp: str | None) -> None:
+    """Rank 1 cannot write its data: every rank's result() raises, naming rank 1, and
+    no marker is written anywhere; the next save commits."""
+    local = None if tmp is None else Path(tmp) / f"tier{rank}"
+    model = w.build_gpt(2)
+    opt, want = _trained(model, 1)
+    manager = CheckpointManager(root, local_dir=local, kind="megatron", storage_options=so)
+    real = writer_module.CloudStorageWriter.write_data
+    if rank == 1:
+
+        def broken(self: Any, plan: Any, planner: Any) -> Any:
+            raise OSError("injected: rank 1 cannot write")
+
+        writer_module.CloudStorageWriter.write_data = broken  # type: ignore[method-assign]
+    handle = manager.async_save(1, w.checkpoint_state(model, opt))
+    with pytest.raises(DistributedSaveError, match="rank 1: OSError: injected: rank 1 cannot"):
+        handle.result(timeout=TIMEOUT)
+    # Reported once, through the manager's handle: megatron's own is not left unchecked.
+    assert in_flight.take_unreported_error() is None
+    writer_module.CloudStorageWriter.write_data = real  # type: ignore[method-assign]
+    assert manager.list() == []
+    if local is not None:
+        assert not (local / step_dir(1) / MARKER_NAME).exists()
+    info = manager.async_save(2, w.checkpoint_state(model, opt)).result(timeout=TIMEOUT)
+    assert info.step == 2 and [c.step for c in manager.list()] == [2]
+    manager.drain()  # with a tier: step 2 goes to the bucket, which it restores from
+    _restores(CheckpointManager(root, kind="megatron", storage_options=so), 2, want, seed=43)
 
 
 @contextlib.contextmanager
@@ -147,6 +227,11 @@ def _recording(server: S3Server, seen: list[tuple[str, str]]) -> Iterator[dict[s
 def _names(url: str, so: dict[str, Any]) -> set[str]:
     store, key = open_url(url, TransferOptions(storage_options=so))
     return {o.key[len(key) + 1 :] for o in store.list(key + "/")}
+
+
+def _run(server: S3Server) -> tuple[str, dict[str, Any]]:
+    """A run's URL in a fresh bucket of ``server``, and the storage options reaching it."""
+    return f"s3://{server.make_bucket(unique_bucket_name())}/run", server.storage_options()
 
 
 def _payload_reads(seen: list[tuple[str, str]]) -> list[str]:
@@ -172,16 +257,39 @@ def test_local_tiers_on_two_ranks_drain_and_restore(moto_server: S3Server, tmp_p
     assert any(p.endswith("__1_0.distcp") for p in _payload_reads(reads[1])), reads[1]
 
 
-def test_bucket_only_round_trip(moto_server: S3Server) -> None:
-    so = moto_server.storage_options()
-    root = f"s3://{moto_server.make_bucket(unique_bucket_name())}/run"
-    run_ranks(bucket_only, 2, root, so, timeout=TIMEOUT)
+@pytest.mark.parametrize("background", [False, True], ids=["save", "async_save"])
+def test_bucket_only_round_trip(background: bool, moto_server: S3Server) -> None:
+    root, so = _run(moto_server)
+    run_ranks(bucket_only, 2, root, so, background, timeout=TIMEOUT)
     assert {"metadata.json", "common.pt", MARKER_NAME} <= _names(f"{root}/{step_dir(5)}", so)
 
 
 def test_a_kind_without_per_rank_files_is_refused_on_several_ranks(
     moto_server: S3Server, tmp_path: Path
 ) -> None:
-    so = moto_server.storage_options()
-    root = f"s3://{moto_server.make_bucket(unique_bucket_name())}/run"
+    root, so = _run(moto_server)
     run_ranks(object_refused, 2, root, so, str(tmp_path), timeout=TIMEOUT)
+
+
+def test_async_save_to_local_tiers_drains_in_the_background(
+    moto_server: S3Server, tmp_path: Path
+) -> None:
+    root, plain = _run(moto_server)
+    seen: list[tuple[str, str]] = []
+    with _recording(moto_server, seen) as so:
+        run_ranks(tiers_async, 2, root, so, str(tmp_path), timeout=TIMEOUT)
+    for step in (1, 2):  # every rank's data file sent once, the marker last
+        puts = [p for m, p in seen if m == "PUT" and f"/run/{step_dir(step)}/" in p]
+        data = [p for p in puts if p.endswith(".distcp")]
+        assert sorted(p.rpartition("/")[2] for p in data) == ["__0_0.distcp", "__1_0.distcp"]
+        assert puts[-1].endswith(MARKER_NAME), puts
+        assert COORDINATOR_FILES | {MARKER_NAME} <= _names(f"{root}/{step_dir(step)}", plain)
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["bucket", "local-tier"])
+def test_async_save_failing_on_one_rank_fails_everywhere(
+    tier: bool, moto_server: S3Server, tmp_path: Path
+) -> None:
+    root, so = _run(moto_server)
+    run_ranks(failing_rank, 2, root, so, str(tmp_path) if tier else None, timeout=TIMEOUT)
+    assert MARKER_NAME not in _names(f"{root}/{step_dir(1)}", so)

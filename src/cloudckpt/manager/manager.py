@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -66,7 +67,7 @@ from .marker import (
     root_prefix,
     step_dir,
 )
-from .payload import DcpPayload, PayloadKind, payload_kind
+from .payload import DcpPayload, MegatronPayload, PayloadKind, payload_kind
 from .retention import KeepEveryNSteps, KeepLast, KeepTopK, RetentionPolicy, to_delete
 from .tiers import LOCAL, REMOTE, Drainer, LocalTier, merge_tiers
 
@@ -161,7 +162,7 @@ class CheckpointManager:
         self._cache: dict[tuple[str, int], CheckpointInfo] = {}
         self._pending: set[int] = set()
         self._lock = threading.Lock()
-        self._dcp_in_flight: ManagedSaveHandle | None = None
+        self._ranks_in_flight: ManagedSaveHandle | None = None
         self._tier: LocalTier | None = None
         self._drainer: Drainer | None = None
         self._resumed = False
@@ -283,17 +284,18 @@ class CheckpointManager:
 
         The marker is written when the payload has committed, then retention runs; the
         handle's ``result()`` returns the committed checkpoint. ``kind="object"``: one
-        process (``cloudckpt.async_save``). ``kind="dcp"``: call it on every rank; DCP's
-        ``async_save`` stages each rank's state and writes it through the cloudckpt
-        writer in the background, on a gloo group of the checkpoint's own, and once
-        ``.metadata`` is written (every rank's data durable) rank 0 writes the marker
-        and every rank's handle gets the committed checkpoint (or the error). A DCP
-        save waits for this manager's previous one to finish first.
+        process (``cloudckpt.async_save``). ``kind="dcp"`` or ``"megatron"``: call it on
+        every rank; DCP's ``async_save`` (or ``cloudckpt.megatron.save(async_save=True)``)
+        stages each rank's state and writes it in the background, on a gloo group of the
+        checkpoint's own, and once the payload has committed (``.metadata``, or
+        megatron's ``metadata.json``: every rank's data durable) rank 0 writes the
+        marker and every rank's handle gets the committed checkpoint (or the error).
+        Such a save waits for this manager's previous one to finish first.
         """
         self._check_step(step)
         metrics = _check_metrics(metrics)
-        if isinstance(self.kind, DcpPayload):
-            return self._async_save_dcp(step, state, metrics, metadata or {})
+        if isinstance(self.kind, (DcpPayload, MegatronPayload)):
+            return self._async_save_ranks(step, state, metrics, metadata or {})
         if self.kind.name != "object" or not hasattr(self.kind, "filename"):
             raise ConfigError(f"async_save does not support kind={self.kind.name!r}")
         try:
@@ -339,10 +341,12 @@ class CheckpointManager:
             self._after_commit(handle.step)
         handle.finish(info, None)
 
-    def _async_save_dcp(
+    def _async_save_ranks(
         self, step: int, state: Any, metrics: dict[str, float], metadata: Mapping[str, Any]
     ) -> ManagedSaveHandle:
-        assert isinstance(self.kind, DcpPayload)
+        """``async_save`` of a kind every rank writes (DCP, Megatron): the payload's own
+        background save, then the commit on every rank once it is done."""
+        assert isinstance(self.kind, (DcpPayload, MegatronPayload))
         ranked = self._ranked_tier()
         if ranked:  # its local commit runs on the checkpoint group: never beside ours
             self._await_in_flight()
@@ -356,44 +360,51 @@ class CheckpointManager:
         started = time.perf_counter()
         prefix_url, options = self._target(step)
         try:
-            future = self.kind.async_save(state, prefix_url, options, group)
+            pending = self.kind.async_save(state, prefix_url, options, group)
         except BaseException:
             with self._lock:
                 self._pending.discard(step)
             raise
         handle = ManagedSaveHandle(step, prefix_url, time.perf_counter() - started)
         in_flight.add(handle)
-
-        def write_marker() -> CheckpointInfo:  # rank 0, once DCP's save is done
-            error = future.exception()  # DCP's outcome, the same on every rank
-            if error is not None:
-                raise _named_failure(error, prefix_url)
-            return self._commit_save(step, metrics, metadata)
-
-        def commit_ranks() -> CheckpointInfo:  # every rank: each local directory commits
-            error = future.exception()
-            if error is not None:
-                raise _named_failure(error, prefix_url)
-            return self._commit_ranks(step, metrics, metadata)
-
-        # On every rank, in DCP's saving thread: rank 0 commits, the group hears it (with
-        # a local tier on several ranks, each directory commits and every rank queues the
-        # step's drain, so every rank's drainer takes the same steps in the same order).
-        what = f"the commit of {prefix_url}"
-        future.add_done_callback(
-            lambda _f: self._finish(
-                handle,
-                commit_ranks if ranked else lambda: on_first(write_marker, group, what=what),
-                retain=ranked or rank() == 0,
-            )
-        )
-        self._dcp_in_flight = handle
+        self._commit_when_done(handle, pending, group, metrics, metadata)
+        self._ranks_in_flight = handle
         return handle
 
+    def _commit_when_done(
+        self,
+        handle: ManagedSaveHandle,
+        pending: Future[Any] | SaveHandle[Any],
+        group: Any,
+        metrics: Mapping[str, float],
+        metadata: Mapping[str, Any],
+    ) -> None:
+        """Once the payload's background save (``pending``) is done, on every rank in its
+        saving thread: the ranks agree on its outcome, then rank 0 commits and the group
+        hears it (with a local tier on several ranks, each directory commits and every
+        rank queues the step's drain, so every rank's drainer takes the same steps in
+        the same order); ``handle`` gets the committed checkpoint or the error."""
+        step, ranked = handle.step, self._ranked_tier()
+        what = f"the commit of {handle.url}"
+
+        def commit() -> CheckpointInfo:
+            error = pending.exception()  # seen here: never reported again as unchecked
+            if error is not None:
+                error = _named_failure(error, handle.url)
+            settle(error, f"the save of {handle.url}", group=group, error_type=DistributedSaveError)
+            if ranked:
+                return self._commit_ranks(step, metrics, metadata)
+            return on_first(lambda: self._commit_save(step, metrics, metadata), group, what=what)
+
+        pending.add_done_callback(
+            lambda _done: self._finish(handle, commit, retain=ranked or rank() == 0)
+        )
+
     def _await_in_flight(self) -> None:
-        """Wait for this manager's DCP save in flight, whose commit (in DCP's thread)
-        runs collectives on the checkpoint group a new save or restore would use too."""
-        previous = self._dcp_in_flight
+        """Wait for this manager's DCP or Megatron save in flight, whose commit (in its
+        saving thread) runs collectives on the checkpoint group a new save or restore
+        would use too."""
+        previous = self._ranks_in_flight
         if previous is not None:
             previous.wait()
 
@@ -883,8 +894,9 @@ class CheckpointManager:
 
 
 def _named_failure(error: BaseException, url: str) -> BaseException:
-    """DCP's ``CheckpointException`` (whose message names only the ranks) as a
-    :class:`DistributedSaveError` naming each failed rank and its error."""
+    """A ``CheckpointException`` of DCP's writer (DCP and Megatron saves; its message
+    names only the ranks) as a :class:`DistributedSaveError` naming each failed rank
+    and its error."""
     failures = getattr(error, "failures", None)
     if not isinstance(failures, dict) or not failures:
         return error
@@ -892,7 +904,7 @@ def _named_failure(error: BaseException, url: str) -> BaseException:
     for r, wrapped in failures.items():
         exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         named[int(r)] = f"{type(exc).__name__}: {exc}"
-    return DistributedSaveError.of(f"the DCP save of {url}", named)
+    return DistributedSaveError.of(f"the save of {url}", named)
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

@@ -15,12 +15,15 @@ drains them last; a kind without them (``()``) takes a local tier on one process
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._runtime.gcpause import paused_gc
 from ..dist.collectives import on_first
 from ..errors import ConfigError
 from ..options import TransferOptions
+
+if TYPE_CHECKING:  # imports torch and megatron-core: only when a save runs
+    from ..megatron.save import MegatronSaveHandle
 
 __all__ = ["DcpPayload", "MegatronPayload", "ObjectPayload", "PayloadKind", "payload_kind"]
 
@@ -194,6 +197,22 @@ class MegatronPayload:
         from .. import megatron  # imports torch and megatron-core: only when used
 
         megatron.save(state, prefix_url, options=options)
+
+    def async_save(
+        self, state: Any, prefix_url: str, options: TransferOptions, process_group: Any
+    ) -> MegatronSaveHandle:
+        """``cloudckpt.megatron.save(async_save=True)``: returns once this rank's tensors
+        are staged in host memory; the handle is done once ``metadata.json`` is written
+        (every rank's data durable) or the save failed, on every rank alike; its done
+        callbacks run in the save's background thread (or at once, once done). Its
+        collectives run on the checkpoint's own gloo group over ``process_group``'s ranks."""
+        from .. import megatron
+
+        handle = megatron.save(
+            state, prefix_url, async_save=True, process_group=process_group, options=options
+        )
+        assert handle is not None  # async_save=True always returns one
+        return handle
 
     def load(
         self,
