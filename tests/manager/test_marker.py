@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -37,6 +38,19 @@ def test_roundtrip_keeps_non_finite_metrics_as_portable_json() -> None:
     assert back.files == info.files and back.metadata == {"epoch": 3}
     assert math.isnan(back.metrics["loss"]) and back.metrics["grad"] == math.inf
     assert back.metrics["acc"] == 0.25 and back.step == 7 and back.size == 10
+
+
+def test_ranks_are_written_only_where_recorded() -> None:
+    plain = CheckpointInfo(step=1, url="s3://b/r/step-000000001/", time=1.0, size=1, kind="dcp")
+    assert "ranks" not in json.loads(encode_marker(plain))  # as markers before the field
+    ranked = dataclasses.replace(plain, ranks=4)
+    back = decode_marker(encode_marker(ranked), "s3://b/r/step-000000001/_CHECKPOINT.json")
+    assert back.ranks == 4
+    assert decode_marker(encode_marker(plain), "s3://b/m.json").ranks == 0
+    bad = json.loads(encode_marker(ranked))
+    bad["ranks"] = -1
+    with pytest.raises(CorruptCheckpointError, match="ranks"):
+        decode_marker(json.dumps(bad).encode(), "s3://b/m.json")
 
 
 @pytest.mark.parametrize(

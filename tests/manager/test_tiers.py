@@ -533,14 +533,19 @@ def test_dcp_ranks_sharing_one_local_dir_commit_and_drain_it_once(
     assert gets == []  # restored from the shared local copy
 
 
-def _ranks_async_save(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
-    m = CheckpointManager(
+def _node_manager(rank: int, url: str, so: dict[str, str], base: str) -> CheckpointManager:
+    """Rank ``rank``'s DCP manager with a directory of its own, draining even steps."""
+    return CheckpointManager(
         url,
         local_dir=Path(base) / f"node{rank}",
         kind="dcp",
         drain_every_n_steps=2,
         storage_options=so,
     )
+
+
+def _ranks_async_save(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+    m = _node_manager(rank, url, so, base)
     handles = [m.async_save(step, _rank_state(rank, step)) for step in (1, 2, 3, 4)]
     assert [h.result().tiers for h in handles] == [("local",)] * 4
     # Steps 2 and 4 are due: each rank's drainer sends them, on a group of their own,
@@ -682,3 +687,121 @@ def test_a_replaced_node_restores_from_its_peer_not_the_bucket(
     assert gets == []  # the bucket, which holds step 2 too, served no payload
     assert (node1 / step_dir(2) / MARKER_NAME).is_file()  # the node's local copy is back
     assert own1 <= names(node1 / step_dir(2))
+
+
+# -- restores across tiers: each file from local when this directory holds it ------------
+def _everyone_empty() -> dict[str, Any]:
+    return {**_rank_empty(0), **_rank_empty(1)}
+
+
+def _ranks_save_two_steps(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+    m = _node_manager(rank, url, so, base)
+    for step in (2, 3):
+        m.save(step, _rank_state(rank, step))
+    m.drain()  # step 2 is due and goes to the bucket; step 3 stays local only
+    assert [(c.step, c.tiers) for c in m.list()] == [(2, ("local", "remote")), (3, ("local",))]
+
+
+def test_a_restore_on_fewer_ranks_reads_only_what_its_local_dir_lacks_from_the_bucket(
+    bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("cloudckpt.dcp")
+    from ranks import run_ranks
+
+    url = f"{bucket.url}/run"
+    run_ranks(_ranks_save_two_steps, 2, url, bucket.storage_options, str(tmp_path), timeout=300)
+    names = {r: {p.name for p in (tmp_path / f"node{r}" / step_dir(2)).iterdir()} for r in (0, 1)}
+    lacking = names[1] - names[0]  # node 1's data files
+    assert lacking and all(n.endswith(".distcp") for n in lacking)
+
+    # One process, on node 0's directory: DCP reshards the 2 ranks' step into one state.
+    m = CheckpointManager(url, local_dir=tmp_path / "node0", kind="dcp", **_so(bucket))
+    bucket.requests.clear()
+    with caplog.at_level(logging.INFO, logger="cloudckpt"):
+        got = m.restore(state=_everyone_empty())
+    assert m.restored_step == 2  # step 3, saved by 2 ranks and local only, is no candidate
+    want = {**_rank_state(0, 2), **_rank_state(1, 2)}
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    step2 = f"/run/{step_dir(2)}/"
+    read = {p.rpartition("/")[2] for meth, p in bucket.requests if meth == "GET" and step2 in p}
+    assert read - {MARKER_NAME} == lacking  # not .metadata, not node 0's own files
+    served = [r.getMessage() for r in caplog.records if "from the bucket at" in r.getMessage()]
+    assert [r.levelno for r in caplog.records if "from the bucket at" in r.getMessage()] == [
+        logging.INFO
+    ]
+    assert f"read {len(lacking)} file(s)" in served[0], served
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "cloudckpt" in r.name]
+
+    # Step 3 is in no bucket, and node 0 lacks node 1's files: a typed error naming both.
+    with pytest.raises(NotFoundError, match=r"step 3.*\.distcp|\.distcp.*step 3") as info:
+        m.restore(step=3, state=_everyone_empty())
+    missing = str(info.value).split(" of step 3")[0].rpartition(" ")[2]
+    assert missing in names[1] - names[0], info.value
+    empty = tmp_path / "alone"  # a tier holding only step 3: nothing this world can read
+    shutil.copytree(tmp_path / "node0", empty)
+    shutil.rmtree(empty / step_dir(2))
+    plain = CheckpointManager(url, storage_options=bucket.storage_options)
+    plain.delete(2)
+    with pytest.raises(NotFoundError, match=r"step\(s\) \[3\] are only in the local tiers"):
+        CheckpointManager(url, local_dir=empty, kind="dcp", **_so(bucket)).restore(
+            state=_everyone_empty()
+        )
+
+
+def _so(bucket: Bucket) -> dict[str, Any]:
+    return {"storage_options": bucket.storage_options}
+
+
+def _with_shared(rank: int, step: int) -> dict[str, Any]:
+    """One tensor every rank holds alike, first (DCP's save gives it to the rank with
+    the least planned so far: rank 0, the coordinator), then each rank's own."""
+    return {"shared": torch.arange(64.0) * step, f"own{rank}": torch.arange(300.0) * step + rank}
+
+
+def _with_shared_empty(rank: int) -> dict[str, Any]:
+    return {"shared": torch.zeros(64), f"own{rank}": torch.zeros(300)}
+
+
+def _ranks_restore_shared(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+    from cloudckpt.errors import CloudCkptError
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("cloudckpt")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    tier = Path(base) / f"node{rank}"
+    m = CheckpointManager(url, local_dir=tier, kind="dcp", storage_options=so)
+    m.save(1, _with_shared(rank, 1))
+    # Not drained: rank 1 needs the replicated tensor from node 0's file, which no
+    # directory of rank 1 holds. Every rank raises a typed error naming it and the step.
+    with pytest.raises(CloudCkptError, match=r"__0_\d+\.distcp of step 1") as info:
+        m.restore(state=_with_shared_empty(rank))
+    assert isinstance(info.value, NotFoundError) == (rank == 1), info.value
+    m.drain()
+    seen.clear()
+    again = CheckpointManager(url, local_dir=tier, kind="dcp", storage_options=so)
+    got = again.restore(state=_with_shared_empty(rank))
+    want = _with_shared(rank, 1)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    served = [s for s in seen if "from the bucket at" in s]
+    assert len(served) == 1 and f"read {1 if rank == 1 else 0} file(s)" in served[0], served
+    assert not [s for s in seen if "reading it from" in s], seen  # each rank's own copy
+
+
+def test_a_replicated_tensor_saved_by_the_coordinator_is_read_from_the_bucket(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    pytest.importorskip("cloudckpt.dcp")
+    from ranks import run_ranks
+
+    url = f"{bucket.url}/run"
+    bucket.requests.clear()
+    run_ranks(_ranks_restore_shared, 2, url, bucket.storage_options, str(tmp_path), timeout=300)
+    node0 = {p.name for p in (tmp_path / "node0" / step_dir(1)).iterdir()}
+    node1 = {p.name for p in (tmp_path / "node1" / step_dir(1)).iterdir()}
+    step1 = f"/run/{step_dir(1)}/"
+    read = {p.rpartition("/")[2] for meth, p in bucket.requests if meth == "GET" and step1 in p}
+    read -= {MARKER_NAME}  # the bucket's listing reads its markers
+    assert read and read <= node0 - node1  # only node 0's data file, read by rank 1

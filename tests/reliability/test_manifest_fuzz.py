@@ -495,7 +495,18 @@ _nasty_names = st.sampled_from(
     ]
 )
 _marker_fields = st.sampled_from(
-    ["format", "step", "time", "size", "kind", "files", "metrics", "metadata", "library_version"]
+    [
+        "format",
+        "step",
+        "time",
+        "size",
+        "kind",
+        "files",
+        "metrics",
+        "metadata",
+        "library_version",
+        "ranks",
+    ]
 )
 _marker_values = st.one_of(
     _json,

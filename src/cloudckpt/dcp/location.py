@@ -3,7 +3,9 @@
 Writers and readers are pickled by ``dcp.async_save`` in process mode and sent to a
 fresh process, so they hold only what ``cloudckpt.store.resolve`` found (the URL, the
 store URL it names, the options); the store (and its HTTP client) is opened lazily in
-the process that uses it and never pickled.
+the process that uses it and never pickled. A location made from a ``Target`` (an
+opened URL, such as a manager's view of a step held partly in its local tier) uses
+that Target's store in this process, and opens its URL afresh in another.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ from typing import Any
 
 from ..errors import AlreadyExistsError
 from ..options import TransferOptions
-from ..store import Resolved, Store, join_key, locate, open_url, resolve, split_url
+from ..store import (
+    Resolved,
+    Store,
+    Target,
+    join_key,
+    locate,
+    open_url,
+    resolve,
+    split_url,
+)
 from ..store.paths import exists
 
 __all__ = ["CheckpointLocation", "LocatedCheckpoint", "url_string"]
@@ -43,6 +54,7 @@ class CheckpointLocation:
         self.location = locate(self.url) if location is None else location
         self._opened: tuple[Store, str] | None = None
         self._pid = -1
+        self._target: Target | None = None
 
     @classmethod
     def resolve(
@@ -50,9 +62,14 @@ class CheckpointLocation:
     ) -> CheckpointLocation:
         """``url`` with the call's options resolved once (``cloudckpt.store.resolve``:
         keywords > ``options`` > profile > defaults), as every DCP and Megatron entry
-        point takes them; a URL resolved already is used as it is."""
+        point takes them; a URL resolved already is used as it is, and an opened one
+        (a ``Target``) keeps its store in this process."""
         found = resolve(url, options, **overrides)
-        return cls(found.url, found.options, location=found.location)
+        where = cls(found.url, found.options, location=found.location)
+        if isinstance(url, Target):
+            where._target = url
+            where._opened, where._pid = (url.store, url.key.rstrip("/")), os.getpid()
+        return where
 
     @property
     def resolved(self) -> Resolved:
@@ -60,9 +77,23 @@ class CheckpointLocation:
         or reader for the same URL) without resolving it again."""
         return Resolved(self.url, self.location, self.options)
 
+    @property
+    def source(self) -> Resolved | Target:
+        """What to hand another entry point for the same URL: the Target this location
+        was opened from (its store used as is), else :attr:`resolved`."""
+        if self._target is not None and self._pid == os.getpid():
+            return self._target
+        return self.resolved
+
+    def target_of(self, relative: str) -> Target:
+        """One object inside the checkpoint, opened on this location's store (for an
+        entry point that reads one object, such as ``load``)."""
+        return Target(self.url_of(relative), self.store, self.key(relative), self.options)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_opened"] = None  # never ship a client to another process
+        state["_target"] = None
         return state
 
     def _open(self) -> tuple[Store, str]:

@@ -54,7 +54,8 @@ from ..errors import (
 )
 from ..format.commit import read_committed
 from ..options import TransferOptions
-from ..store import Store, open_target
+from ..store import Store, Target, open_target
+from ..store.overlay import OverlayStore
 from . import peers
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
 from .marker import (
@@ -67,7 +68,14 @@ from .marker import (
     root_prefix,
     step_dir,
 )
-from .payload import DcpPayload, MegatronPayload, PayloadKind, payload_kind
+from .payload import (
+    DcpPayload,
+    MegatronPayload,
+    PayloadKind,
+    described,
+    payload_kind,
+    rank_failures,
+)
 from .retention import KeepEveryNSteps, KeepLast, KeepTopK, RetentionPolicy, to_delete
 from .tiers import LOCAL, REMOTE, Drainer, LocalTier, merge_tiers
 
@@ -687,17 +695,28 @@ class CheckpointManager:
         self, step: int | None, map_location: Any, weights_only: bool, state: Any
     ) -> Any:
         """Every rank loads the same step: the newest (or ``step``) that each rank has
-        whole locally, or that the bucket has; a rank without its local copy of it
-        reads it from the bucket (WARNING)."""
+        whole locally, or that the bucket has. A rank holding it whole reads each file
+        from its local copy where that copy has it, else from the bucket's committed
+        copy (another node's files after a change of world size, a tensor only the
+        coordinator saved); a rank without its local copy reads the bucket's (WARNING).
+
+        A local step saved by another number of ranks is a candidate only when the
+        bucket has it too (DCP reshards: a rank may need files no directory here holds);
+        given as ``step``, it is tried, and a file no tier holds fails the load."""
         tier = self._tier
         assert tier is not None
-        group = checkpoint_group()
+        world = world_size()
+        group = checkpoint_group() if world > 1 else None
         remote = {c.step for c in on_first(self._list_local, group, what="the bucket listing")}
         whole = set(tier.whole_steps())
-        layout = peers.ring(tier, group) if self.replicate_to_peer else None
+        saved_by = tier.saved_by()
+        other_world = sorted(s for s in whole if saved_by.get(s, world) != world)
+        ringed = self.replicate_to_peer and group is not None
+        layout = peers.ring(tier, group) if ringed else None
         held = peers.held(tier) if layout is not None else {}
-        values = agree(value=(sorted(whole), held), group=group).values
+        values = agree(value=(sorted(whole), held, other_world), group=group).values
         lists = [set(v[0]) for v in values]
+        foreign: set[int] = set().union(*(v[2] for v in values))
 
         def lacking(s: int) -> list[int] | None:
             """The directories (their owners) that must get ``s`` from their peer for
@@ -716,16 +735,27 @@ class CheckpointManager:
             return sorted(need)
 
         everywhere = set().union(*lists, *(s for v in values for s in v[1].values()))
-        candidates = {s for s in everywhere if lacking(s) is not None} | remote
+        local = {s for s in everywhere if lacking(s) is not None}
+        candidates = {s for s in local if s in remote or s not in foreign} | remote
         if step is not None:
             self._check_step(step)
-            if step not in candidates:
+            if step not in candidates and step not in local:
                 raise NotFoundError(
                     f"step {step} is neither in the bucket at {self.step_url(step)} nor "
                     "whole in every rank's local tier"
                 )
         elif not candidates:
-            raise NotFoundError(f"no committed checkpoint under {self.root_url}")
+            unread = sorted(local - candidates)
+            raise NotFoundError(
+                f"no committed checkpoint under {self.root_url}"
+                + (
+                    f" that {world} rank(s) can restore: step(s) {unread} are only in the "
+                    "local tiers, saved by another number of ranks (drain them from a job "
+                    "of that size, or restore them there)"
+                    if unread
+                    else ""
+                )
+            )
         chosen = step if step is not None else max(candidates)
         fill = lacking(chosen)
         if layout is not None and fill:
@@ -742,9 +772,11 @@ class CheckpointManager:
             peers.receive_missing(tier, chosen, group, layout, fill)
             whole = set(tier.whole_steps())
         if chosen in whole:
-            url, options = tier.step_url(chosen), tier.options
+            result = self._restore_tiered(
+                chosen, chosen in remote, saved_by.get(chosen), map_location, weights_only, state
+            )
         else:
-            url, options = self.step_url(chosen), self.options
+            url = self.step_url(chosen)
             log.warning(
                 "step %d is not whole in the local tier %s of rank %d; reading it from %s",
                 chosen,
@@ -752,11 +784,78 @@ class CheckpointManager:
                 rank(),
                 url,
             )
-        result = self.kind.load(
-            url, options, map_location=map_location, weights_only=weights_only, state=state
-        )
+            result = self.kind.load(
+                url, self.options, map_location=map_location, weights_only=weights_only, state=state
+            )
         self.restored_step = chosen
         return result
+
+    def _restore_tiered(
+        self,
+        step: int,
+        in_bucket: bool,
+        saved_by: int | None,
+        map_location: Any,
+        weights_only: bool,
+        state: Any,
+    ) -> Any:
+        """Load ``step`` on this rank through a view of its local copy over the bucket's
+        (store/overlay.py): each file from the local copy when the local marker lists it
+        (checked whole before), else from the bucket's committed copy (``in_bucket``;
+        without it such a file is a NotFoundError naming it and the step). Logs at INFO
+        what the bucket served."""
+        tier = self._tier
+        assert tier is not None and isinstance(self.kind, (DcpPayload, MegatronPayload))
+        info = tier.info(step)
+        if info is None:
+            raise NotFoundError(f"step {step} is not committed in the local tier {tier.url}")
+        world = world_size()
+        if saved_by is not None and saved_by != world:
+            hint = (
+                f"it was saved by {saved_by} ranks and this job has {world}: drain it from "
+                f"a job of {saved_by} ranks, or restore it on {saved_by} ranks"
+            )
+        else:
+            hint = "another node's local tier may hold it: drain the step to read it here"
+        view = OverlayStore(
+            tier.store,
+            tier.step_prefix(step),
+            [f.name for f in info.files],
+            self.store if in_bucket else None,
+            self._step_prefix(step),
+            what=f"step {step}",
+            hint=hint,
+        )
+        url = tier.step_url(step)
+        result = self.kind.load(
+            Target(url, view, "", tier.options, url),
+            tier.options,
+            map_location=map_location,
+            weights_only=weights_only,
+            state=state,
+            local=True,
+        )
+        files, nbytes = view.remote_reads
+        log.info(
+            "step %d: rank %d read %d file(s), %d bytes, from the bucket at %s; the rest "
+            "from its local tier %s",
+            step,
+            rank(),
+            files,
+            nbytes,
+            self.step_url(step),
+            tier.url,
+        )
+        return result
+
+    def _restores_ranked(self) -> bool:
+        """Whether a restore in a job of one process takes the path of several ranks
+        (:meth:`_restore_ranks`): the local tier holds steps several ranks saved, each
+        directory with its own ranks' files only."""
+        tier = self._tier
+        if tier is None or not isinstance(self.kind, (DcpPayload, MegatronPayload)):
+            return False
+        return bool(tier.saved_by())
 
     # -- retention -----------------------------------------------------------------------
     def _retain_quietly(self) -> builtins.list[int]:
@@ -838,7 +937,7 @@ class CheckpointManager:
         NotFoundError when there is no committed checkpoint (a step without a marker does
         not count). Retention never deletes the restored step afterwards.
         """
-        if self._ranked_tier():
+        if self._ranked_tier() or self._restores_ranked():
             self._await_in_flight()
             return self._restore_ranks(step, map_location, weights_only, state)
         if step is None:
@@ -897,14 +996,10 @@ def _named_failure(error: BaseException, url: str) -> BaseException:
     """A ``CheckpointException`` of DCP's writer (DCP and Megatron saves; its message
     names only the ranks) as a :class:`DistributedSaveError` naming each failed rank
     and its error."""
-    failures = getattr(error, "failures", None)
-    if not isinstance(failures, dict) or not failures:
+    named = rank_failures(error)
+    if not named:
         return error
-    named = {}
-    for r, wrapped in failures.items():
-        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        named[int(r)] = f"{type(exc).__name__}: {exc}"
-    return DistributedSaveError.of(f"the save of {url}", named)
+    return DistributedSaveError.of(f"the save of {url}", described(named))
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

@@ -90,6 +90,10 @@ class CheckpointInfo:
     metrics: Mapping[str, float] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     library_version: str = ""
+    #: How many processes saved it, where recorded (a local tier's commit in a job of
+    #: several processes: it decides whether another world size may read that copy);
+    #: 0: not recorded (and not written into the marker).
+    ranks: int = 0
     #: Where the step is committed, for a manager with a local tier: ``"local"``,
     #: ``"remote"`` or both (empty: not said; never stored in the marker).
     tiers: tuple[str, ...] = ()
@@ -106,6 +110,7 @@ class CheckpointInfo:
             "metrics": {k: _float_out(v) for k, v in self.metrics.items()},
             "metadata": dict(self.metadata),
             "library_version": self.library_version,
+            "ranks": self.ranks,
             "tiers": list(self.tiers),
         }
 
@@ -124,6 +129,8 @@ def encode_marker(info: CheckpointInfo) -> bytes:
     body = info.as_dict()
     del body["url"]  # where it lives is known from where it was read
     del body["tiers"]  # so is which tier holds it
+    if not info.ranks:
+        del body["ranks"]  # not recorded: the marker stays as readers before it knew
     body = {"format": MARKER_FORMAT, **body}
     return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
 
@@ -187,6 +194,7 @@ def decode_marker(data: bytes, url: str) -> CheckpointInfo:
             metrics={str(k): _float_in(_number(v, f"metric {k!r}")) for k, v in metrics.items()},
             metadata=metadata,
             library_version=version,
+            ranks=_count(body.get("ranks", 0), "ranks"),
         )
     except InvalidURLError as exc:  # a file name that would leave the checkpoint's prefix
         raise CorruptCheckpointError(f"{url} is not a valid checkpoint marker: {exc}") from exc
@@ -213,12 +221,14 @@ def commit_step(
     metrics: Mapping[str, float],
     metadata: Mapping[str, Any],
     when: float | None = None,
+    ranks: int = 0,
 ) -> CheckpointInfo:
     """Commit the step whose payload is under ``prefix`` (ends in ``/``): list its
     objects, then write its marker recording their sizes and ETags (after the payload).
 
     ``when`` is the commit time to record (default now): a drained copy keeps the time
-    of its local commit, so a retried drain writes the same marker bytes.
+    of its local commit, so a retried drain writes the same marker bytes. ``ranks``:
+    how many processes saved it, recorded when not 0.
     """
     objects = list(store.list(prefix))
     files = tuple(
@@ -240,6 +250,7 @@ def commit_step(
         metrics=dict(metrics),
         metadata=dict(metadata),
         library_version=__version__,
+        ranks=ranks,
     )
     write_marker(store, prefix + MARKER_NAME, info)
     return info

@@ -14,18 +14,28 @@ drains them last; a kind without them (``()``) takes a local tier on one process
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._runtime.gcpause import paused_gc
-from ..dist.collectives import on_first
-from ..errors import ConfigError
+from ..dist.collectives import on_first, rank
+from ..errors import ConfigError, DistributedLoadError
 from ..options import TransferOptions
+from ..store import Target
 
 if TYPE_CHECKING:  # imports torch and megatron-core: only when a save runs
     from ..megatron.save import MegatronSaveHandle
 
-__all__ = ["DcpPayload", "MegatronPayload", "ObjectPayload", "PayloadKind", "payload_kind"]
+__all__ = [
+    "DcpPayload",
+    "MegatronPayload",
+    "ObjectPayload",
+    "PayloadKind",
+    "described",
+    "payload_kind",
+    "rank_failures",
+]
 
 
 class PayloadKind(Protocol):
@@ -154,7 +164,7 @@ class DcpPayload:
 
     def load(
         self,
-        prefix_url: str,
+        prefix_url: str | Target,
         options: TransferOptions,
         *,
         map_location: Any,
@@ -162,15 +172,25 @@ class DcpPayload:
         state: Any,
         local: bool = False,
     ) -> Any:
+        """DCP's load into ``state``; ``prefix_url`` may be an opened ``Target`` (a
+        manager's view of a step in both tiers: its store is read as is). A rank whose
+        reads failed raises its own error, the others DistributedLoadError naming it."""
         import torch.distributed.checkpoint as dcp
 
         if state is None:
             raise ConfigError("restoring a DCP checkpoint needs state= (the state dict to fill)")
+        given = None if isinstance(prefix_url, Target) else options  # a Target has its own
         reader = self._dcp().CloudStorageReader(
-            prefix_url, weights_only=weights_only, options=options
+            prefix_url, weights_only=weights_only, options=given
         )
-        with paused_gc():
-            dcp.load(state, storage_reader=reader)
+        try:
+            with paused_gc():
+                dcp.load(state, storage_reader=reader)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            error = _load_error(exc, os.fspath(prefix_url))
+            if error is exc:
+                raise
+            raise error from exc
         return state
 
 
@@ -216,7 +236,7 @@ class MegatronPayload:
 
     def load(
         self,
-        prefix_url: str,
+        prefix_url: str | Target,
         options: TransferOptions,
         *,
         map_location: Any,
@@ -224,13 +244,49 @@ class MegatronPayload:
         state: Any,
         local: bool = False,
     ) -> Any:
+        """``cloudckpt.megatron.load`` into ``state``; ``prefix_url`` as in
+        :meth:`DcpPayload.load`, and so are the errors of failed reads."""
         from .. import megatron
 
         if state is None:
             raise ConfigError(
                 "restoring a Megatron checkpoint needs state= (the sharded_state_dict to load into)"
             )
-        return megatron.load(state, prefix_url, weights_only=weights_only, options=options)
+        given = None if isinstance(prefix_url, Target) else options  # a Target has its own
+        try:
+            return megatron.load(state, prefix_url, weights_only=weights_only, options=given)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            error = _load_error(exc, os.fspath(prefix_url))
+            if error is exc:
+                raise
+            raise error from exc
+
+
+def rank_failures(error: BaseException) -> dict[int, BaseException]:
+    """Each failed rank's error in a ``CheckpointException`` of DCP (whose message names
+    only the ranks); empty for any other error."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict):
+        return {}
+    return {int(r): w[0] if isinstance(w, tuple) else w for r, w in failures.items()}
+
+
+def described(failures: dict[int, BaseException]) -> dict[int, str]:
+    """``{rank: "Type: message"}`` of :func:`rank_failures`, for the Distributed errors."""
+    return {r: f"{type(e).__name__}: {e}" for r, e in failures.items()}
+
+
+def _load_error(error: BaseException, url: str) -> BaseException:
+    """A ``CheckpointException`` of DCP's load as this rank's own error where its part
+    failed, else DistributedLoadError naming each failed rank and its error; any other
+    error as it is."""
+    named = rank_failures(error)
+    if not named:
+        return error
+    own = named.get(rank())
+    if isinstance(own, Exception):
+        return own
+    return DistributedLoadError.of(f"the load of {url}", described(named))
 
 
 def payload_kind(kind: str | PayloadKind, filename: str = "state.pt") -> PayloadKind:

@@ -165,6 +165,11 @@ class LocalTier:
         """The local commit of ``step``, or None (none from another run)."""
         return read_marker(self.store, marker_key("", step)) if self.owned else None
 
+    def saved_by(self) -> dict[int, int]:
+        """How many ranks saved each local step, for the steps whose marker says so
+        (those a job of several processes committed)."""
+        return {c.step: c.ranks for c in self.list() if c.ranks}
+
     # -- save ----------------------------------------------------------------------------
     def check_room(self, state: Any, copies: int = 1) -> None:
         """LocalTierFullError, before anything is written, when the free space is below
@@ -183,8 +188,19 @@ class LocalTier:
     def commit(
         self, step: int, kind: str, metrics: Mapping[str, float], metadata: Mapping[str, Any]
     ) -> CheckpointInfo:
-        """Write the local marker of ``step`` (after its payload), create-only."""
-        info = commit_step(self.store, self.step_prefix(step), step, kind, metrics, metadata)
+        """Write the local marker of ``step`` (after its payload), create-only; in a job
+        of several processes it records their number (``ranks``), which decides whether
+        a restore on another number of ranks may read this copy."""
+        ranks = world_size()
+        info = commit_step(
+            self.store,
+            self.step_prefix(step),
+            step,
+            kind,
+            metrics,
+            metadata,
+            ranks=ranks if ranks > 1 else 0,
+        )
         return replace(info, tiers=(LOCAL,))
 
     def retain(self, protected: set[int]) -> builtins.list[int]:

@@ -82,10 +82,9 @@ def load_common_state_dict(
 
 
 def _common(where: CheckpointLocation, weights_only: bool) -> dict[str, Any]:
-    loaded = load_object(
-        where.url_of(COMMON_NAME), map_location="cpu", weights_only=weights_only,
-        options=where.options,
-    )  # fmt: skip
+    # On the location's own store: a Target given to load() reads through its view.
+    common = where.target_of(COMMON_NAME)
+    loaded = load_object(common, map_location="cpu", weights_only=weights_only)
     return dict(loaded)
 
 
@@ -105,7 +104,7 @@ def load_content_metadata(
 
 
 def _reader(where: CheckpointLocation, weights_only: bool) -> MetadataOnceReader:
-    return MetadataOnceReader(where.resolved, weights_only=weights_only)
+    return MetadataOnceReader(where.source, weights_only=weights_only)
 
 
 def load_tensors_metadata(
