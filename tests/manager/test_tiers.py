@@ -15,6 +15,7 @@ import re
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -805,3 +806,69 @@ def test_a_replicated_tensor_saved_by_the_coordinator_is_read_from_the_bucket(
     read = {p.rpartition("/")[2] for meth, p in bucket.requests if meth == "GET" and step1 in p}
     read -= {MARKER_NAME}  # the bucket's listing reads its markers
     assert read and read <= node0 - node1  # only node 0's data file, read by rank 1
+
+
+# -- a local copy that fails while loading, on several ranks ----------------------------
+def _damage_element_50(node: Path, step: int, rank: int) -> None:
+    """Flip a byte of element 50 of ``own{rank}`` in this node's copy of ``step``
+    (same size: only the load's checks can tell)."""
+    path = next((node / step_dir(step)).glob("*.distcp"))
+    data = bytearray(path.read_bytes())
+    at = data.find(struct.pack("<f", 50.0 * step + rank))
+    assert at >= 0, "element 50 is not in the file"
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _ranks_restore_past_a_corrupt_file(
+    rank: int, world: int, url: str, so: dict[str, str], base: str
+) -> None:
+    import torch.distributed as dist
+
+    from cloudckpt.errors import ChecksumError, DistributedLoadError
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cloudckpt").addHandler(handler)
+    node = Path(base) / f"node{rank}"
+    m = CheckpointManager(
+        url, local_dir=node, kind="dcp", drain_every_n_steps=2, storage_options=so
+    )
+    # Step 2 is in the bucket too: every rank reads it from there, WARNING on every rank.
+    got = m.restore(state=_rank_empty(rank))
+    want = _rank_state(rank, 2)
+    assert m.restored_step == 2 and all(torch.equal(got[k], want[k]) for k in want)
+    warned = [s for s in seen if "failed while loading" in s and "rank 1: ChecksumError" in s]
+    assert len(warned) == 1, seen
+    # Step 3 is in the local tiers only (not due): the same damage fails on every rank.
+    m.save(3, _rank_state(rank, 3))
+    if rank == 1:
+        _damage_element_50(node, 3, rank)
+    dist.barrier()
+    expected = ChecksumError if rank == 1 else DistributedLoadError
+    with pytest.raises(expected, match="rank 1" if rank == 0 else "CRC"):
+        m.restore(state=_rank_empty(rank))
+
+
+def test_a_local_file_failing_its_checks_while_loading_sends_every_rank_to_the_bucket(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    pytest.importorskip("cloudckpt.dcp")
+    from ranks import run_ranks
+
+    url = f"{bucket.url}/run"
+    run_ranks(_ranks_save_and_drain, 2, url, bucket.storage_options, str(tmp_path), timeout=300)
+    _damage_element_50(tmp_path / "node1", 2, 1)
+    bucket.requests.clear()
+    run_ranks(
+        _ranks_restore_past_a_corrupt_file,
+        2,
+        url,
+        bucket.storage_options,
+        str(tmp_path),
+        timeout=300,
+    )
+    step2 = f"/run/{step_dir(2)}/"
+    read = [p for m, p in bucket.requests if m == "GET" and step2 in p and ".distcp" in p]
+    assert len(read) >= 2  # every rank's data file, from the bucket

@@ -49,6 +49,7 @@ from ..errors import (
     AlreadyExistsError,
     ConfigError,
     CorruptCheckpointError,
+    DistributedLoadError,
     DistributedSaveError,
     NotFoundError,
 )
@@ -771,24 +772,54 @@ class CheckpointManager:
                     )
             peers.receive_missing(tier, chosen, group, layout, fill)
             whole = set(tier.whole_steps())
-        if chosen in whole:
-            result = self._restore_tiered(
-                chosen, chosen in remote, saved_by.get(chosen), map_location, weights_only, state
+        error: BaseException | None = None
+        result: Any = None
+        try:  # every rank reaches the agreement below, whichever copy it reads
+            if chosen in whole:
+                by = saved_by.get(chosen)
+                result = self._restore_tiered(
+                    chosen, chosen in remote, by, map_location, weights_only, state
+                )
+            else:
+                log.warning(
+                    "step %d is not whole in the local tier %s of rank %d; reading it from %s",
+                    chosen,
+                    tier.url,
+                    rank(),
+                    self.step_url(chosen),
+                )
+                result = self._restore_bucket(chosen, map_location, weights_only, state)
+        except (CorruptCheckpointError, NotFoundError, DistributedLoadError) as exc:
+            error = exc  # DCP raises on every rank at once: each rank gets here
+        said = None if error is None else f"{type(error).__name__}: {error}"
+        failures = {r: t for r, t in enumerate(agree(value=said, group=group).values) if t}
+        if failures and chosen not in remote:
+            raise error or DistributedLoadError.of(
+                f"the load of step {chosen} from the local tiers (not in the bucket)", failures
             )
-        else:
-            url = self.step_url(chosen)
+        if failures:
             log.warning(
-                "step %d is not whole in the local tier %s of rank %d; reading it from %s",
+                "step %d failed while loading (%s); every rank reads it from %s",
                 chosen,
-                tier.url,
-                rank(),
-                url,
+                "; ".join(f"rank {r}: {t}" for r, t in failures.items()),
+                self.step_url(chosen),
             )
-            result = self.kind.load(
-                url, self.options, map_location=map_location, weights_only=weights_only, state=state
-            )
+            if error is not None:  # its frames hold what the failed load had read
+                traceback.clear_frames(error.__traceback__)
+            error = None
+            result = self._restore_bucket(chosen, map_location, weights_only, state)
         self.restored_step = chosen
         return result
+
+    def _restore_bucket(self, step: int, map_location: Any, weights_only: bool, state: Any) -> Any:
+        """Load ``step`` from the bucket (a restore that has chosen it there)."""
+        return self.kind.load(
+            self.step_url(step),
+            self.options,
+            map_location=map_location,
+            weights_only=weights_only,
+            state=state,
+        )
 
     def _restore_tiered(
         self,
