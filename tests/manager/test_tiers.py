@@ -457,11 +457,18 @@ def _ranks_save_and_drain(rank: int, world: int, url: str, so: dict[str, str], b
     assert [(c.step, c.tiers) for c in m.list()] == [(s, ("local", "remote")) for s in (1, 2)]
 
 
-def _ranks_restore(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+def _warnings_seen() -> list[str]:
+    """The cloudckpt WARNINGs logged in this rank's process from now on (a spawned rank
+    has no caplog)."""
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("cloudckpt").addHandler(handler)
+    return seen
+
+
+def _ranks_restore(rank: int, world: int, url: str, so: dict[str, str], base: str) -> None:
+    seen = _warnings_seen()
     m = CheckpointManager(url, local_dir=Path(base) / f"node{rank}", kind="dcp", storage_options=so)
     got = m.restore(state=_rank_empty(rank))
     assert m.restored_step == 2
@@ -637,10 +644,7 @@ def _ranks_save_with_peers(rank: int, world: int, url: str, so: dict[str, str], 
 def _ranks_restore_from_peer(
     rank: int, world: int, url: str, so: dict[str, str], base: str
 ) -> None:
-    seen: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("cloudckpt").addHandler(handler)
+    seen = _warnings_seen()
     m = CheckpointManager(
         url,
         local_dir=Path(base) / f"node{rank}",
@@ -827,10 +831,7 @@ def _ranks_restore_past_a_corrupt_file(
 
     from cloudckpt.errors import ChecksumError, DistributedLoadError
 
-    seen: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("cloudckpt").addHandler(handler)
+    seen = _warnings_seen()
     node = Path(base) / f"node{rank}"
     m = CheckpointManager(
         url, local_dir=node, kind="dcp", drain_every_n_steps=2, storage_options=so
