@@ -256,8 +256,11 @@ def _fit_parts() -> Any:
     return pl, ShardedCPUStrategy, Tiny
 
 
-def fit_then_resume(rank: int, world: int, url: str, so: dict[str, Any], log_dir: str) -> None:
-    """NeMo's ModelCheckpoint + AsyncFinalizerCallback + CloudAutoResume in Lightning fits."""
+def fit_then_resume(
+    rank: int, world: int, url: str, so: dict[str, Any], log_dir: str, local_dir: str | None = None
+) -> None:
+    """NeMo's ModelCheckpoint + AsyncFinalizerCallback + CloudAutoResume in Lightning fits
+    (with ``local_dir``: through a local tier, drained at the trainer's teardown)."""
     from pathlib import Path
 
     from nemo.utils.app_state import AppState
@@ -277,7 +280,8 @@ def fit_then_resume(rank: int, world: int, url: str, so: dict[str, Any], log_dir
                                     save_optim_on_train_end=True)  # fmt: skip
         ckpt.CHECKPOINT_NAME_LAST = "{step}-last"  # what NeMoLogger sets
         strategy = ShardedCPUStrategy(
-            device=torch.device("cpu"), checkpoint_io=cloud_checkpoint_io(True, storage_options=so)
+            device=torch.device("cpu"),
+            checkpoint_io=cloud_checkpoint_io(True, storage_options=so, local_dir=local_dir),
         )
         trainer = pl.Trainer(strategy=strategy, max_steps=max_steps, logger=False,
                              callbacks=[ckpt, AsyncFinalizerCallback()], enable_progress_bar=False,
@@ -291,6 +295,8 @@ def fit_then_resume(rank: int, world: int, url: str, so: dict[str, Any], log_dir
 
     run(4)
     assert names_dirs(url, so) == ["step=3", "step=4", "step=4-last"], names_dirs(url, so)
+    for name in ("step=3", "step=4", "step=4-last"):  # committed: drained by teardown
+        assert cm.is_checkpoint(f"{url}/{name}/weights", storage_options=so), name
 
     resume = CloudAutoResume(resume_if_exists=True, resume_from_directory=url, storage_options=so)
     trainer, model = run(6, resume)

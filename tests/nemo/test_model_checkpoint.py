@@ -36,6 +36,18 @@ def test_fit_saves_rotates_and_resumes_on_s3(moto_server: Any, tmp_path: Path) -
     assert not list(tmp_path.rglob("*unfinished*")), "a marker was written to local disk"
 
 
+def test_fit_with_a_local_tier_drains_and_resumes(moto_server: Any, tmp_path: Path) -> None:
+    """The same fits with CloudMegatronCheckpointIO(local_dir=...): each save commits
+    locally, drains in the background; the teardown leaves nothing undrained."""
+    so = moto_server.storage_options()
+    url = f"s3://{moto_server.make_bucket('nemo-fit-tier')}/run/checkpoints"
+    local, logs = tmp_path / "local", tmp_path / "logs"
+    logs.mkdir()
+    run_ranks(nw.fit_then_resume, 1, url, so, str(logs), str(local), timeout=600)
+    kept = sorted(p.name for p in local.iterdir() if p.is_dir())
+    assert kept == ["step=5", "step=6", "step=6-last"], kept  # the removed ones went too
+
+
 def _trainer(ckpt_path: str | None = None, async_save: bool = False) -> Any:
     strategy = SimpleNamespace(broadcast=lambda x: x, async_save=async_save)
     return SimpleNamespace(strategy=strategy, ckpt_path=ckpt_path, callbacks=[])

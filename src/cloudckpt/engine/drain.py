@@ -3,6 +3,8 @@ root, and the background thread that drains what was committed locally to the bu
 
 The manager's tier (``manager/tiers.py``: keys are steps) and Lightning's checkpoint
 I/O (``lightning/checkpoint_io.py``: keys are file names) both use them (docs/tiers.md).
+A tier of several ranks (NeMo's, ``nemo/tier.py``) also completes each local directory
+with the coordinator's files: :func:`directory_owner`, :func:`complete_directories`.
 """
 
 from __future__ import annotations
@@ -10,18 +12,29 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import socket
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from ..dist.collectives import agree, group_rank, on_first, settle
 from ..errors import AlreadyExistsError, CorruptCheckpointError, StorageError
 from ..format.commit import commit_marker, read_committed
 from ..store import Store
 
-__all__ = ["RUN_FILE", "RUN_FORMAT", "Drainer", "claim", "read_owner"]
+__all__ = [
+    "RUN_FILE",
+    "RUN_FORMAT",
+    "Drainer",
+    "claim",
+    "complete_directories",
+    "directory_owner",
+    "read_owner",
+]
 
 log = logging.getLogger("cloudckpt")
 
@@ -62,6 +75,46 @@ def read_owner(store: Store) -> str | None:
             f"{store.url(RUN_FILE)} is not a local tier's run file: {exc}"
         ) from exc
     return owner
+
+
+def directory_owner(path: Path, group: Any) -> tuple[bool, bool]:
+    """(whether this rank is the first of those sharing its local directory ``path``,
+    whether that directory is the coordinator's); a collective on ``group``. A directory
+    is its host name and path: the same path on two nodes is two directories."""
+    mine = (socket.gethostname(), str(path.resolve()))
+    paths = agree(value=mine, group=group).values
+    me, _ = group_rank(group)
+    return paths.index(mine) == me, mine == paths[0]
+
+
+def complete_directories(
+    store: Store,
+    prefix: str,
+    names: Sequence[str],
+    *,
+    owner: bool,
+    coordinators: bool,
+    group: Any,
+    what: str,
+) -> None:
+    """Give every local directory the files only the coordinator wrote: the first rank
+    of ``group`` reads those of ``names`` under ``prefix``, each directory's first rank
+    (``owner``) but the coordinator's writes them in the order given (the last one
+    commits). Raises on every rank if any rank failed; ``what`` names the files."""
+
+    def read() -> dict[str, bytes]:
+        there = {o.key.rpartition("/")[2] for o in store.list(prefix)}
+        return {n: store.get(prefix + n) for n in names if n in there}
+
+    error: BaseException | None = None
+    try:
+        files = on_first(read, group, what=f"reading {what}")
+        if owner and not coordinators:
+            for name, data in files.items():
+                store.put(prefix + name, data)
+    except Exception as exc:
+        error = exc
+    settle(error, f"the copy of {what} to every local tier", group=group)
 
 
 def _in_order(keys: Iterable[K]) -> list[K]:

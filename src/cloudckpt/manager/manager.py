@@ -24,7 +24,6 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-import socket
 import threading
 import time
 import traceback
@@ -36,7 +35,6 @@ from typing import Any
 from ..dist.collectives import (
     agree,
     barrier,
-    group_rank,
     is_distributed,
     on_first,
     rank,
@@ -44,6 +42,7 @@ from ..dist.collectives import (
     world_size,
 )
 from ..dist.groups import checkpoint_group, drain_group
+from ..engine.drain import complete_directories, directory_owner
 from ..engine.handle import SaveHandle, in_flight
 from ..errors import (
     AlreadyExistsError,
@@ -565,10 +564,7 @@ class CheckpointManager:
         that directory is the coordinator's); a collective on ``group``. A directory is
         its host name and path: the same path on two nodes is two directories."""
         assert self._tier is not None
-        mine = (socket.gethostname(), str(self._tier.path.resolve()))
-        paths = agree(value=mine, group=group).values
-        me, _ = group_rank(group)
-        return paths.index(mine) == me, mine == paths[0]
+        return directory_owner(self._tier.path, group)
 
     def _commit_ranks(
         self, step: int, metrics: Mapping[str, float], metadata: Mapping[str, Any]
@@ -582,21 +578,16 @@ class CheckpointManager:
         owner, coordinators = self._dir_owner(group)
         prefix = tier.step_prefix(step)
         names = self.kind.coordinator_files
-
-        def read_commit_files() -> dict[str, bytes]:
-            found = {o.key.rpartition("/")[2] for o in tier.store.list(prefix)}
-            return {n: tier.store.get(prefix + n) for n in names if n in found}
-
-        what = f"step {step}'s coordinator files ({', '.join(names)})"
+        complete_directories(
+            tier.store,
+            prefix,
+            names,
+            owner=owner,
+            coordinators=coordinators,
+            group=group,
+            what=f"step {step}'s coordinator files ({', '.join(names)})",
+        )
         error: BaseException | None = None
-        try:
-            files = on_first(read_commit_files, group, what=f"reading {what}")
-            if owner and not coordinators:
-                for name, data in files.items():  # in commit order: the last one commits
-                    tier.store.put(prefix + name, data)
-        except Exception as exc:
-            error = exc
-        settle(error, f"the copy of {what} to every local tier", group=group)
         try:  # every directory is whole: each commits (a step some rank lacks is skipped)
             if owner:
                 tier.commit(step, self.kind.name, metrics, metadata)

@@ -27,7 +27,8 @@ from typing import Any
 from ..dist.collectives import barrier, on_first
 from ..lightning.fs import CloudFileSystem, is_remote, remote_dirpath, setup_remote_dirpath
 from ..options import TransferOptions
-from ._compat import ModelCheckpoint, is_global_rank_zero
+from ._compat import ModelCheckpoint, WrappingCheckpointIO, is_global_rank_zero
+from .checkpoint_io import CloudMegatronCheckpointIO
 from .paths import (
     CONTEXT,
     UNFINISHED_SUFFIX,
@@ -191,9 +192,9 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
             return
         self.set_checkpoint_unfinished_marker(filepath, barrier_after=True)
         if is_global_rank_zero():
-            remove_tree(checkpoint_dir(filepath))
+            _remove(trainer, filepath)
             if self._ema_callback(trainer) is not None:
-                remove_tree(checkpoint_dir(self._ema_format_filepath(filepath)))
+                _remove(trainer, self._ema_format_filepath(filepath))
         self.remove_checkpoint_unfinished_marker(filepath, barrier_before=True)
 
     def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str) -> bool:
@@ -256,3 +257,15 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
             nemo_logging.warning(
                 f"Failed to dump training context for checkpoint {filepath}: {exc}"
             )
+
+
+def _remove(trainer: Any, filepath: str) -> None:
+    """Delete a remote checkpoint: through the strategy's CloudMegatronCheckpointIO when
+    it has one (which never races its local tier's drain of it), else directly."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    while isinstance(io, WrappingCheckpointIO):
+        io = io.checkpoint_io
+    if isinstance(io, CloudMegatronCheckpointIO):
+        io.remove_checkpoint(filepath)
+    else:
+        remove_tree(checkpoint_dir(filepath))

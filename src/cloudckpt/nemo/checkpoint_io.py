@@ -12,21 +12,29 @@ Call order, as MegatronStrategy drives it: ``save_checkpoint`` on every rank (as
 returns once staged; the request's finalize functions run on every rank when
 ``maybe_finalize_save_checkpoint`` finds the save done); ``load_content_metadata`` then
 ``load_checkpoint`` on every rank; ``remove_checkpoint`` on rank 0.
+
+With ``local_dir=`` a checkpoint under the bucket ``dirpath`` is saved to node-local
+storage and committed there (in the finalize step of an async save), then drained to
+the bucket in the background (:mod:`cloudckpt.nemo.tier`, docs/megatron.md).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from typing import Any
 
 import torch
 
 from .. import megatron as cm
-from ..errors import NotFoundError
+from ..dist.collectives import agree
+from ..dist.groups import checkpoint_group
+from ..errors import ConfigError, NotFoundError
 from ..lightning.fs import register_settings
 from ..options import TransferOptions
-from ..store import Resolved, Settings
+from ..store import Resolved, Settings, Target
 from ._compat import (
     AsyncCompatibleCheckpointIO,
     AsyncFinalizableCheckpointIO,
@@ -35,6 +43,7 @@ from ._compat import (
     WrappingCheckpointIO,
 )
 from .paths import checkpoint_dir, remove_tree, weights_url
+from .tier import NemoTier
 
 __all__ = [
     "DEFAULT_CONTENT_METADATA",
@@ -63,6 +72,11 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
     or a cloudckpt profile for credentials. Megatron's save-strategy flags
     (``ckpt_parallel_save``, ``torch_dist_multiproc``, ...) do not apply: cloudckpt's
     writer has its own concurrency settings.
+
+    ``local_dir``: a node-local directory each rank saves to first; the checkpoint is
+    committed there and drained to the bucket in the background (:meth:`drain` waits;
+    ``teardown`` drains what is left). ``keep_local``: the newest local copies kept
+    per rank (None: all; one not drained yet is always kept).
     """
 
     validated_consistency: bool  # set by NeMo's constructor
@@ -72,6 +86,8 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         async_save: bool = False,
         *,
         weights_only: bool = True,
+        local_dir: str | os.PathLike[str] | None = None,
+        keep_local: int | None = None,
         options: TransferOptions | None = None,
         **overrides: Any,
     ) -> None:
@@ -82,6 +98,12 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         self._settings = Settings(options, overrides)
         if options is not None or overrides:
             register_settings("", self._settings)  # for the callback and resume lookups
+        self._tier: NemoTier | None = None
+        if local_dir is not None:
+            local = self._settings.resolve(os.fspath(local_dir)).options
+            self._tier = NemoTier(local_dir, keep_local, local)
+        elif keep_local is not None:
+            raise ConfigError(f"keep_local={keep_local!r} needs local_dir (a local tier)")
 
     def io_transform_args(self, init_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """IOMixin's record of the constructor's arguments, without the store settings."""
@@ -92,8 +114,17 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> Any:
-        """Save to ``<path without .ckpt>/weights``; async: return the ``AsyncRequest``."""
+        """Save to ``<path without .ckpt>/weights`` (with a local tier: to its local
+        copy, committed before this returns or in the async save's finalize step, then
+        queued for the bucket); async: return the ``AsyncRequest``."""
         url = weights_url(path)
+        name = self._tier_name(path)
+        where: dict[str, Any] = {"options": self._options, **self._overrides}
+        if name is not None:
+            assert self._tier is not None
+            self._tier.forget(name)  # an earlier save of the same name is uncommitted
+            url = self._tier.weights_path(name)
+            where = {"options": self._tier.options}
         validate = not (self.validated_consistency and self.assume_constant_structure)
         self.validated_consistency = True
         start = time.monotonic()
@@ -103,8 +134,7 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
             async_save=self.async_save,
             content_metadata=(storage_options or {}).get("content_metadata"),
             validate_access_integrity=validate,
-            options=self._options,
-            **self._overrides,
+            **where,
         )
         log.info(
             "%s checkpoint to %s in %.3fs",
@@ -112,7 +142,75 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
             url,
             time.monotonic() - start,
         )
-        return None if handle is None else handle.async_request()
+        step = int(checkpoint.get("global_step", 0))
+        if handle is None:
+            if name is not None:
+                self._commit_local(name, step)
+            return None
+        request = handle.async_request()
+        if name is not None:  # after the save's own finalize step (which raises its error)
+            request.add_finalize_fn(functools.partial(self._commit_local, name, step))
+        return request
+
+    # -- the local tier ------------------------------------------------------------------
+    def _tier_name(self, path: Any) -> str | None:
+        """The checkpoint's name when the local tier serves ``path``'s ``dirpath``
+        (binding the tier on first use: every rank calls this), else None."""
+        if self._tier is None:
+            return None
+        dirpath, _, name = checkpoint_dir(path).rpartition("/")
+        if self._tier.bind(dirpath, self._settings.open(dirpath)):
+            return name
+        return None
+
+    def _commit_local(self, name: str, step: int) -> None:
+        """Commit ``name`` in every rank's local tier, queue its drain, prune old copies."""
+        assert self._tier is not None
+        self._tier.commit(name, step)
+        self._tier.queue(name)
+        self._tier.retain()
+
+    def _source(self, path: Any) -> Resolved | Target:
+        """Where ``path`` is read from: the local copies when every rank holds the
+        checkpoint whole locally (a collective), else the bucket's committed copy."""
+        name = self._tier_name(path)
+        if name is not None:
+            assert self._tier is not None
+            lacking = agree(value=self._tier.whole(name), group=checkpoint_group()).values
+            if all(why is None for why in lacking):
+                return self._tier.view(name)
+            log.warning(
+                "checkpoint %s is not whole in every rank's local tier (%s): reading it "
+                "from the bucket",
+                checkpoint_dir(path),
+                "; ".join(f"rank {r}: {why}" for r, why in enumerate(lacking) if why),
+            )
+        return self._committed(path)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Every rank: wait until every checkpoint saved to the local tier is committed
+        in the bucket; a failed drain is tried again, and raised on every rank if it
+        fails again (TimeoutError after ``timeout`` s). Nothing to do without a tier."""
+        tier = self._tier
+        if tier is None:
+            return
+        if tier.dirpath is None:  # a new process: the run file names the bucket dirpath
+            dirpath = agree(value=tier.recorded_dirpath(), group=checkpoint_group()).values[0]
+            if dirpath is None or not tier.bind(dirpath, self._settings.open(dirpath)):
+                return
+        tier.drain(timeout)
+
+    def teardown(self) -> None:
+        """Lightning's end of a run (every rank): drain what is left (errors logged)."""
+        super().teardown()
+        try:
+            self.drain()
+        except Exception as exc:
+            log.warning(
+                "the local tier's drain at teardown failed: %s; drain() with this "
+                "local_dir finishes it",
+                exc,
+            )
 
     # -- load ----------------------------------------------------------------------------
     def _committed(self, path: Any) -> Resolved:
@@ -146,7 +244,7 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
             raise ValueError("map_location is not supported by CloudMegatronCheckpointIO")
         if sharded_state_dict is None:
             raise ValueError("CloudMegatronCheckpointIO.load_checkpoint needs sharded_state_dict")
-        where = self._committed(path)
+        where = self._source(path)
         if isinstance(strict, bool):
             # NeMo's own back-compat rule (megatron's strict check skips factories).
             if not strict:
@@ -167,7 +265,7 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
         from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-        stored = cm.load_tensors_metadata(self._settings.resolve(path))
+        stored = cm.load_tensors_metadata(self._settings.open(path))  # a view kept as is
         missing: list[str] = []
 
         def absent(x: Any) -> bool:
@@ -184,7 +282,7 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         self, path: Any = None, preloaded_state_dict: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """The ``content_metadata`` saved with the checkpoint, or NeMo's back-compat default."""
-        where = None if path is None else self._committed(path)
+        where = None if path is None else self._source(path)
         found = cm.load_content_metadata(where, preloaded_state_dict=preloaded_state_dict)
         if found is None:
             shown = None if where is None else where.url
@@ -194,7 +292,12 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
 
     # -- remove --------------------------------------------------------------------------
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the whole NeMo checkpoint (weights and context), its commit marker first."""
+        """Delete the whole NeMo checkpoint (weights and context), its commit marker
+        first; with a local tier, after its drain (one not started never starts)."""
+        dirpath, _, name = checkpoint_dir(path).rpartition("/")
+        tier = self._tier
+        if tier is not None and tier.usable and tier.dirpath == dirpath:
+            tier.removing(name)
         removed = remove_tree(checkpoint_dir(path))
         log.debug("removed %s (%d objects)", checkpoint_dir(path), removed)
 
@@ -238,6 +341,17 @@ class CloudAsyncFinalizableCheckpointIO(AsyncFinalizableCheckpointIO, IOMixin): 
         WrappingCheckpointIO.__init__(self, checkpoint_io)
         self.async_calls_queue = AsyncCallsQueue()
 
+    def drain(self, timeout: float | None = None) -> None:
+        """Every rank: finalize the saves in flight, then the wrapped IO's ``drain``."""
+        self.maybe_finalize_save_checkpoint(blocking=True)
+        self.checkpoint_io.drain(timeout)
+
+    def teardown(self) -> None:
+        """NeMo's teardown, then the wrapped IO's (Lightning's wrapper does not call it):
+        the local tier drains what was finalized."""
+        super().teardown()
+        self.checkpoint_io.teardown()
+
 
 def cloud_checkpoint_io(
     async_save: bool, **options: Any
@@ -246,7 +360,8 @@ def cloud_checkpoint_io(
 
     Pass the strategy's ``ckpt_async_save`` as ``async_save`` (MegatronStrategy does not
     hand it to a given IO): True gives the async wrapper NeMo's callbacks require, False
-    the plain IO. ``options`` go to :class:`CloudMegatronCheckpointIO`.
+    the plain IO. ``options`` (``local_dir=``, ``keep_local=``, transfer options) go to
+    :class:`CloudMegatronCheckpointIO`.
     """
     io = CloudMegatronCheckpointIO(async_save=async_save, **options)
     return CloudAsyncFinalizableCheckpointIO(io) if async_save else io

@@ -1,0 +1,247 @@
+"""Code that runs inside the ranks of tests/nemo/test_tier.py: CloudMegatronCheckpointIO
+with a local tier, driven with megatron sharded state dicts as MegatronStrategy hands
+them over. ``local_dir`` is ``<root>/node`` for both ranks (one node) or
+``<root>/rank<N>`` (a directory per rank, as on two nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import mcore_workers as w
+import torch
+import torch.distributed as dist
+from nemo_workers import (
+    CONTENT,
+    cpu_friendly_megatron,
+    names_under,
+    nemo_checkpoint,
+    nemo_load_request,
+    restore,
+)
+
+import cloudckpt.megatron as cm
+
+
+def local_dir(root: str, rank: int | None) -> str:
+    """The local_dir of ``rank`` (None: the one both ranks share)."""
+    return f"{root}/node" if rank is None else f"{root}/rank{rank}"
+
+
+def _io(root: str, rank: int | None, so: dict[str, Any], **kwargs: Any) -> Any:
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    return CloudMegatronCheckpointIO(local_dir=local_dir(root, rank), storage_options=so, **kwargs)
+
+
+def _states() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The checkpoints of steps 1 and 2 (two models: a checkpoint holds its model's
+    live tensors) and the states they hold; the same in every process (seeded)."""
+    checkpoints, wanted = [], []
+    for step in (1, 2):
+        model = w.build_gpt(2)
+        opt = w.adam_for(model, 2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(step))
+        wanted.append(w.full_state(model, opt))
+        checkpoints.append(nemo_checkpoint(model, opt, step))
+    return checkpoints, wanted
+
+
+def _check_load(io: Any, path: str, want: dict[str, Any], what: str) -> None:
+    fresh = w.build_gpt(2, seed=7)
+    fresh_opt = w.adam_for(fresh, 1)
+    restore(fresh, fresh_opt, io.load_checkpoint(path, nemo_load_request(fresh, fresh_opt)))
+    w.assert_same(w.full_state(fresh, fresh_opt), want, what)
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+        logging.getLogger("cloudckpt").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(record.getMessage())
+
+
+def save_and_drain(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """A sync save (local commit before it returns), then an async one through NeMo's
+    finalizer (committed locally in the finalize step); drain(); the bucket holds both,
+    committed, and the plain IO reads them back."""
+    from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizerCallback
+
+    from cloudckpt.nemo import CloudMegatronCheckpointIO, cloud_checkpoint_io
+
+    cpu_friendly_megatron()
+    checkpoints, wanted = _states()
+    sync = _io(root, None, so)
+    sync.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt",
+                         storage_options={"content_metadata": CONTENT})  # fmt: skip
+    info = sync._tier.info("step=1")
+    assert info is not None and info.metadata["nemo_name"] == "step=1" and info.step == 1
+    assert Path(local_dir(root, None), "step=1", "weights", "metadata.json").is_file()
+    sync.drain()
+    assert cm.is_checkpoint(f"{url}/step=1/weights", storage_options=so)
+
+    io = cloud_checkpoint_io(async_save=True, local_dir=local_dir(root, None), storage_options=so)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(checkpoint_io=io))
+    io.save_checkpoint(checkpoints[1], f"{url}/step=2.ckpt", {"content_metadata": CONTENT})
+    assert io.checkpoint_io._tier.info("step=2") is None  # committed in the finalize step
+    AsyncFinalizerCallback().on_train_end(trainer)
+    assert io.checkpoint_io._tier.info("step=2") is not None
+    io.teardown()  # NeMo's teardown drains what is left
+    assert cm.is_checkpoint(f"{url}/step=2/weights", storage_options=so)
+    plain = CloudMegatronCheckpointIO(storage_options=so)
+    for step, want in zip((1, 2), wanted, strict=True):
+        _check_load(plain, f"{url}/step={step}/weights", want, f"rank {rank} step {step}")
+    assert plain.load_content_metadata(f"{url}/step=2") == CONTENT
+
+
+def load_local(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """A new IO with the same local_dir reads step=2 from its local copies."""
+    _, wanted = _states()
+    warnings = _Warnings()
+    io = _io(root, None, so)
+    assert io.load_content_metadata(f"{url}/step=2") == CONTENT
+    _check_load(io, f"{url}/step=2/weights", wanted[1], f"rank {rank} local load")
+    assert warnings.seen == [], warnings.seen
+
+
+def load_with_a_copy_missing(
+    rank: int, world: int, url: str, so: dict[str, Any], root: str
+) -> None:
+    """The node's local copy lacks a file: every rank reads the bucket, saying why."""
+    _, wanted = _states()
+    warnings = _Warnings()
+    io = _io(root, None, so)
+    _check_load(io, f"{url}/step=2", wanted[1], f"rank {rank} bucket load")
+    said = [s for s in warnings.seen if "reading it from the bucket" in s]
+    assert len(said) == 1 and "step=2" in said[0] and "rank 1" in said[0], warnings.seen
+
+
+class _SpyCondition(threading.Condition):
+    """The tier's condition, telling when a removal starts waiting for a drain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def removals_race_drains(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """Top-k removal (rank 0) of a checkpoint whose drain has not started, then of one
+    being drained: neither is left in the bucket; keep_local prunes the local copies."""
+    cpu_friendly_megatron()
+    checkpoints, _ = _states()
+    io = _io(root, rank, so, keep_local=1)
+    tier = io._tier
+    spy = tier._cond = _SpyCondition()
+    # Not started: rank 0 holds the tier's lock, so its drainer can't ask whether step=1
+    # is still wanted until the removal recorded it.
+    if rank == 0:
+        spy.acquire()
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    if rank == 0:
+        io.remove_checkpoint(f"{url}/step=1.ckpt")
+        spy.release()
+    io.drain()
+    assert names_under(f"{url}/step=1", so) == [], names_under(f"{url}/step=1", so)
+
+    # Under way: the removal waits for the drain's commit, then deletes.
+    order: list[str] = []
+    started = threading.Event()
+    copy = tier._copy
+
+    def commit_copy(name: str, exclude: tuple[str, ...]) -> None:
+        if not exclude and rank == 0:  # the coordinator's copy, metadata.json last
+            started.set()
+            assert spy.waiting.wait(60), "the removal did not wait for the drain"
+            copy(name, exclude)
+            order.append("committed")
+            return
+        copy(name, exclude)
+
+    tier._copy = commit_copy
+    io.save_checkpoint(checkpoints[1], f"{url}/step=2.ckpt")
+    if rank == 0:
+        assert started.wait(60)
+        io.remove_checkpoint(f"{url}/step=2.ckpt")
+        order.append("removed")
+        assert order == ["committed", "removed"], order
+    io.drain()
+    assert names_under(f"{url}/step=2", so) == [], names_under(f"{url}/step=2", so)
+
+    tier._copy = copy
+    checkpoints[1]["global_step"] = 3
+    io.save_checkpoint(checkpoints[1], f"{url}/step=3.ckpt")
+    io.drain()
+    assert cm.is_checkpoint(f"{url}/step=3/weights", storage_options=so)
+    here = sorted(p.name for p in Path(local_dir(root, rank)).iterdir() if p.is_dir())
+    assert here == ["step=3"], here
+    dist.barrier()
+
+
+def drain_cut_short(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """A save committed locally whose drain stopped after each directory's data (what
+    a kill leaves: copy_tree writes metadata.json last): no background drain runs."""
+    from cloudckpt.manager.payload import MegatronPayload
+
+    cpu_friendly_megatron()
+    checkpoints, _ = _states()
+    io = _io(root, rank, so)
+    io._tier.queue = lambda name: None  # the process "dies" before its drain runs
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    io._tier._copy("step=1", MegatronPayload().coordinator_files)
+    dist.barrier()
+
+
+def next_io_finishes(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """A new IO with the same local_dir: drain() finishes the drain left behind."""
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    _, wanted = _states()
+    io = _io(root, rank, so)
+    io.drain()
+    assert cm.is_checkpoint(f"{url}/step=1/weights", storage_options=so)
+    _check_load(
+        CloudMegatronCheckpointIO(storage_options=so), f"{url}/step=1", wanted[0], "drained"
+    )
+    # Each rank's own directory: its files from local disk, the other node's (a tensor
+    # only the coordinator saved) from the bucket.
+    _check_load(io, f"{url}/step=1", wanted[0], f"rank {rank} from local and the bucket")
+
+
+def failed_drain_retried(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """A drain that fails (the coordinator's copy, once) is a WARNING on every rank and
+    leaves the bucket uncommitted; drain() tries it again and commits it."""
+    cpu_friendly_megatron()
+    checkpoints, wanted = _states()
+    warnings = _Warnings()
+    io = _io(root, rank, so)
+    tier = io._tier
+    copy = tier._copy
+    failures = [OSError("the bucket went away")] if rank == 0 else []
+
+    def flaky(name: str, exclude: tuple[str, ...]) -> None:
+        if not exclude and failures:
+            raise failures.pop()
+        copy(name, exclude)
+
+    tier._copy = flaky
+    io.save_checkpoint(checkpoints[1], f"{url}/step=2.ckpt")
+    assert set(tier.drainer.wait()) == {"step=2"}
+    said = [s for s in warnings.seen if "the drain of checkpoint step=2" in s]
+    assert len(said) == 1 and "bucket went away" in said[0], warnings.seen
+    assert not cm.is_checkpoint(f"{url}/step=2/weights", storage_options=so)
+    io.drain()
+    assert tier.unfinished() == set()
+    _check_load(io, f"{url}/step=2", wanted[1], f"rank {rank} after the retried drain")
