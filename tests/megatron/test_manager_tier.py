@@ -212,6 +212,31 @@ def failing_rank(rank: int, world: int, root: str, so: dict[str, Any], tmp: str 
     _restores(CheckpointManager(root, kind="megatron", storage_options=so), 2, want, seed=43)
 
 
+def peers_fill_in(rank: int, world: int, root: str, so: dict[str, Any], tmp: str) -> None:
+    """Step 1 stays in the local tiers only (not due for the bucket), each directory also
+    keeping its peer's copy: rank 1 lacks the tensors only rank 0 wrote (replicated under
+    TP=2) and reads them from the copy of node 0 it keeps, so both restore from local."""
+    local = Path(tmp) / f"tier{rank}"
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            root,
+            local_dir=local,
+            kind="megatron",
+            drain_every_n_steps=10,
+            replicate_to_peer=True,
+            storage_options=so,
+        )
+
+    model = w.build_gpt(2)
+    opt, want = _trained(model, 1)
+    saved = manager()
+    saved.save(1, w.checkpoint_state(model, opt))
+    assert not {p.name for p in (local / step_dir(1)).iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
+    assert CheckpointManager(root, kind="megatron", storage_options=so).list() == []
+    _restores(manager(), 1, want, seed=45)
+
+
 @contextlib.contextmanager
 def _recording(server: S3Server, seen: list[tuple[str, str]]) -> Iterator[dict[str, Any]]:
     """Storage options reaching ``server`` through a proxy that records into ``seen``."""
@@ -293,3 +318,12 @@ def test_async_save_failing_on_one_rank_fails_everywhere(
     root, so = _run(moto_server)
     run_ranks(failing_rank, 2, root, so, str(tmp_path) if tier else None, timeout=TIMEOUT)
     assert MARKER_NAME not in _names(f"{root}/{step_dir(1)}", so)
+
+
+def test_a_local_only_step_reads_what_its_directory_lacks_from_the_peer_copy(
+    moto_server: S3Server, tmp_path: Path
+) -> None:
+    root, so = _run(moto_server)
+    run_ranks(peers_fill_in, 2, root, so, str(tmp_path), timeout=TIMEOUT)
+    # Each directory keeps the other's files in its peer folder.
+    assert (tmp_path / "tier1" / "_peers" / "rank-0" / step_dir(1) / "__0_0.distcp").is_file()

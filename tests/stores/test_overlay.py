@@ -52,3 +52,18 @@ def test_writes_are_refused() -> None:
     with pytest.raises(ConfigError, match="read-only"):
         view.delete("b")
     assert local.get("step-1/a") == b"local a" and remote.get("run/step-1/b") == b"remote bb"
+
+
+def test_a_peer_copy_serves_what_the_own_copy_lacks_before_the_bucket() -> None:
+    local, remote = _stores()
+    local.put("_peers/rank-0/step-1/b", b"peer b")
+    local.put("_peers/rank-0/step-1/a", b"peer a")
+    also = [("_peers/rank-0/step-1/", ["a", "b"])]
+    view = OverlayStore(local, "step-1/", ["a"], remote, "run/step-1/", what="step 1", also=also)
+    assert view.get("a") == b"local a"  # the own copy first
+    assert view.get("b") == b"peer b"  # then the peer's, not the bucket's
+    assert view.url("b") == local.url("_peers/rank-0/step-1/b")
+    assert view.remote_reads == (0, 0)
+    assert [(o.key, o.size) for o in view.list("")] == [("a", 7), ("b", 6), ("stray", 18)]
+    alone = OverlayStore(local, "step-1/", ["a"], None, "", what="step 1", also=also)
+    assert alone.get("b") == b"peer b"  # no bucket needed

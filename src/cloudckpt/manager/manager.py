@@ -847,6 +847,7 @@ class CheckpointManager:
             self._step_prefix(step),
             what=f"step {step}",
             hint=hint,
+            also=self._peer_copies(step),
         )
         url = tier.step_url(step)
         result = self.kind.load(
@@ -869,6 +870,21 @@ class CheckpointManager:
             tier.url,
         )
         return result
+
+    def _peer_copies(self, step: int) -> builtins.list[tuple[str, builtins.list[str]]]:
+        """The whole copies of ``step`` this directory keeps for its peer (with
+        ``replicate_to_peer``): each prefix and the names its marker lists, read before
+        the bucket when this directory's own copy lacks a file."""
+        tier = self._tier
+        if tier is None or not self.replicate_to_peer:
+            return []
+        found = []
+        for source, steps in peers.held(tier).items():
+            prefix = peers.peer_prefix(source, step)
+            copy = read_marker(tier.store, prefix + MARKER_NAME) if step in steps else None
+            if copy is not None:
+                found.append((prefix, [f.name for f in copy.files]))
+        return found
 
     def _restores_ranked(self) -> bool:
         """Whether a restore in a job of one process takes the path of several ranks

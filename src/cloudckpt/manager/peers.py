@@ -28,7 +28,7 @@ from .marker import MARKER_NAME, decode_marker, list_checkpoints, step_dir
 from .retention import KeepLast, to_delete
 from .tiers import LocalTier
 
-__all__ = ["PEERS", "Ring", "held", "receive_missing", "replicate", "ring"]
+__all__ = ["PEERS", "Ring", "held", "peer_prefix", "receive_missing", "replicate", "ring"]
 
 log = logging.getLogger("cloudckpt")
 

@@ -4,8 +4,9 @@ A manager's local tier may hold only some of a step's files (each node keeps the
 its own ranks wrote, plus the coordinator's), while a load asks for whatever its plan
 needs (another node's files when the world size changed, or a tensor only the
 coordinator saved). :class:`OverlayStore` answers each key from the local copy when
-that copy holds it (``held``: the names its local marker lists, checked whole), and
-otherwise from the bucket's committed copy of the same step: a drain copies the files
+that copy holds it (``held``: the names its local marker lists, checked whole), then
+from a peer's copy of the same step kept in that directory, and otherwise from the
+bucket's committed copy of the same step: a drain copies the files
 unchanged, so both hold the same bytes. It counts what the bucket served.
 
 Each tier's own store checks, retries and maps its requests; the view adds a single
@@ -28,9 +29,11 @@ __all__ = ["OverlayStore"]
 
 class OverlayStore(Store):
     """Keys are names relative to one step: those in ``held`` are read from ``local``
-    under ``local_prefix``, any other from ``remote`` under ``remote_prefix``. With no
-    ``remote`` (the bucket lacks the step) a name the local copy does not hold is a
-    NotFoundError naming it and ``what`` (the step), followed by ``hint``.
+    under ``local_prefix``, then those ``also`` lists (other prefixes of ``local`` with
+    the names each holds whole: the copies of a peer's step), any other from ``remote``
+    under ``remote_prefix``. With no ``remote`` (the bucket lacks the step) a name no
+    local copy holds is a NotFoundError naming it and ``what`` (the step), followed by
+    ``hint``.
 
     Read-only: every write is refused with ConfigError.
     """
@@ -47,10 +50,17 @@ class OverlayStore(Store):
         *,
         what: str,
         hint: str = "",
+        also: Sequence[tuple[str, Collection[str]]] = (),
     ) -> None:
         self.local, self.local_prefix = local, local_prefix
         self.remote, self.remote_prefix = remote, remote_prefix
         self.held = frozenset(held)
+        #: Names held by other local prefixes, each with the first prefix holding it.
+        self.elsewhere: dict[str, str] = {}
+        for prefix, names in also:
+            for name in names:
+                if name not in self.held:
+                    self.elsewhere.setdefault(name, prefix)
         self.what, self.hint = what, hint
         self.root_url = local.url(local_prefix)
         self._lock = threading.Lock()
@@ -62,6 +72,8 @@ class OverlayStore(Store):
         """The store and key that serve ``key``; NotFoundError when neither tier can."""
         if key in self.held:
             return self.local, self.local_prefix + key
+        if key in self.elsewhere:
+            return self.local, self.elsewhere[key] + key
         if self.remote is None:
             raise NotFoundError(
                 f"{key} of {self.what} is not in the local copy at "
@@ -72,12 +84,14 @@ class OverlayStore(Store):
 
     def url(self, key: str) -> str:
         """The URL ``key`` is read from: its local file, or the bucket's object."""
+        if key in self.elsewhere:
+            return self.local.url(self.elsewhere[key] + key)
         if key in self.held or self.remote is None:
             return self.local.url(self.local_prefix + key)
         return self.remote.url(self.remote_prefix + key)
 
     def _count(self, key: str, nbytes: int) -> None:
-        if key not in self.held:
+        if key not in self.held and key not in self.elsewhere:
             with self._lock:
                 self._remote_files.add(key)
                 self._remote_bytes += nbytes
@@ -117,6 +131,9 @@ class OverlayStore(Store):
             for o in self.local.list(self.local_prefix + prefix)
             if o.key[len(self.local_prefix) :] in self.held
         }
+        for name, where in self.elsewhere.items():
+            if name.startswith(prefix) and name not in found:
+                found[name] = self.local.head(where + name)
         if self.remote is not None:
             for o in self.remote.list(self.remote_prefix + prefix):
                 found.setdefault(o.key[len(self.remote_prefix) :], o)
