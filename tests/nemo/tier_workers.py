@@ -1,4 +1,4 @@
-"""Code that runs inside the ranks of tests/nemo/test_tier.py: CloudMegatronCheckpointIO
+"""Code that runs inside the ranks of tests/nemo/test_local_tier.py: CloudMegatronCheckpointIO
 with a local tier, driven with megatron sharded state dicts as MegatronStrategy hands
 them over. ``local_dir`` is ``<root>/node`` for both ranks (one node) or
 ``<root>/rank<N>`` (a directory per rank, as on two nodes).
