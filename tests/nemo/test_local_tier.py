@@ -97,3 +97,8 @@ def test_a_context_without_weights_is_not_committed(bucket: Any) -> None:
     assert latest_checkpoint(url) == f"{url}/step=1-last"
     with pytest.raises(NotFoundError, match="step=2-last"):
         CloudMegatronCheckpointIO(storage_options=so)._committed(f"{url}/step=2-last")
+
+
+def test_a_full_local_tier_refuses_the_save_on_every_rank(bucket: Any, tmp_path: Path) -> None:
+    url, so, _ = bucket
+    run_ranks(tw.full_tier, 2, url, so, str(tmp_path), timeout=TIMEOUT)

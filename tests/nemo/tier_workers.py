@@ -245,3 +245,31 @@ def failed_drain_retried(rank: int, world: int, url: str, so: dict[str, Any], ro
     io.drain()
     assert tier.unfinished() == set()
     _check_load(io, f"{url}/step=2", wanted[1], f"rank {rank} after the retried drain")
+
+
+def full_tier(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """Rank 1's local tier has 1 KiB free: the save fails on every rank before anything
+    is written (LocalTierFullError there, a CollectiveError naming it on rank 0); with
+    room again, the same save commits."""
+    import shutil
+    from collections import namedtuple
+
+    import pytest
+
+    from cloudckpt.errors import CollectiveError, LocalTierFullError
+
+    cpu_friendly_megatron()
+    checkpoints, wanted = _states()
+    io = _io(root, rank, so)
+    real = shutil.disk_usage
+    if rank == 1:
+        usage = namedtuple("usage", "total used free")
+        shutil.disk_usage = lambda path: usage(1 << 30, 1 << 30, 1024)  # type: ignore[assignment]
+    expected = LocalTierFullError if rank == 1 else CollectiveError
+    with pytest.raises(expected, match="1024 bytes free" if rank == 1 else "rank 1"):
+        io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    shutil.disk_usage = real  # type: ignore[assignment]
+    assert not Path(local_dir(root, rank), "step=1").exists()  # nothing written
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    io.drain()
+    _check_load(io, f"{url}/step=1", wanted[0], f"rank {rank} after the refused save")

@@ -46,7 +46,16 @@ from .marker import (
 from .payload import PayloadKind
 from .retention import KeepLast, to_delete
 
-__all__ = ["LOCAL", "REMOTE", "RUN_FILE", "Drainer", "LocalTier", "merge_tiers"]
+__all__ = [
+    "LOCAL",
+    "REMOTE",
+    "RUN_FILE",
+    "Drainer",
+    "LocalTier",
+    "check_free",
+    "merge_tiers",
+    "tensor_bytes",
+]
 
 log = logging.getLogger("cloudckpt")
 
@@ -177,13 +186,7 @@ class LocalTier:
         ``copies`` (2 when the directory also keeps a peer's copy)."""
         found = self.list()
         last = found[-1].size if found else 0
-        need = max(last, _tensor_bytes(state)) * copies
-        free = shutil.disk_usage(self.path).free
-        if free < need:
-            raise LocalTierFullError(
-                f"the local tier {self.path} has {free} bytes free, less than the {need} "
-                "bytes a checkpoint takes; free space there or lower keep_local"
-            )
+        check_free(self.path, max(last, tensor_bytes(state)) * copies)
 
     def commit(
         self, step: int, kind: str, metrics: Mapping[str, float], metadata: Mapping[str, Any]
@@ -296,16 +299,31 @@ def merge_tiers(
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _tensor_bytes(state: Any, depth: int = 0) -> int:
-    """The bytes of the tensors in ``state`` (nested dicts, lists, tuples): an estimate
-    of a first checkpoint's size, found without importing torch."""
+def check_free(path: Path, need: int) -> None:
+    """LocalTierFullError, before anything is written, when the filesystem of the local
+    tier ``path`` has less than ``need`` bytes free."""
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise LocalTierFullError(
+            f"the local tier {path} has {free} bytes free, less than the {need} bytes a "
+            "checkpoint takes; free space there or lower keep_local"
+        )
+
+
+def tensor_bytes(state: Any, depth: int = 0) -> int:
+    """The bytes of the tensors in ``state`` (nested dicts, lists, tuples, and objects
+    holding a tensor as ``data``, such as megatron's ``ShardedTensor``): an estimate of a
+    first checkpoint's size, found without importing torch."""
     if depth > 64:
         return 0
     if isinstance(state, Mapping):
-        return sum(_tensor_bytes(v, depth + 1) for v in state.values())
+        return sum(tensor_bytes(v, depth + 1) for v in state.values())
     if isinstance(state, (list, tuple)):
-        return sum(_tensor_bytes(v, depth + 1) for v in state)
-    if type(state).__module__.startswith("torch") and hasattr(state, "nbytes"):
-        nbytes = state.nbytes
+        return sum(tensor_bytes(v, depth + 1) for v in state)
+    if type(state).__module__.startswith("torch"):
+        nbytes = getattr(state, "nbytes", None)
         return nbytes if isinstance(nbytes, int) else 0
+    data = getattr(state, "data", None)
+    if data is not None and type(data).__module__.startswith("torch"):
+        return tensor_bytes(data, depth + 1)
     return 0

@@ -122,6 +122,7 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         where: dict[str, Any] = {"options": self._options, **self._overrides}
         if name is not None:
             assert self._tier is not None
+            self._tier.check_room(checkpoint)  # LocalTierFullError before any write
             self._tier.forget(name)  # an earlier save of the same name is uncommitted
             url = self._tier.weights_path(name)
             where = {"options": self._tier.options}

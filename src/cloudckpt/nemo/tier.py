@@ -24,12 +24,12 @@ from ..dist.collectives import agree, on_first, settle, world_size
 from ..dist.groups import checkpoint_group, drain_group
 from ..engine.copy import copy_tree
 from ..engine.drain import Drainer, claim, complete_directories, directory_owner, read_owner
-from ..errors import ConfigError, CorruptCheckpointError, NotFoundError
+from ..errors import ConfigError, CorruptCheckpointError, LocalTierFullError, NotFoundError
 from ..format.commit import MEGATRON_MARKER
 from ..manager.gc import delete_prefix
 from ..manager.marker import MARKER_NAME, CheckpointInfo, commit_step, read_marker
 from ..manager.payload import MegatronPayload
-from ..manager.tiers import CLOCK_SLACK, LocalTier
+from ..manager.tiers import CLOCK_SLACK, LocalTier, check_free, tensor_bytes
 from ..options import TransferOptions
 from ..store import Target
 from ..store.local import LocalStore
@@ -151,6 +151,19 @@ class NemoTier:
                 if info is not None:
                     found.append((info, parts[0]))
         return sorted(found, key=lambda item: (item[0].time, item[1]))
+
+    def check_room(self, checkpoint: Any) -> None:
+        """Before a save writes anything, on every rank (a collective): each rank's local
+        tier has room for the larger of its last local copy and this rank's tensors;
+        else LocalTierFullError on the rank lacking it, CollectiveError naming it on the
+        others."""
+        error: BaseException | None = None
+        try:
+            last = max((info.size for info, _ in self.local()), default=0)
+            check_free(self.path, max(last, tensor_bytes(checkpoint)))
+        except LocalTierFullError as exc:
+            error = exc
+        settle(error, f"the room check of the local tiers ({self.path})", group=checkpoint_group())
 
     def forget(self, name: str) -> None:
         """Uncommit an older local copy of ``name`` before it is saved again."""
