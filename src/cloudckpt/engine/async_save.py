@@ -90,9 +90,11 @@ def async_save(
         snap.release(pool)
         handle.finish(result, None)
 
-    threading.Thread(
+    worker = threading.Thread(
         target=run, name=f"cloudckpt-save-{key.rsplit('/', 1)[-1]}", daemon=True
-    ).start()
+    )
+    in_flight.add_worker(worker)  # joined at exit (engine/handle.py)
+    worker.start()
     try:
         with paused_gc(kept=True):  # the staging's per-tensor objects (_runtime/gcpause.py)
             staged.append(snapshot(obj, pool))

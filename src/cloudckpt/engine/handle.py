@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -114,12 +115,25 @@ class SaveHandle(Generic[T]):
                 log.exception("callback for the %s of %s failed", self.kind, self.url)
 
 
+#: Seconds the exit hook waits for each finished save's thread to end.
+WORKER_EXIT_WAIT = 10.0
+
+
 class InFlight:
     """Handles started and not yet seen through: pending ones and unseen failures."""
 
     def __init__(self) -> None:
         self._handles: list[SaveHandle[Any]] = []
         self._lock = threading.Lock()
+        self._workers: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+    def add_worker(self, thread: threading.Thread) -> None:
+        """A daemon thread running a save, joined at exit: it still runs a moment after
+        its handle is finished (dropping the snapshot's tensors), and an interpreter
+        torn down under it aborts the process ("terminate called without an active
+        exception")."""
+        with self._lock:
+            self._workers.add(thread)
 
     def add(self, handle: SaveHandle[Any]) -> None:
         with self._lock:
@@ -161,11 +175,17 @@ class InFlight:
         (waiting for them at exit would wait forever), and are the parent's to report."""
         self._handles = []
         self._lock = threading.Lock()
+        self._workers = weakref.WeakSet()
 
     def finish_at_exit(self) -> None:
-        """Let pending saves finish before the interpreter tears down; report failures."""
+        """Let pending saves finish, and their threads end, before the interpreter tears
+        down; report failures."""
         for h in self.pending():
             h.wait()
+        with self._lock:
+            workers = list(self._workers)
+        for thread in workers:  # each handle is done: only the thread's return is left
+            thread.join(WORKER_EXIT_WAIT)
         while (error := self.take_unreported_error()) is not None:
             message = f"cloudckpt: a background save failed and was never checked: {error}"
             log.error("%s", message)
