@@ -216,7 +216,9 @@ def save_state(
     with _lock:
         _running[manager.root_url] = handle
     in_flight.add(handle)
-    threading.Thread(target=run, name=f"cloudckpt-accelerate-{chosen}", daemon=True).start()
+    worker = threading.Thread(target=run, name=f"cloudckpt-accelerate-{chosen}", daemon=True)
+    in_flight.add_worker(worker)  # joined at exit (engine/handle.py)
+    worker.start()
     return handle
 
 

@@ -207,8 +207,8 @@ def test_a_ranks_failed_upload_fails_every_rank_and_commits_nothing(moto_server,
     url = f"s3://{bucket}/run"
     procs = launch(moto_server, url, 2, "--fail-upload", "1:8", report=tmp_path / "r")
     for p in procs:
-        p.communicate(timeout=600)
-        assert p.returncode == 3
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 3, err.decode()[-4000:]
     failed = reports(tmp_path / "r", 2)
     assert failed[1]["error"] == "StorageError"  # the failed rank raises its own error
     assert failed[0]["error"] == "DistributedSaveError"

@@ -188,3 +188,68 @@ def test_collective_errors_keep_their_failures_across_pickling() -> None:
     assert str(back) == str(error)
     assert issubclass(DistributedLoadError, CollectiveError)
     assert issubclass(CollectiveError, RuntimeError)
+
+
+# -- the groups they run on -------------------------------------------------------------------
+def _runs_on_cloudckpt_s_groups(me: int, world: int) -> None:
+    import threading
+
+    from cloudckpt.dist import groups
+
+    used: list[Any] = []
+    calls = {
+        name: getattr(dist, name)
+        for name in ("all_gather_object", "broadcast_object_list", "barrier")
+    }
+
+    def spy(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            used.append(kwargs.get("group"))
+            return calls[name](*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        setattr(dist, name, spy(name))
+    try:
+        on_first(lambda: 1)
+        agree(value=me)
+        barrier()
+        training = dist.new_group(backend="gloo")  # the program's group of every rank
+        on_first(lambda: 2, training)
+        drain = groups.drain_group()
+        settle(None, "a drain's step", group=drain)
+        pair = dist.new_group([0, 1], backend="gloo")  # the program's group of some ranks
+        if me in (0, 1):
+            agree(value=me, group=pair)
+    finally:
+        for name, fn in calls.items():
+            setattr(dist, name, fn)
+    caller = groups.dedicated()
+    assert caller not in (None, dist.group.WORLD, training)
+    expected = [caller] * 4 + [drain] + ([pair] if me in (0, 1) else [])
+    assert used == expected, me  # a group cloudckpt made is used as itself
+
+    # At exit the groups are destroyed, the program's default group left alone; while a
+    # background thread that runs collectives lives, they are left as they are.
+    release = threading.Event()
+    busy = threading.Thread(target=release.wait)
+    busy.start()
+    groups.runs_collectives(busy)
+    groups._destroy_at_exit()
+    assert dist.get_process_group_ranks(caller) == list(range(world))
+    assert on_first(lambda: "still here") == "still here"
+    release.set()
+    busy.join()
+    groups._destroy_at_exit()
+    for made in (caller, drain):
+        with pytest.raises((KeyError, ValueError)):  # torch no longer knows the group
+            dist.get_process_group_ranks(made)
+    assert dist.is_initialized()
+    assert dist.get_process_group_ranks(training) == list(range(world))
+    assert on_first(lambda: "on a new group") == "on a new group"
+    assert groups.dedicated() is not caller
+
+
+def test_collectives_run_on_cloudckpt_s_own_groups_destroyed_at_exit() -> None:
+    run_ranks(_runs_on_cloudckpt_s_groups, 3, timeout=120)

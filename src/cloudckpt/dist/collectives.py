@@ -1,9 +1,12 @@
 """Collectives: act on the first rank, agree, settle, barrier; one error naming the rank.
 
 Every "one rank acts, every rank learns the outcome" in cloudckpt goes through here,
-on the default group or on the group the caller passes (a background commit passes its
-checkpoint group, so its collectives never interleave with the training loop's).
-Without an initialized process group, or in a group of one, each is a plain local call.
+over the ranks of the group the caller passes (None: the world). Each runs on one of
+cloudckpt's own gloo groups over those ranks (:func:`~cloudckpt.dist.groups.dedicated`),
+never on the program's: its collectives never interleave with the training loop's,
+need no device, and their groups are cloudckpt's to destroy at exit (dist/groups.py
+says why that matters). Without an initialized process group, or in a group of one,
+each is a plain local call.
 
 - :func:`on_first`: the group's first rank runs ``fn``; every rank returns its result.
   If ``fn`` raises, the first rank raises its own error and every other rank the same
@@ -30,13 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import CollectiveError
-
-
-def torch_distributed() -> Any:
-    """``torch.distributed``, imported when first needed (the command line never is)."""
-    import torch.distributed
-
-    return torch.distributed
+from .groups import dedicated, torch_distributed
 
 
 __all__ = [
@@ -110,7 +107,7 @@ def _text(error: BaseException) -> str:
 def barrier(group: Any = None) -> None:
     """Wait until every rank of ``group`` (None: the world) got here."""
     if not _alone(group):
-        torch_distributed().barrier(group=group)
+        torch_distributed().barrier(group=dedicated(group))
 
 
 # -- act on the first rank ----------------------------------------------------------------
@@ -141,7 +138,7 @@ def on_first(
         except Exception as exc:  # sent to the others, raised here below
             failed = exc
             box[0] = ("error", _pickled(exc), _text(exc))
-    torch_distributed().broadcast_object_list(box, src=first, group=group)
+    torch_distributed().broadcast_object_list(box, src=first, group=dedicated(group))
     if failed is not None:
         raise failed
     if torch_distributed().get_rank() == first:
@@ -224,7 +221,7 @@ def agree(error: BaseException | None = None, value: Any = None, *, group: Any =
     if _alone(group):
         return Agreement({} if mine is None else {rank(): mine}, (value,))
     got: list[Any] = [None] * torch_distributed().get_world_size(group)
-    torch_distributed().all_gather_object(got, (mine, value), group=group)
+    torch_distributed().all_gather_object(got, (mine, value), group=dedicated(group))
     failures = {_global(group, i): text for i, (text, _) in enumerate(got) if text is not None}
     return Agreement(failures, tuple(v for _, v in got))
 

@@ -1,4 +1,11 @@
-"""The gloo process group checkpoint collectives run on.
+"""The gloo process groups checkpoint collectives run on.
+
+Every collective of cloudckpt's runs on a group of its own, never on the program's
+(:func:`dedicated`, which dist/collectives.py applies to each call): a collective in the
+caller's thread over the whole world on the "caller" group, a background commit's on
+:func:`checkpoint_group`, a drain's on :func:`drain_group`, a shared load's on its
+part's group. A group of the program's that holds only some ranks is the exception: it
+is used as given (see :func:`dedicated`).
 
 A Megatron save's planning, its "every rank's data is durable" gather and its commit
 broadcast, and a shared load's agreement and broadcasts (dist/share.py), run on a
@@ -13,18 +20,48 @@ megatron-core's own save and a DDP resume already are).
 replicas of each model-parallel shard, for a shared DCP load) on every rank at once:
 each rank calls ``new_group`` for every part, in the same order, members and not (see
 its docstring for why not ``use_local_synchronization``).
+
+The groups are cloudckpt's, so cloudckpt destroys them at interpreter exit (an
+``atexit`` hook), while threads can still take the interpreter lock: a gloo group left
+to the interpreter's teardown right after a collective aborts the process about one
+run in four ("terminate called without an active exception": gloo's worker drops the
+collective's tensors after the interpreter is gone). A program whose last act is a
+2-rank save and that never calls ``destroy_process_group`` ended that way. The hook
+leaves the groups as they are while a background thread that runs their collectives
+(:func:`runs_collectives`) is still alive, since one may be mid-collective; the
+default group is the program's, never touched.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import logging
+import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from .collectives import torch_distributed
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "checkpoint_group",
+    "dedicated",
+    "drain_group",
+    "group_ranks",
+    "partition_group",
+    "runs_collectives",
+    "torch_distributed",
+]
 
-__all__ = ["DEFAULT_TIMEOUT", "checkpoint_group", "drain_group", "group_ranks", "partition_group"]
+log = logging.getLogger(__name__)
+
+
+def torch_distributed() -> Any:
+    """``torch.distributed``, imported when first needed (the command line never is)."""
+    import torch.distributed
+
+    return torch.distributed
 
 #: How long a checkpoint collective waits for a peer before failing that save.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -35,6 +72,10 @@ _groups: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = {}
 #: A part of a partition -> (the default group it was made under, the part's group, or
 #: None on a rank outside it). Filled the same on every rank (see partition_group).
 _parts: dict[tuple[int, ...], tuple[Any, Any]] = {}
+#: id() of every group above (kept alive there): the groups :func:`dedicated` keeps.
+_ours: set[int] = set()
+#: Background threads that may run collectives on these groups (see the module's notes).
+_callers: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 def group_ranks(process_group: Any = None) -> tuple[int, ...]:
@@ -42,6 +83,25 @@ def group_ranks(process_group: Any = None) -> tuple[int, ...]:
     if process_group is None or process_group is torch_distributed().GroupMember.WORLD:
         return tuple(range(torch_distributed().get_world_size()))
     return tuple(torch_distributed().get_process_group_ranks(process_group))
+
+
+def dedicated(process_group: Any = None) -> Any:
+    """The group a collective of cloudckpt's over ``process_group``'s ranks runs on.
+
+    ``process_group`` itself when cloudckpt made it (a background commit's
+    :func:`checkpoint_group`, a drain's :func:`drain_group`, a part's group); for the
+    whole world (None, the default group, or the program's group of every rank) a
+    third group of cloudckpt's, for the caller's thread, so its collectives never share
+    a group with a background commit's; a program's group of some ranks stays itself
+    (a group of cloudckpt's over them would need the same history of groups on each of
+    them: see :func:`partition_group`).
+    """
+    if process_group is not None and id(process_group) in _ours:
+        return process_group
+    ranks = group_ranks(process_group)
+    if len(ranks) != torch_distributed().get_world_size():
+        return process_group
+    return _dedicated(ranks, "caller")
 
 
 def checkpoint_group(process_group: Any = None) -> Any:
@@ -62,6 +122,8 @@ def _dedicated(ranks: tuple[int, ...], purpose: str) -> Any:
         made = _groups.get((ranks, purpose))
         group = made[1] if made is not None and made[0] is world else None
         if group is None:
+            if made is not None:  # made under an earlier default group, gone with it
+                _ours.discard(id(made[1]))
             whole = len(ranks) == torch_distributed().get_world_size()
             group = torch_distributed().new_group(
                 ranks=None if whole else list(ranks),
@@ -70,6 +132,7 @@ def _dedicated(ranks: tuple[int, ...], purpose: str) -> Any:
                 use_local_synchronization=not whole,
             )
             _groups[(ranks, purpose)] = (world, group)
+            _ours.add(id(group))
         return group
 
 
@@ -102,10 +165,73 @@ def partition_group(parts: Sequence[tuple[int, ...]]) -> Any:
         for ranks in parts:
             made = _parts.get(ranks)
             if made is None or made[0] is not world:
+                if made is not None:
+                    _ours.discard(id(made[1]))
                 group = torch_distributed().new_group(
                     ranks=list(ranks), backend="gloo", timeout=DEFAULT_TIMEOUT
                 )
                 made = _parts[ranks] = (world, group if me in ranks else None)
+                if me in ranks:
+                    _ours.add(id(group))
             if me in ranks:
                 mine = made[1]
     return mine
+
+
+def runs_collectives(thread: threading.Thread) -> None:
+    """Note that ``thread`` (a background save's or drain's) may run collectives on these
+    groups: while it is alive at exit, the groups are not destroyed."""
+    with _lock:
+        _callers.add(thread)
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the groups made under the program's current default group, unless a
+    thread noted by :func:`runs_collectives` is still alive."""
+    with _lock:
+        if not _groups and not _parts:
+            return
+        busy = [t.name for t in _callers if t.is_alive()]
+        made = list(_groups.values()) + list(_parts.values())
+        if not busy:
+            _groups.clear()
+            _parts.clear()
+            _ours.clear()
+    dist = torch_distributed()
+    if not dist.is_initialized():  # the program destroyed them (and its own) already
+        return
+    if _torch_release() < (2, 5):  # its gloo teardown can hang joining threads (docs/dcp.md)
+        return
+    if busy:
+        log.debug("checkpoint groups left to the interpreter: %s still running", busy)
+        return
+    world = dist.group.WORLD
+    for made_under, group in made:
+        if made_under is not world or group is None:
+            continue  # made under an earlier default group (gone with it), or no member
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # at exit: never hide the program's own outcome
+            log.debug("destroying a checkpoint group at exit failed: %s", exc)
+
+
+def _torch_release() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's groups are not the child's to destroy."""
+    global _lock, _callers
+    _lock = threading.Lock()
+    _groups.clear()
+    _parts.clear()
+    _ours.clear()
+    _callers = weakref.WeakSet()
+
+
+atexit.register(_destroy_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from ..dist.collectives import agree, group_rank, on_first, settle
+from ..dist.groups import runs_collectives
 from ..errors import AlreadyExistsError, CorruptCheckpointError, StorageError
 from ..format.commit import commit_marker, read_committed
 from ..store import Store
@@ -167,6 +168,7 @@ class Drainer(Generic[K]):
                 self._thread = threading.Thread(
                     target=self._run, name="cloudckpt-drain", daemon=True
                 )
+                runs_collectives(self._thread)  # its drains agree on the drain group
                 self._thread.start()
             self._cond.notify_all()
 

@@ -22,6 +22,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from ..dist.groups import runs_collectives
+
 __all__ = ["InFlight", "SaveHandle", "in_flight", "wait_all"]
 
 log = logging.getLogger("cloudckpt")
@@ -131,9 +133,11 @@ class InFlight:
         """A daemon thread running a save, joined at exit: it still runs a moment after
         its handle is finished (dropping the snapshot's tensors), and an interpreter
         torn down under it aborts the process ("terminate called without an active
-        exception")."""
+        exception"). Its collectives, if any, run on cloudckpt's groups, which the
+        groups' own exit hook then leaves alone while it lives (dist/groups.py)."""
         with self._lock:
             self._workers.add(thread)
+        runs_collectives(thread)
 
     def add(self, handle: SaveHandle[Any]) -> None:
         with self._lock:

@@ -36,7 +36,7 @@ from .._runtime.gcpause import paused_gc
 from ..dcp.location import CheckpointLocation
 from ..dcp.writer import CloudStorageWriter
 from ..dist.collectives import first_rank, on_first, rank, settle
-from ..dist.groups import checkpoint_group, group_ranks
+from ..dist.groups import checkpoint_group, group_ranks, runs_collectives
 from ..engine.handle import SaveHandle, in_flight
 from ..engine.staging import StagedTensors, stage_tensors
 from ..errors import CloudCkptError, DistributedSaveError
@@ -167,6 +167,7 @@ def save(
     thread = threading.Thread(
         target=job.run, args=(handle, previous), name="cloudckpt-megatron-save", daemon=False
     )
+    runs_collectives(thread)  # not daemon: the interpreter joins it before the groups go
     thread.start()
     in_flight.add(handle)
     return handle
