@@ -80,6 +80,13 @@ def test_a_failed_drain_is_retried_by_drain(bucket: Any, tmp_path: Path) -> None
     run_ranks(tw.failed_drain_retried, 2, url, so, str(tmp_path), timeout=TIMEOUT)
 
 
+def test_a_name_saved_again_while_it_drains_waits_for_that_drain(
+    bucket: Any, tmp_path: Path
+) -> None:
+    url, so, _ = bucket
+    run_ranks(tw.resave_while_draining, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+
+
 def test_a_context_without_weights_is_not_committed(bucket: Any) -> None:
     """CloudModelCheckpoint uploads context/ before the weights; with a local tier the
     bucket holds it alone until the drain: neither resume nor load takes it."""

@@ -247,6 +247,49 @@ def failed_drain_retried(rank: int, world: int, url: str, so: dict[str, Any], ro
     _check_load(io, f"{url}/step=2", wanted[1], f"rank {rank} after the retried drain")
 
 
+TIMEOUT = 120
+
+
+def resave_while_draining(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """A name saved again while its first copy drains: the new save's writes wait for
+    that drain (on every rank), so the bucket never commits a mix of the two; the new
+    copy is drained after it and read back whole."""
+    cpu_friendly_megatron()
+    checkpoints, wanted = _states()
+    io = _io(root, rank, so)
+    tier = io._tier
+    copy, forget = tier._copy, tier.forget
+    started, resaving = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def held_copy(name: str, exclude: tuple[str, ...]) -> None:
+        first = not started.is_set()
+        if first:  # the first drain's copy waits until the new save of its name begins
+            started.set()
+            assert resaving.wait(TIMEOUT)
+        copy(name, exclude)
+        if first:
+            order.append("first drain copied")
+
+    def marked_forget(name: str) -> None:
+        resaving.set()
+        forget(name)
+        order.append("resave began")
+
+    tier._copy = held_copy
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    assert started.wait(TIMEOUT)
+    tier.forget = marked_forget
+    io.save_checkpoint(checkpoints[1], f"{url}/step=1.ckpt")  # the same name, new state
+    assert order == ["first drain copied", "resave began"], (rank, order)
+    io.drain()
+    assert tier.unfinished() == set()
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    plain = CloudMegatronCheckpointIO(storage_options=so)
+    _check_load(plain, f"{url}/step=1", wanted[1], f"rank {rank}: the bucket's copy")
+
+
 def full_tier(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
     """Rank 1's local tier has 1 KiB free: the save fails on every rank before anything
     is written (LocalTierFullError there, a CollectiveError naming it on rank 0); with

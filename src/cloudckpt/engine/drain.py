@@ -132,6 +132,12 @@ class Drainer(Generic[K]):
     failure is kept with its error, naming the key, until the key is queued again; the
     thread ends when the queue is empty and starts on the next one.
 
+    A key submitted while its work runs is queued again (what it drains changed since
+    the work began: a file saved again). With ``merge`` (the default) a key submitted
+    while it is queued and not started is queued once; without, every submit is queued,
+    for work that is a collective: every rank's drainer must run the same keys in the
+    same order, and whether a key is still queued differs from rank to rank.
+
     ``noun`` names a key in messages ("step", "file"); ``at_exit`` says what becomes of
     a drain left at exit, ``retry`` what tries a failed one again. Nothing waits for
     the thread at exit: what is left is logged at WARNING.
@@ -146,8 +152,10 @@ class Drainer(Generic[K]):
         noun: str = "step",
         at_exit: str = "the next CheckpointManager with this local_dir finishes it",
         retry: str = "the next save or drain()",
+        merge: bool = True,
     ) -> None:
         self._work = work
+        self._merge = merge
         self.src, self.dst = src, dst
         self.noun, self.at_exit, self.retry = noun, at_exit, retry
         self._cond = threading.Condition()
@@ -158,9 +166,9 @@ class Drainer(Generic[K]):
         atexit.register(_report_at_exit, weakref.ref(self))
 
     def submit(self, key: K) -> None:
-        """Queue ``key`` (once; a failed key is forgotten and tried again)."""
+        """Queue ``key`` (a failed key is forgotten and tried again)."""
         with self._cond:
-            if key in self._queue or key == self._busy:
+            if self._merge and key in self._queue:
                 return
             self._failed.pop(key, None)
             self._queue.append(key)

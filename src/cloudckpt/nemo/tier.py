@@ -9,11 +9,24 @@ name in its metadata). The directory is claimed for one bucket ``dirpath`` by th
 file of :mod:`cloudckpt.engine.drain`. A drain runs on every rank, on a gloo group of
 its own: each directory's first rank copies its files, then the coordinator copies its
 own with megatron's ``metadata.json`` last, so the bucket's copy commits only once whole.
+
+A name can be saved again (NeMo's names repeat: a ``-last`` checkpoint saved twice at
+one step), so the bucket's files of a name may belong to an earlier save, whatever
+their time or size. Each directory records how far the drain of its local commit got
+(``<name>.drain.json`` beside its folder): written before the local marker,
+``started`` once the first drain of that commit has emptied the bucket's folder,
+``drained`` after the bucket's commit. The first drain of a commit deletes every file
+of the name in the bucket (the earlier save's commit marker first); a drain after a
+crash keeps what the started one sent. A new save of a name waits for a drain of it
+under way (:meth:`NemoTier.forget`). A copy committed without the record (an earlier
+release) keeps the time rule of the manager's tier: the bucket's files older than it
+are stale.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -42,6 +55,8 @@ log = logging.getLogger("cloudckpt")
 
 #: The metadata key of a local marker naming NeMo's checkpoint.
 NAME_KEY = "nemo_name"
+#: Beside a checkpoint's folder (``<name>`` + this): how far its drain got.
+DRAIN_RECORD = ".drain.json"
 
 
 class NemoTier:
@@ -114,6 +129,7 @@ class NemoTier:
                 noun="checkpoint",
                 at_exit="the next CloudMegatronCheckpointIO with this local_dir finishes it",
                 retry="drain()",
+                merge=False,  # its drains are collectives: every rank runs every submit
             )
             for name in self._undrained(checkpoint_group()):
                 self.drainer.submit(name)
@@ -166,8 +182,20 @@ class NemoTier:
         settle(error, f"the room check of the local tiers ({self.path})", group=checkpoint_group())
 
     def forget(self, name: str) -> None:
-        """Uncommit an older local copy of ``name`` before it is saved again."""
-        self._local_store().delete(f"{name}/{MARKER_NAME}")
+        """Uncommit an older local copy of ``name`` before it is saved again (every rank,
+        a collective on the checkpoint group). A drain of it under way ends first: the
+        first rank's drain of a name spans every rank's copying of it, so once the first
+        rank has waited for it no rank's drainer reads the files this save replaces; and
+        with the first rank's marker gone, no drain of the old copy starts after."""
+        error: BaseException | None = None
+        try:
+            with self._cond:
+                while self._draining == name:
+                    self._cond.wait()
+                self._local_store().delete(f"{name}/{MARKER_NAME}")
+        except Exception as exc:
+            error = exc
+        settle(error, f"uncommitting the local copy of {name}", group=checkpoint_group())
 
     def commit(self, name: str, step: int) -> None:
         """After megatron's save into every rank's ``weights_path(name)``: each directory
@@ -185,6 +213,7 @@ class NemoTier:
         error: BaseException | None = None
         try:
             if owner:
+                self._record_drain(name, started=False, drained=False)
                 ranks = world_size()
                 commit_step(
                     store,
@@ -250,10 +279,36 @@ class NemoTier:
         return float("inf") if found.mtime is None else found.mtime  # no time: trust it
 
     def _drained(self, info: CheckpointInfo, name: str) -> bool:
-        """Whether the bucket holds this local commit of ``name`` committed (a commit
-        older than the local one belongs to an earlier save of the same name)."""
+        """Whether the bucket holds this local commit of ``name`` committed: the drain's
+        record says so and the bucket's commit is there (without a record, a commit no
+        older than the local one)."""
+        recorded = self._drain_record(name)
+        if recorded is not None and not recorded["drained"]:
+            return False
         when = self._bucket_commit(name)
+        if recorded is not None:
+            return when is not None
         return when is not None and when >= info.time - CLOCK_SLACK
+
+    def _drain_record(self, name: str) -> dict[str, bool] | None:
+        """This directory's record of the drain of ``name``'s local commit (None: no
+        record, or one that cannot be read: a WARNING)."""
+        key = f"{name}{DRAIN_RECORD}"
+        try:
+            body = json.loads(self._local_store().get(key))
+            record = {k: body[k] for k in ("started", "drained")}
+            if not all(isinstance(v, bool) for v in record.values()):
+                raise ValueError(f"not booleans: {record}")
+        except NotFoundError:
+            return None
+        except (ValueError, TypeError, KeyError, OSError) as exc:
+            log.warning("ignoring %s: %s", self._local_store().url(key), exc)
+            return None
+        return record
+
+    def _record_drain(self, name: str, *, started: bool, drained: bool) -> None:
+        body = json.dumps({"started": started, "drained": drained}).encode()
+        self._local_store().put(f"{name}{DRAIN_RECORD}", body)
 
     def _undrained(self, group: Any) -> list[str]:
         """The names every rank holds committed locally and the bucket lacks, in the
@@ -294,13 +349,13 @@ class NemoTier:
         url = remote.store.url(prefix)
 
         def wanted() -> str:
-            info = self.info(name)
-            with self._cond:
+            with self._cond:  # the marker read under the lock forget() deletes it under
                 if name in self._removed:
                     return "removed"
+                info = self.info(name)
                 if info is None or self._drained(info, name):
                     return "done"
-                self._draining = name  # a removal of it waits for this drain
+                self._draining = name  # a removal or a new save of it waits for this drain
             return "drain"
 
         decision = on_first(wanted, group, what=f"deciding the drain of {name}")
@@ -318,7 +373,12 @@ class NemoTier:
 
                 def clear() -> None:  # an earlier save's commit goes first, then its data
                     remote.store.delete(prefix + MEGATRON_MARKER)
-                    LocalTier.clear_stale(local, remote.store, prefix)
+                    recorded = self._drain_record(name)
+                    if recorded is None:  # committed by an earlier release: by time
+                        LocalTier.clear_stale(local, remote.store, prefix)
+                    elif not recorded["started"]:  # all of them an earlier save's
+                        delete_prefix(remote.store, prefix, remote.options)
+                        self._record_drain(name, started=True, drained=False)
 
                 on_first(clear, group, what=f"clearing leftovers under {url}")
                 if owner:  # each directory holds the coordinator's files: sent once, last
@@ -327,6 +387,8 @@ class NemoTier:
                 error = exc
             settle(error, f"the drain of {name} to {url}", group=group)
             on_first(lambda: self._copy(name, ()), group, what=f"the commit of {url}")
+            if owner:
+                self._record_drain(name, started=True, drained=True)
         finally:
             with self._cond:
                 if self._draining == name:
@@ -382,6 +444,7 @@ class NemoTier:
     def _delete(self, name: str) -> None:
         """Delete this rank's local copy of ``name`` (its marker first), folders too."""
         delete_prefix(self._local_store(), f"{name}/", self.options)
+        self._local_store().delete(f"{name}{DRAIN_RECORD}")
         for folder in (self.path / name / WEIGHTS, self.path / name):
             with contextlib.suppress(OSError):  # not empty: a newer save of it began
                 folder.rmdir()
