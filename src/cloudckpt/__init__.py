@@ -13,11 +13,11 @@ start fast.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import errors, redact
+from ._lazy import imported, lazy_attributes
 from .options import TransferOptions, configure, get_defaults
 
 if TYPE_CHECKING:
@@ -80,14 +80,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cloudckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(
+    globals(), {name: imported(module, __name__, name) for name, module in _LAZY.items()}, __all__
+)

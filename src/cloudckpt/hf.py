@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._lazy import lazy_attributes
 from .engine.copy import copy_tree
 from .engine.drain import Drainer
 from .errors import (
@@ -49,7 +50,8 @@ from .store.local import LocalStore
 
 __all__ = ["CloudCheckpointCallback", "fetch_latest"]
 
-#: Built on transformers' ``TrainerCallback`` when first used (module ``__getattr__``).
+#: Built on transformers' ``TrainerCallback`` when first used (``_define``, the module
+#: ``__getattr__`` at the end).
 CloudCheckpointCallback: Any
 
 log = logging.getLogger("cloudckpt")
@@ -62,20 +64,6 @@ STAGING = ".cloudckpt-upload"
 _FOLDER = re.compile(r"^checkpoint-(\d+)$")
 #: File suffixes of torch archives, whose every record's CRC-32 ``fetch_latest`` checks.
 _ARCHIVES = (".pt", ".pth", ".bin")
-
-_built: dict[str, Any] = {}
-
-
-def __getattr__(name: str) -> Any:
-    if name != "CloudCheckpointCallback":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _built:
-        _built[name] = _define()
-    return _built[name]
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
 
 
 def _folder_step(path: str | os.PathLike[str] | None) -> int | None:
@@ -386,3 +374,6 @@ def _check_sizes(store: LocalStore, info: CheckpointInfo) -> None:
             raise CorruptCheckpointError(
                 f"{store.url(f.name)} holds {size} bytes, its marker {info.url} says {f.size}"
             )
+
+
+__getattr__, __dir__ = lazy_attributes(globals(), {"CloudCheckpointCallback": _define}, __all__)

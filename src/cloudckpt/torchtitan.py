@@ -40,33 +40,21 @@ import re
 from concurrent.futures import Future
 from typing import Any
 
+from ._lazy import lazy_attributes
 from .errors import ConfigError, NotFoundError
 from .manager import CheckpointManager as _Manager
 from .manager import ManagedSaveHandle
 
 __all__ = ["CloudCheckpointManager"]
 
-#: Built on torchtitan's class when first used (module ``__getattr__``).
+#: Built on torchtitan's class when first used (``_define``, the module ``__getattr__`` at
+#: the end).
 CloudCheckpointManager: Any
 
 log = logging.getLogger("cloudckpt")
 
 #: The step of a checkpoint URL this module builds (``.../step-N/``).
 _STEP_URL = re.compile(r"step-(\d+)/?$")
-
-_built: dict[str, Any] = {}
-
-
-def __getattr__(name: str) -> Any:
-    if name != "CloudCheckpointManager":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _built:
-        _built[name] = _define()
-    return _built[name]
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
 
 
 def _bridge(handle: ManagedSaveHandle) -> Future[Any]:
@@ -231,3 +219,6 @@ def _define() -> Any:
     CloudCheckpointManager.__qualname__ = "CloudCheckpointManager"
     CloudCheckpointManager.Config.__qualname__ = "CloudCheckpointManager.Config"
     return CloudCheckpointManager
+
+
+__getattr__, __dir__ = lazy_attributes(globals(), {"CloudCheckpointManager": _define}, __all__)

@@ -25,8 +25,7 @@ ImportError naming the package. See docs/megatron.md (NeMo 2).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import imported, lazy_attributes
 
 __all__ = [
     "CheckpointEntry",
@@ -51,14 +50,6 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(
+    globals(), {name: imported(f".{at}", __name__, name) for name, at in _WHERE.items()}, __all__
+)
