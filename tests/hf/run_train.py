@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -85,6 +86,18 @@ def arguments(output_dir: str, max_steps: int, **changes: Any) -> TrainingArgume
     return TrainingArguments(**settings)
 
 
+def tiny_trainer(
+    output_dir: str, max_steps: int, callbacks: Sequence[Any] = (), **changes: Any
+) -> Trainer:
+    """A Trainer of :func:`tiny_model` on :class:`Tokens` with :func:`arguments`."""
+    return Trainer(
+        model=tiny_model(),
+        args=arguments(output_dir, max_steps, **changes),
+        train_dataset=Tokens(),
+        callbacks=list(callbacks),
+    )
+
+
 def losses(trainer: Trainer) -> list[list[float]]:
     """The logged training losses: [step, loss] per logged step."""
     return [[e["step"], e["loss"]] for e in trainer.state.log_history if "loss" in e]
@@ -116,12 +129,7 @@ def main() -> None:
     callbacks: list[Any] = [CloudCheckpointCallback(args.url, storage_options=opts)]
     if args.block_at:
         callbacks.append(BlockAt(args.block_at))
-    trainer = Trainer(
-        model=tiny_model(),
-        args=arguments(args.output_dir, args.max_steps),
-        train_dataset=Tokens(),
-        callbacks=callbacks,
-    )
+    trainer = tiny_trainer(args.output_dir, args.max_steps, callbacks)
     resume = fetch_latest(args.url, args.output_dir, storage_options=opts) if args.resume else None
     trainer.train(resume_from_checkpoint=resume)
     if args.report:

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from run_train import Tokens, arguments, losses, tiny_model
+from run_train import Tokens, arguments, losses, tiny_model, tiny_trainer
 from transformers import Trainer
 
 from cloudckpt import CheckpointManager
@@ -126,11 +126,8 @@ def test_fetch_latest_ignores_an_uncommitted_newer_folder(
     opts = moto_server.storage_options()
     assert fetch_latest(url, tmp_path / "empty", storage_options=opts) is None
 
-    trainer = Trainer(
-        model=tiny_model(),
-        args=arguments(str(tmp_path / "out"), 4),
-        train_dataset=Tokens(),
-        callbacks=[CloudCheckpointCallback(url, storage_options=opts)],
+    trainer = tiny_trainer(
+        str(tmp_path / "out"), 4, [CloudCheckpointCallback(url, storage_options=opts)]
     )
     trainer.train()
     client = moto_server.client()
@@ -157,11 +154,7 @@ def test_fetch_latest_ignores_an_uncommitted_newer_folder(
     assert fetch_latest(url, tmp_path / "fetched", storage_options=opts) == path
 
     # A Trainer resumes from there: its history up to step 4 is the first run's.
-    resumed = Trainer(
-        model=tiny_model(),
-        args=arguments(str(tmp_path / "fetched"), 6),
-        train_dataset=Tokens(),
-    )
+    resumed = tiny_trainer(str(tmp_path / "fetched"), 6)
     resumed.train(resume_from_checkpoint=path)
     assert losses(resumed)[:4] == losses(trainer)
     assert [step for step, _ in losses(resumed)[4:]] == [5, 6]
@@ -172,12 +165,7 @@ def test_a_bad_url_is_a_typed_error_before_training_starts(moto_server, tmp_path
         CloudCheckpointCallback("s3://")
     missing = f"s3://{unique_bucket_name('hf-none')}/run"
     callback = CloudCheckpointCallback(missing, storage_options=moto_server.storage_options())
-    trainer = Trainer(
-        model=tiny_model(),
-        args=arguments(str(tmp_path / "out"), 4),
-        train_dataset=Tokens(),
-        callbacks=[callback],
-    )
+    trainer = tiny_trainer(str(tmp_path / "out"), 4, [callback])
     with pytest.raises(BucketNotFoundError, match="does not exist"):
         trainer.train()
     assert trainer.state.global_step == 0
@@ -200,8 +188,7 @@ def test_keep_local_deletes_committed_folders_beyond_the_newest(moto_server, tmp
     callback = CloudCheckpointCallback(
         url, keep_local=1, storage_options=moto_server.storage_options()
     )
-    args = arguments(str(tmp_path / "out"), 12, save_total_limit=None)
-    trainer = Trainer(model=tiny_model(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    trainer = tiny_trainer(str(tmp_path / "out"), 12, [callback], save_total_limit=None)
     trainer.train()
     assert committed(moto_server, url) == [4, 8, 12]  # no limit: every checkpoint kept
     # Each save, and the end, prune the local folders committed but the newest.
@@ -220,12 +207,7 @@ def test_a_failed_upload_is_raised_by_train_naming_the_checkpoint(
     bucket = moto_server.make_bucket(unique_bucket_name("hf-fail"))
     url = f"s3://{bucket}/run"
     callback = CloudCheckpointCallback(url, storage_options=moto_server.storage_options())
-    trainer = Trainer(
-        model=tiny_model(),
-        args=arguments(str(tmp_path / "out"), 4),
-        train_dataset=Tokens(),
-        callbacks=[callback],
-    )
+    trainer = tiny_trainer(str(tmp_path / "out"), 4, [callback])
     with pytest.raises(StorageError, match=r"checkpoint 4 from .*refused the upload") as info:
         trainer.train()
     assert str(tmp_path / "out") in str(info.value)
