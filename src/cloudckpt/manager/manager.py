@@ -559,13 +559,6 @@ class CheckpointManager:
         """Whether a local tier serves several ranks: each rank keeps its own files."""
         return self._tier is not None and world_size() > 1
 
-    def _dir_owner(self, group: Any) -> tuple[bool, bool]:
-        """(whether this rank is the first of those sharing its ``local_dir``, whether
-        that directory is the coordinator's); a collective on ``group``. A directory is
-        its host name and path: the same path on two nodes is two directories."""
-        assert self._tier is not None
-        return directory_owner(self._tier.path, group)
-
     def _commit_ranks(
         self, step: int, metrics: Mapping[str, float], metadata: Mapping[str, Any]
     ) -> CheckpointInfo:
@@ -575,7 +568,7 @@ class CheckpointManager:
         tier = self._tier
         assert tier is not None
         group = checkpoint_group()
-        owner, coordinators = self._dir_owner(group)
+        owner, coordinators = directory_owner(tier.path, group)
         prefix = tier.step_prefix(step)
         names = self.kind.coordinator_files
         complete_directories(
@@ -618,7 +611,7 @@ class CheckpointManager:
         tier = self._tier
         assert tier is not None
         group = checkpoint_group()
-        owner, _ = self._dir_owner(group)
+        owner, _ = directory_owner(tier.path, group)
         remote = on_first(self._list_local, group, what="the bucket listing")
         mine = tier.undrained(c.step for c in remote)
         lists = agree(value=mine, group=group).values
@@ -642,7 +635,8 @@ class CheckpointManager:
         skipped. A failure is raised on every rank and left for ``drain()``."""
         group = drain_group()
         if self._drain_owner is None:
-            self._drain_owner = self._dir_owner(group)[0]
+            assert self._tier is not None
+            self._drain_owner = directory_owner(self._tier.path, group)[0]
         remote = on_first(self._list_local, group, what="the bucket listing")
         if step not in {c.step for c in remote}:
             self._drain_ranked_step(step, group, self._drain_owner)
