@@ -38,14 +38,13 @@ from .engine.handle import SaveHandle, in_flight
 from .errors import (
     AlreadyExistsError,
     ConfigError,
-    CorruptCheckpointError,
     DistributedLoadError,
     DistributedSaveError,
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
 from .manager.gc import delete_prefix
-from .manager.marker import commit_step, marker_key, root_prefix, step_dir
+from .manager.marker import check_files, commit_step, marker_key, root_prefix, step_dir
 from .options import TransferOptions
 from .store.local import LocalStore
 
@@ -338,7 +337,7 @@ def load_state(
             copy_tree(
                 manager.store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME, *others)
             )
-            _check_files(fetched, info, skip=set(others))
+            check_files(fetched, "", info, skip=others)
         except Exception as exc:
             error = exc
         settle(error, f"the download of {info.url}", group=group, error_type=DistributedLoadError)
@@ -356,15 +355,3 @@ def load_state(
         shutil.rmtree(folder, ignore_errors=True)
     manager.restored_step = info.step
     return info
-
-
-def _check_files(store: LocalStore, info: CheckpointInfo, skip: set[str]) -> None:
-    """Every file the marker lists (but ``skip``) was fetched, at its size."""
-    for f in info.files:
-        if f.name in skip:
-            continue
-        size = store.head(f.name).size  # NotFoundError when missing
-        if size != f.size:
-            raise CorruptCheckpointError(
-                f"{store.url(f.name)} holds {size} bytes, its marker {info.url} says {f.size}"
-            )

@@ -30,6 +30,7 @@ __all__ = [
     "MARKER_NAME",
     "CheckpointInfo",
     "FileEntry",
+    "check_files",
     "commit_step",
     "decode_marker",
     "encode_marker",
@@ -254,6 +255,21 @@ def commit_step(
     )
     write_marker(store, prefix + MARKER_NAME, info)
     return info
+
+
+def check_files(store: Store, prefix: str, info: CheckpointInfo, skip: Sequence[str] = ()) -> None:
+    """Every file the marker ``info`` lists (but those in ``skip``) is under ``prefix``
+    of ``store`` at its size: else NotFoundError, or CorruptCheckpointError naming the
+    file, both sizes and the marker's checkpoint."""
+    for f in info.files:
+        if f.name in skip:
+            continue
+        found = store.head(prefix + f.name)  # NotFoundError when missing
+        if found.size != f.size:
+            raise CorruptCheckpointError(
+                f"{store.url(prefix + f.name)} holds {found.size} bytes, its marker "
+                f"({info.url}) says {f.size}"
+            )
 
 
 def read_marker(store: Store, key: str) -> CheckpointInfo | None:

@@ -37,6 +37,7 @@ from .gc import delete_prefix
 from .marker import (
     MARKER_NAME,
     CheckpointInfo,
+    check_files,
     commit_step,
     list_checkpoints,
     marker_key,
@@ -277,14 +278,7 @@ class LocalTier:
     def check_files(self, info: CheckpointInfo, prefix: str | None = None) -> None:
         """Every file the local marker lists is there, at its size (else NotFoundError
         or CorruptCheckpointError naming it); under ``prefix`` (default: the step's)."""
-        prefix = self.step_prefix(info.step) if prefix is None else prefix
-        for f in info.files:
-            found = self.store.head(prefix + f.name)  # NotFoundError when missing
-            if found.size != f.size:
-                raise CorruptCheckpointError(
-                    f"{self.store.url(prefix + f.name)} holds {found.size} bytes, "
-                    f"its marker says {f.size}"
-                )
+        check_files(self.store, self.step_prefix(info.step) if prefix is None else prefix, info)
 
 
 def merge_tiers(

@@ -40,7 +40,7 @@ from ..engine.drain import Drainer, claim, complete_directories, directory_owner
 from ..errors import ConfigError, CorruptCheckpointError, LocalTierFullError, NotFoundError
 from ..format.commit import MEGATRON_MARKER
 from ..manager.gc import delete_prefix
-from ..manager.marker import MARKER_NAME, CheckpointInfo, commit_step, read_marker
+from ..manager.marker import MARKER_NAME, CheckpointInfo, check_files, commit_step, read_marker
 from ..manager.payload import MegatronPayload
 from ..manager.tiers import CLOCK_SLACK, LocalTier, check_free, tensor_bytes
 from ..options import TransferOptions
@@ -235,13 +235,7 @@ class NemoTier:
             info = self.info(name)
             if info is None:
                 return f"{name} is not committed in {self.path}"
-            store = self._local_store()
-            for f in info.files:
-                found = store.head(f"{name}/{f.name}")
-                if found.size != f.size:
-                    return (
-                        f"{store.url(name + '/' + f.name)} holds {found.size} bytes, not {f.size}"
-                    )
+            check_files(self._local_store(), f"{name}/", info)
         except (NotFoundError, CorruptCheckpointError) as exc:
             return str(exc)
         return None
