@@ -16,7 +16,6 @@ import torch
 import cloudckpt
 from cloudckpt._runtime import switch
 from cloudckpt.engine import load as load_mod
-from cloudckpt.engine.records import SMALL_RECORD
 from cloudckpt.errors import (
     ChecksumError,
     ConfigError,
@@ -88,7 +87,7 @@ def test_a_plain_load_equals_torch_load_and_keeps_storages_apart(tmp_path):
         storage = got[k].untyped_storage()
         assert storage.nbytes() == state[k].untyped_storage().nbytes()
         assert storage.data_ptr() % 64 == 0  # aligned as torch aligns records
-        assert storage.resizable() == (storage.nbytes() > SMALL_RECORD)
+        assert not storage.resizable()  # as torch.load's: none can grow (docs/security.md)
     # Writing one small tensor leaves its neighbours in the block as they were.
     got["n5"].fill_(0)
     _same(got["n4"], state["n4"])
@@ -128,7 +127,8 @@ def test_records_not_aligned_as_torch_aligns_them_get_storages_of_their_own(tmp_
     state = _state()
     got = cloudckpt.load(_unpadded(state, tmp_path))
     _same(got, state)
-    assert got["n7"].untyped_storage().resizable()  # its own storage, not a block's
+    assert got["n7"].untyped_storage().nbytes() == state["n7"].untyped_storage().nbytes()
+    assert not got["n7"].untyped_storage().resizable()  # its own storage, fixed as any
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ from ..errors import (
 )
 from ..format.safetensors import is_safetensors_url
 from ..format.torch.restricted_pickle import validate_sparse
+from ..format.torch.storages import fixed_storage
 from ..format.torch.tensors import referenced_storages
 from ..format.torch.unpickle import (
     StorageRef,
@@ -68,6 +69,10 @@ from .records import (
 )
 
 __all__ = ["load"]
+
+
+#: ``map_location`` not given to :func:`_structure`: the bytes are still being read.
+_NOT_YET: Any = object()
 
 
 @dataclass
@@ -109,6 +114,9 @@ class _Fetched:
     storages: dict[str, torch.UntypedStorage]
     #: Sparse tensors the structure holds, checked once their bytes are in.
     sparse: list[Any] = field(default_factory=list)
+    #: The structure was unpickled once the bytes were in, byte order and map_location
+    #: applied (:func:`_read_first`): nothing left for :func:`_restore` to do.
+    final: bool = False
 
 
 def _plan(store: Store, key: str) -> _Plan:
@@ -162,10 +170,13 @@ def _structure(
     weights_only: bool,
     keys: Sequence[str] | None,
     placed: PlacedRecords | MappedRecords | None,
+    map_location: Any = _NOT_YET,
 ) -> _Fetched:
     """Unpickle ``data.pkl``, each storage it names taken from ``placed`` (else allocated,
     to be read after); with ``keys``, only the storages they reference are kept.
-    ``small`` holds the records :func:`_small_records` read."""
+    ``small`` holds the records :func:`_small_records` read. With ``map_location``, the
+    storages' bytes are in: each is put in the host's byte order and placed by it as
+    the pickle names it (the result is final)."""
     data_pkl = small[plan.prefix + "data.pkl"]
     byteorder = plan.prefix + "byteorder"
     order = bytes(small[byteorder]).decode() if byteorder in small else "little"
@@ -175,6 +186,8 @@ def _structure(
     #: Tensors made on the way to a storage, for the first tensor over it (engine/records.py).
     spares: dict[int, torch.Tensor] = {}
     records = plan.records
+    final = map_location is not _NOT_YET
+    restore = torch.serialization._get_restore_location(map_location) if final else None
 
     def persistent_load(saved_id: Any) -> Any:
         ref = parse_persistent_id(saved_id, plan.url)
@@ -189,11 +202,17 @@ def _structure(
                 f"{plan.url}: record data/{ref.key} holds {entry.size} bytes, expected {ref.nbytes}"
             )
         if placed is None:
-            storage, spare = torch.UntypedStorage(ref.nbytes), None
+            storage, spare = fixed_storage(ref.nbytes), None
         else:
             storage, spare = placed.storage(entry, ref)
         refs[ref.key] = ref
         storages[ref.key] = storage
+        if restore is not None:
+            if order != sys.byteorder:
+                storage.byteswap(ref.dtype)
+            storage = restore_location(restore, storage, ref.location, map_location, plan.url)
+            if storage.device.type != "cpu":
+                spare = None
         found = typed_storage(storage, ref.dtype)
         if ref.nbytes:  # as torch.load: an empty storage is made anew at each reference
             typed[ref.key] = found
@@ -209,13 +228,40 @@ def _structure(
         url=plan.url,
         spares=spares,
         sparse=sparse,
+        map_location=map_location if final else None,
     )
     if keys is not None:
         result = _select(result, keys, plan.url)
         wanted = referenced_storages(result, {s._cdata: k for k, s in storages.items()})
         for k in set(storages) - wanted:
             del storages[k]
-    return _Fetched(result, data_pkl, order, refs, storages, sparse)
+    return _Fetched(result, data_pkl, order, refs, storages, sparse, final)
+
+
+def _read_first(
+    plan: _Plan,
+    small: dict[str, memoryview],
+    options: TransferOptions,
+    weights_only: bool,
+    keys: Sequence[str] | None,
+    advance: Callable[[int], None],
+    map_location: Any,
+) -> _Fetched:
+    """A ``data.pkl`` that names a device rebuild (which copies its tensor while the
+    pickle is read): every record read and checked first, then one unpickle with the
+    byte order and ``map_location`` applied, so no copy is made of memory not yet
+    filled, and none twice."""
+    with RangeReader(plan.store, options, advance=advance) as reader:
+        placed = PlacedRecords(reader, plan.key, plan.url, plan.records.values())
+        placed.check_arrived()  # every block is checked by the thread that reads it
+        reader.run()
+    return _structure(plan, small, weights_only, keys, placed, map_location)
+
+
+def _moves(small: dict[str, memoryview], plan: _Plan) -> bool:
+    """Whether ``data.pkl`` names one of torch's rebuilds that copy a tensor to a device
+    while it is read (``_rebuild_device_tensor_from...``)."""
+    return _DEVICE_REBUILD in bytes(small[plan.prefix + "data.pkl"])
 
 
 def _fetch(
@@ -224,10 +270,13 @@ def _fetch(
     weights_only: bool,
     keys: Sequence[str] | None,
     advance: Callable[[int], None],
+    map_location: Any,
 ) -> _Fetched:
     """Unpickle the structure and fill every storage it needs, in parallel, checked;
     without ``keys`` every record's read is sent before unpickling starts."""
     small = _small_records(plan, options)  # data.pkl first: the records' reads would slow it
+    if _moves(small, plan):
+        return _read_first(plan, small, options, weights_only, keys, advance, map_location)
     with RangeReader(plan.store, options, stream=keys is not None, advance=advance) as reader:
         if keys is None:
             placed = PlacedRecords(reader, plan.key, plan.url, plan.records.values())
@@ -252,6 +301,7 @@ def _fetch_shared(
     keys: Sequence[str] | None,
     advance: Callable[[int], None],
     group: Any,
+    map_location: Any,
 ) -> _Fetched:
     """:func:`_fetch` with every rank of ``group``: each reads and checks about 1/N of
     the records (contiguous in the object), then they exchange them (dist/share.py)."""
@@ -260,7 +310,11 @@ def _fetch_shared(
     fetched: _Fetched | None = None
     items: list[tuple[int, memoryview]] = []
     try:
-        fetched = _structure(plan, _small_records(plan, options), weights_only, keys, None)
+        small = _small_records(plan, options)
+        if _moves(small, plan):  # every rank reads it all (the same on every rank)
+            fetched = _read_first(plan, small, options, weights_only, keys, advance, map_location)
+            raise _ReadAlone
+        fetched = _structure(plan, small, weights_only, keys, None)
         found = sorted(
             ((plan.records[k], fetched.storages[k]) for k in fetched.storages),
             key=lambda es: es[0].header_offset,
@@ -276,6 +330,8 @@ def _fetch_shared(
             reader.run()
         total = sum(e.local_header_size + e.size for e, _ in found)
         report(plan.url, group, reader.requests, reader.bytes, total)
+    except _ReadAlone:
+        pass
     except Exception as exc:
         error = exc
     settle(error, f"the shared load of {plan.url}", group=group, error_type=DistributedLoadError)
@@ -312,6 +368,10 @@ def _read_whole(plan: _Plan, map_location: Any, weights_only: bool) -> Any:
 _DEVICE_REBUILD = b"_rebuild_device_tensor_from"
 
 
+class _ReadAlone(Exception):
+    """A shared load whose ranks each read the object whole (:func:`_read_first`)."""
+
+
 def _select(result: Any, keys: Sequence[str], url: str) -> dict[str, Any]:
     if not isinstance(result, dict):
         raise ConfigError(
@@ -343,9 +403,9 @@ def load(
 
     Returns what ``torch.load`` returns for the same bytes. ``keys`` loads only those
     top-level entries of a dict checkpoint, fetching only the bytes they need. The
-    storages of small tensors (up to 256 KiB) lie in shared blocks, each its own storage,
-    and cannot grow (``resize_`` past their size raises, as after ``torch.load(...,
-    mmap=True)``); docs/format.md, "Parallel read".
+    storages of small tensors (up to 256 KiB) lie in shared blocks, each its own storage;
+    no storage a load makes can grow (``resize_`` past its size raises, as after
+    ``torch.load``); docs/format.md, "Parallel read", and docs/security.md.
 
     ``share=True``: every rank of ``process_group`` (default: the world) calls ``load``
     at once, as a DDP resume does, and the object's bytes are read once in all: each
@@ -404,8 +464,13 @@ def _load_mapped(
         memory.madvise(mmap_module.MADV_WILLNEED)
     mapped = MappedRecords(memory, plan.url)
     small = _small_records(plan, where.options)
-    fetched = _structure(plan, small, weights_only, keys, mapped)
-    mapped.check((plan.records[k] for k in fetched.storages), where.options.read_concurrency)
+    if _moves(small, plan):  # checked before a device rebuild copies any of it
+        mapped.check(plan.records.values(), where.options.read_concurrency)
+        with rebuilds_mapped(map_location):
+            fetched = _structure(plan, small, weights_only, keys, mapped, map_location)
+    else:
+        fetched = _structure(plan, small, weights_only, keys, mapped)
+        mapped.check((plan.records[k] for k in fetched.storages), where.options.read_concurrency)
     validate_sparse(fetched.sparse, plan.url)
     return _restore(fetched, map_location, weights_only, plan.url, keys)
 
@@ -435,9 +500,11 @@ def _load(
         rebuilds_mapped(map_location),
     ):
         if group is None:
-            fetched = _fetch(plan, where.options, weights_only, keys, advance)
+            fetched = _fetch(plan, where.options, weights_only, keys, advance, map_location)
         else:
-            fetched = _fetch_shared(plan, where.options, weights_only, keys, advance, group)
+            fetched = _fetch_shared(
+                plan, where.options, weights_only, keys, advance, group, map_location
+            )
     validate_sparse(fetched.sparse, plan.url)  # the bytes are in now
     return _restore(fetched, map_location, weights_only, plan.url, keys)
 
@@ -470,14 +537,14 @@ def _restore(
 ) -> Any:
     """Fix the byte order of the loaded storages, then apply ``map_location`` to them
     (a second, metadata-only unpickle), where either is needed."""
+    if fetched.final:
+        return fetched.result
     storages, refs = fetched.storages, fetched.refs
     if fetched.byteorder != sys.byteorder:
         for k, storage in storages.items():
             storage.byteswap(refs[k].dtype)
     on_cpu = map_location in (None, "cpu") or map_location == torch.device("cpu")
-    # torch's device rebuilds copy their tensor where they run: only after the bytes are in
-    moves = _DEVICE_REBUILD in bytes(fetched.data_pkl)
-    if on_cpu and not moves and all(r.location == "cpu" for r in refs.values()):
+    if on_cpu and all(r.location == "cpu" for r in refs.values()):
         return fetched.result
     restore = torch.serialization._get_restore_location(map_location)
     restored: dict[str, torch.storage.TypedStorage] = {}

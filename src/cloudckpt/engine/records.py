@@ -31,6 +31,7 @@ import torch
 
 from .._runtime import memview
 from ..format.checksum import crc32
+from ..format.torch.storages import fixed_storage
 from ..format.torch.unpickle import StorageRef
 from ..format.torch.zipdir import Entry, check_local_header, check_record_crc
 from ..io.ranges import RangeReader
@@ -117,7 +118,9 @@ class RecordReads:
     def __init__(self, reader: RangeReader, key: str, url: str) -> None:
         self._reader = reader
         self._key, self._url = key, url
-        self._batch: list[tuple[Entry, memoryview]] = []
+        #: (record, where it goes, what owns that memory): the owners are held by the
+        #: batch's check, which copies into their memory, until it has run.
+        self._batch: list[tuple[Entry, memoryview, object]] = []
 
     def add(self, entry: Entry, dest: memoryview, owner: object) -> None:
         """Read ``entry`` into ``dest``, a view of ``owner``'s memory."""
@@ -128,7 +131,7 @@ class RecordReads:
             start, end = self._batch[0][0].header_offset, self._batch[-1][0].end
             if not _joins(start, end, entry, min(BATCH_GAP, self._reader.options.read_gap)):
                 self.flush()
-        self._batch.append((entry, dest))
+        self._batch.append((entry, dest, owner))
 
     def flush(self) -> None:
         if not self._batch:
@@ -140,10 +143,10 @@ class RecordReads:
         self._reader.add(self._key, start, buffer, check)
 
     def _copy_checked(
-        self, batch: list[tuple[Entry, memoryview]], buffer: memoryview, start: int
+        self, batch: list[tuple[Entry, memoryview, object]], buffer: memoryview, start: int
     ) -> None:
         """Copy each record of a batch read into its storage, and check it there."""
-        for entry, dest in batch:
+        for entry, dest, _owner in batch:
             at = entry.header_offset - start
             data = at + entry.local_header_size
             dest[:] = buffer[data : data + entry.size]
@@ -200,7 +203,7 @@ class PlacedRecords:
             reader.add(key, block.start, memoryview(block.memory), check)
         for entry in ordered:
             if entry.name not in self._in_block:
-                storage = torch.UntypedStorage(entry.size)
+                storage = fixed_storage(entry.size)
                 self._own[entry.name] = storage
                 read_record(reader, key, url, entry, storage_view(storage), storage)
 
@@ -238,7 +241,7 @@ class PlacedRecords:
         if own is not None:
             return own, None
         if not ref.nbytes:
-            return torch.UntypedStorage(0), None
+            return fixed_storage(0), None
         block, at = self._in_block[entry.name]
         return _storage_over(block.memory, at, ref)
 
@@ -273,9 +276,9 @@ class MappedRecords:
         """The storage of ``entry`` over the mapping; a copy when the record's data is
         not aligned as torch writes it (another writer's archive)."""
         if not ref.nbytes:
-            return torch.UntypedStorage(0), None
+            return fixed_storage(0), None
         if entry.data_offset % _ALIGN:
-            storage = torch.UntypedStorage(entry.size)
+            storage = fixed_storage(entry.size)
             view = memoryview(self._memory)[entry.data_offset : entry.data_offset + entry.size]
             storage_view(storage)[:] = view
             return storage, None

@@ -10,10 +10,14 @@ the manner of torch's ``torch/_weights_only_unpickler.py``) that runs under a
 * a constructor (``REDUCE``, ``NEWOBJ``) only on an allowed callable, with a tuple of
   arguments, never with a plain integer size for a tensor, storage or ``bytearray``
   (the legacy size constructors that allocate what the file asks);
-* ``BUILD``, ``APPEND(S)``, ``SETITEM(S)`` and ``ADDITEMS`` only on objects the pickle
-  built itself, of the kinds torch allows (lists, dicts, sets, tensors, parameters,
-  instances of allowed classes): never on a global the pickle named, nor on a storage
-  that ``persistent_load`` supplied;
+* ``BUILD``, ``APPEND(S)``, ``SETITEM(S)`` and ``ADDITEMS`` only on objects this load
+  built, tracked by identity (:attr:`RestrictedUnpickler._own`: the containers its
+  opcodes made, and what a call known to make a new object returned), of the kinds
+  torch allows (lists, dicts, sets, tensors, parameters, instances of allowed classes):
+  never on a global the pickle named, a storage ``persistent_load`` supplied, or an
+  object an allowed call returned that may be shared (an enum member, a cached value);
+* a tensor's ``set_`` (``BUILD``'s legacy form, on a tensor or a parameter) only over a
+  storage, inside it;
 * a persistent id only of the form ``('storage', ...)``;
 * memory in proportion to the file: the memo is a dict, strings and byte strings are
   cut from the file's own bytes, and nothing is kept across loads.
@@ -29,6 +33,7 @@ how ``tests/security`` proves it against torch's own unpickler.
 
 from __future__ import annotations
 
+import math
 import pickle
 import pickletools
 import struct
@@ -50,6 +55,8 @@ __all__ = [
     "RestrictedUnpickler",
     "as_text",
     "check_extent",
+    "check_materialised",
+    "contiguous_strides",
     "run_restricted",
     "short",
     "sparse_queue",
@@ -193,11 +200,12 @@ class RestrictedUnpickler:
         self.policy = policy
         self.persistent_load = persistent_load
         self.encoding = encoding
-        #: Ids of objects the pickle must not change: the globals it named and the
-        #: storages persistent_load gave (kept alive in ``_held`` so ids stay unique).
-        self._foreign: set[int] = {id(v) for v in policy.globals.values()}
-        self._held: list[Any] = []
+        #: The objects this load built, by id (held, so ids stay unique): the only
+        #: objects a mutator (BUILD, APPEND(S), SETITEM(S), ADDITEMS) may change.
+        self._own: dict[int, Any] = {}
         self._callables = {id(v) for v in policy.globals.values() if callable(v)}
+        #: Allowed callables whose every call makes a new object (:func:`_makes_new`).
+        self._fresh = {id(v) for v in policy.globals.values() if _makes_new(v)}
         #: What a call of each allowed callable runs (its override, else itself).
         self._runs = {id(v): policy.calls.get(id(v), v) for v in policy.globals.values()}
         self._classes = {id(v) for v in policy.globals.values() if isinstance(v, type)}
@@ -219,52 +227,81 @@ class RestrictedUnpickler:
         raise Refused(f"the pickle names {full_path}, which this kind of file never holds")
 
     def _call(self, func: Any, args: Any, op: str) -> Any:
-        """``func(*args)`` for REDUCE, after the policy's checks."""
+        """``func(*args)`` for REDUCE, after the policy's checks; a new object it made is
+        this load's own."""
         if id(func) not in self._callables:
             raise Refused(f"{op} of {_describe(func)}, which is not an allowed callable")
         if type(args) is not tuple:
             raise Refused(f"{op} of {_describe(func)} with {type(args).__name__} arguments")
-        if func in _INT_SIZED_CLASSES and _sizes_only(args):
-            raise Refused(f"{op} of {_describe(func)} with a size: allocates what the file asks")
+        _check_constructor(func, args, op)
         if func is _rebuild_from_type_v2:
-            allowed = self._callables
-            if len(args) < 2 or id(args[0]) not in allowed or id(args[1]) not in self._classes:
-                raise Refused("_rebuild_from_type_v2 of a callable or type that is not allowed")
-            args = (self._runs[id(args[0])], *args[1:])  # it calls args[0]: the checked one
+            return self._from_type_v2(*args)
+        if func in _DEVICE_REBUILDS:  # (data, dtype, device, requires_grad)
+            data = args[0] if args else None
+            if self._own.get(id(data)) is not data:
+                raise Refused(f"{_describe(func)} of {_describe(data)}, not one this load built")
+            check_materialised(data, args[1] if len(args) > 1 else None)
         result = self._runs[id(func)](*args)
         if func in _SPARSE_CLASSES:  # validated after the load, as torch does
             sparse_queue().append(result)
+        if id(func) in self._fresh:
+            self._own[id(result)] = result
         return result
+
+    def _from_type_v2(
+        self, func: Any = None, new_type: Any = None, args: Any = None, state: Any = None, *x: Any
+    ) -> Any:
+        """``torch._tensor._rebuild_from_type_v2`` (a tensor subclass, or a tensor with
+        attributes): ``func(*args)`` as a REDUCE, made ``new_type``, its state set, as
+        torch's does; the state only on a new object this load made."""
+        if x or id(new_type) not in self._classes:
+            raise Refused("_rebuild_from_type_v2 of a type that is not allowed")
+        ret = self._call(func, args, "_rebuild_from_type_v2")
+        if type(ret) is not new_type:
+            ret = ret.as_subclass(new_type)  # a new tensor object (torch refuses others)
+            self._own[id(ret)] = ret
+        custom = getattr(type(ret), "__setstate__", _tensor_setstate) is not _tensor_setstate
+        if (state or custom) and self._own.get(id(ret)) is not ret:
+            raise Refused(
+                f"_rebuild_from_type_v2 sets the state of {_describe(ret)}, which this load "
+                "did not build"
+            )
+        if custom:
+            ret.__setstate__(state)
+            return ret
+        return torch._utils._set_obj_state(ret, state)
 
     def _newobj(self, cls: Any, args: Any) -> Any:
         if cls is torch.nn.Parameter:
             if type(args) is not tuple:
                 raise Refused(f"NEWOBJ of Parameter with {type(args).__name__} arguments")
-            return torch.nn.Parameter(*args)
+            result = torch.nn.Parameter(*args)
+            self._own[id(result)] = result
+            return result
         if id(cls) not in self._classes:
             raise Refused(f"NEWOBJ of {_describe(cls)}, which is not an allowed class")
         if type(args) is not tuple:
             raise Refused(f"NEWOBJ of {_describe(cls)} with {type(args).__name__} arguments")
-        if cls in _INT_SIZED_CLASSES and _sizes_only(args):
-            raise Refused(f"NEWOBJ of {_describe(cls)} with a size: allocates what the file asks")
+        _check_constructor(cls, args, "NEWOBJ")
         result = cls.__new__(cls, *args)
         if cls in _SPARSE_CLASSES:
             sparse_queue().append(result)
+        if _new_makes_new(cls):
+            self._own[id(result)] = result
         return result
 
     def _build(self, inst: Any, state: Any) -> None:
         """BUILD as torch's unpickler does it, only on an object the pickle built."""
-        if id(inst) in self._foreign:
-            raise Refused(f"BUILD on {_describe(inst)}, which the pickle did not build")
+        if self._own.get(id(inst)) is not inst:
+            raise Refused(f"BUILD on {_describe(inst)}, which this load did not build")
         kind = type(inst)
         if kind is torch.Tensor:
-            if type(state) is not tuple:
-                raise Refused(f"BUILD of a tensor from {type(state).__name__}")
-            if len(state) == 4 and isinstance(state[0], _STORAGES):
-                check_extent(state[0].nbytes(), *state[1:], inst.element_size())
-            inst.set_(*state)  # the legacy tensor format
+            _set_tensor(inst, state)  # the legacy tensor format
         elif kind is torch.nn.Parameter:
-            inst.__setstate__(state)
+            if type(state) is tuple and len(state) == 4:  # Tensor.__setstate__ would set_
+                _set_tensor(inst, state)
+            else:
+                inst.__setstate__(state)
         elif kind is OrderedDict:
             if type(state) is not dict:
                 raise Refused(f"BUILD of an OrderedDict from {type(state).__name__}")
@@ -289,8 +326,8 @@ class RestrictedUnpickler:
             )
 
     def _check_target(self, target: Any, kinds: tuple[type, ...], op: str) -> None:
-        if type(target) not in kinds or id(target) in self._foreign:
-            raise Refused(f"{op} into {_describe(target)}")
+        if type(target) not in kinds or self._own.get(id(target)) is not target:
+            raise Refused(f"{op} into {_describe(target)}, which this load did not build")
 
     def _persistent(self, pid: Any) -> Any:
         if type(pid) is not tuple and type(pid) is not int:
@@ -299,10 +336,7 @@ class RestrictedUnpickler:
             raise Refused("a persistent id that does not name a storage")
         if self.persistent_load is None:
             raise Refused("a persistent id in a pickle that holds no storages")
-        found = self.persistent_load(pid)
-        self._held.append(found)
-        self._foreign.add(id(found))
-        return found
+        return self.persistent_load(pid)
 
     def load(self) -> Any:
         """The object the pickle describes. Opcodes are tested most frequent first (as
@@ -314,10 +348,10 @@ class RestrictedUnpickler:
         runs = self._runs
         plain_calls = {i: runs[i] for i in self._callables - _SPECIAL_CALLABLE_IDS}
         plain_call = plain_calls.get
+        fresh = self._fresh
+        own = self._own
         persistent = self._persistent
         load_storage = self.persistent_load
-        hold = self._held.append
-        foreign = self._foreign.add
         stack: list[Any] = []
         append = stack.append
         marks: list[list[Any]] = []
@@ -359,18 +393,18 @@ class RestrictedUnpickler:
             elif op == 0x52:  # REDUCE
                 args = stack.pop()
                 func = stack[-1]
-                run = plain_call(id(func))
+                fid = id(func)
+                run = plain_call(fid)
                 if run is not None and type(args) is tuple:
-                    stack[-1] = run(*args)
+                    stack[-1] = result = run(*args)
+                    if fid in fresh:
+                        own[id(result)] = result
                 else:
                     stack[-1] = self._call(func, args, "REDUCE")
             elif op == 0x51:  # BINPERSID
                 pid = stack.pop()
                 if type(pid) is tuple and pid and pid[0] == "storage" and load_storage:
-                    found = load_storage(pid)  # what _persistent does, inlined
-                    hold(found)
-                    foreign(id(found))
-                    append(found)
+                    append(load_storage(pid))  # what _persistent does, inlined
                 else:
                     append(persistent(pid))
             elif op == 0x89:  # NEWFALSE
@@ -420,9 +454,13 @@ class RestrictedUnpickler:
                 pos = middle + 1
                 append(self.find_class(module, name))
             elif op == 0x7D:  # EMPTY_DICT
-                append({})
+                new = {}
+                own[id(new)] = new
+                append(new)
             elif op == 0x5D:  # EMPTY_LIST
-                append([])
+                new = []
+                own[id(new)] = new
+                append(new)
             elif op == 0x65:  # APPENDS
                 items = stack
                 stack = marks.pop()
@@ -458,7 +496,9 @@ class RestrictedUnpickler:
                 append(raw if self.encoding == "bytes" else raw.decode(self.encoding, "strict"))
                 pos += n
             elif op == 0x8F:  # EMPTY_SET
-                append(set())
+                new = set()
+                own[id(new)] = new
+                append(new)
             elif op == 0x80:  # PROTO
                 if data[pos] > pickle.HIGHEST_PROTOCOL:
                     raise ValueError(f"unsupported pickle protocol: {data[pos]}")
@@ -537,20 +577,32 @@ def _describe(value: Any) -> str:
 _rebuild_from_type_v2 = getattr(torch._tensor, "_rebuild_from_type_v2", None)
 
 
-def _tensor_and_storage_classes() -> frozenset[Any]:
-    classes: set[Any] = {torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, bytearray}
-    classes.update(torch._tensor_classes)
-    classes.update(torch._storage_classes)
-    classes.add(torch.storage.TypedStorage)
-    return frozenset(classes)
-
-
+_STORAGE_CLASSES = frozenset(
+    {torch.UntypedStorage, torch.storage.TypedStorage, *torch._storage_classes}
+)
+_TENSOR_CLASSES = frozenset({torch.Tensor, torch.nn.Parameter, *torch._tensor_classes})
 #: Classes whose constructor, given an integer, allocates that many elements.
-_INT_SIZED_CLASSES = _tensor_and_storage_classes()
+_INT_SIZED_CLASSES = _STORAGE_CLASSES | _TENSOR_CLASSES | {bytearray}
+#: torch's rebuild functions: each call makes a new tensor (the device rebuild may
+#: return the tensor it was given, which a rebuild made: _runtime checks it is own).
+_REBUILDS_NEW = frozenset(
+    getattr(torch._utils, n) for n in dir(torch._utils) if n.startswith("_rebuild_")
+)
+_tensor_setstate = torch.Tensor.__setstate__
+#: Rebuilds that copy a tensor into new memory (``data.to(dtype, device)``) while the
+#: pickle is read: bounded by :func:`check_materialised`.
+_DEVICE_REBUILDS = frozenset(
+    f
+    for f in (
+        getattr(torch._utils, "_rebuild_device_tensor_from_cpu_tensor", None),
+        getattr(torch._utils, "_rebuild_device_tensor_from_numpy", None),
+    )
+    if f is not None
+)
 _SPARSE_CLASSES = frozenset(c for c in torch._tensor_classes if "sparse" in c.__module__)
 #: Callables REDUCE checks further (RestrictedUnpickler._call): never on the fast path.
 _SPECIAL_CALLABLE_IDS = frozenset(
-    id(c) for c in (*_INT_SIZED_CLASSES, *_SPARSE_CLASSES, _rebuild_from_type_v2)
+    id(c) for c in (*_INT_SIZED_CLASSES, *_SPARSE_CLASSES, *_DEVICE_REBUILDS, _rebuild_from_type_v2)
 )
 
 
@@ -625,10 +677,114 @@ def check_extent(nbytes: int, offset: Any, size: Any, stride: Any, itemsize: int
         )
 
 
-def _sizes_only(args: tuple[Any, ...]) -> bool:
-    """Arguments of a legacy size constructor (``Tensor(2, 3)``, ``FloatTensor(Size)``,
-    ``bytearray(n)``): sizes only, which allocate what the file asks."""
-    return bool(args) and all(type(a) is int or type(a) is torch.Size for a in args)
+def check_materialised(data: Any, dtype: Any, size: Any = None) -> None:
+    """Refuse a rebuild that would allocate more than the bytes behind it: ``size``
+    elements (default: ``data``'s) of ``dtype`` (default: ``data``'s) against the bytes
+    of ``data``'s storage (a tensor) or buffer (an array). A view of 2**27 elements with
+    stride 0 over 64 bytes is a fine view, but copied it is 2**27 elements; torch.save
+    never writes such a copy (it saves a device tensor's ``.cpu()``, as many bytes)."""
+    if isinstance(data, (torch.Tensor, *_STORAGES)):
+        tensor = isinstance(data, torch.Tensor)
+        held = data.untyped_storage().nbytes() if tensor else data.nbytes()
+        count = data.numel() if size is None else math.prod(size)
+        if isinstance(dtype, torch.dtype):
+            itemsize = dtype.itemsize
+        else:
+            itemsize = data.element_size() if tensor else data.dtype.itemsize
+    else:
+        held = getattr(data, "nbytes", None)
+        count = getattr(data, "size", None)
+        itemsize = (
+            dtype.itemsize
+            if isinstance(dtype, torch.dtype)
+            else getattr(getattr(data, "dtype", None), "itemsize", None)
+        )
+        if type(held) is not int or type(count) is not int or type(itemsize) is not int:
+            raise Refused(f"a device rebuild of {_describe(data)}")
+    if count * itemsize > held:
+        raise Refused(
+            f"a rebuild would copy {count} elements of {itemsize} bytes out of {held} bytes "
+            "(a view that repeats its elements); torch.save never writes one"
+        )
+
+
+def _check_constructor(func: Any, args: tuple[Any, ...], op: str) -> None:
+    """Refuse a constructor that would allocate what the file asks rather than what it
+    holds: a storage made other than by a persistent id; a legacy tensor class given
+    anything at all (``FloatTensor(32768, 16384, True)``: a bool is an int too;
+    ``FloatTensor(data)`` expands memoized lists), except the sparse ones, which
+    allocate nothing for a size; ``bytearray`` of anything but text (``bytearray(n)``:
+    n zero bytes). ``torch.save`` writes none of these."""
+    if func not in _INT_SIZED_CLASSES:
+        return
+    if func in _STORAGE_CLASSES:
+        raise Refused(f"{op} of {_describe(func)}: a storage comes only from a record")
+    if func is bytearray:
+        if all(type(a) is str or type(a) is bytes for a in args):
+            return
+    elif func in _SPARSE_CLASSES:
+        if not args or not all(_size_like(a) for a in args):
+            return
+    elif not args or func is torch.nn.Parameter:
+        return
+    raise Refused(f"{op} of {_describe(func)} with arguments: allocates what the file asks")
+
+
+def _size_like(value: Any) -> bool:
+    """An integer (a bool, an int subclass, anything with ``__index__``) or a size."""
+    return isinstance(value, (int, torch.Size)) or hasattr(type(value), "__index__")
+
+
+def _set_tensor(tensor: torch.Tensor, state: Any) -> None:
+    """BUILD's legacy form, ``tensor.set_(storage, offset, size[, stride])``, only over a
+    storage and inside it: ``set_`` would otherwise resize the storage to what the file
+    asks (torch's own storages cannot grow; check_extent says so before torch would)."""
+    if type(state) is not tuple or len(state) not in (3, 4) or type(state[0]) not in _STORAGES:
+        raise Refused("BUILD of a tensor from a state other than (storage, offset, size[, stride])")
+    storage, offset, size = state[:3]
+    if type(size) is not tuple and type(size) is not torch.Size:
+        raise ValueError(f"a tensor size of type {type(size).__name__}")
+    stride = state[3] if len(state) == 4 else contiguous_strides(size)
+    if type(stride) is not tuple and type(stride) is not torch.Size:
+        raise ValueError(f"a tensor stride of type {type(stride).__name__}")
+    check_extent(storage.nbytes(), offset, size, stride, tensor.element_size())
+    tensor.set_(*state)
+
+
+def contiguous_strides(size: Any) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size`` (every item an int, not a bool)."""
+    strides: list[int] = []
+    step = 1
+    for n in reversed(tuple(size)):
+        if type(n) is not int or n < 0:
+            raise ValueError(f"size {tuple(size)} is not valid")
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+#: What ``object.__new__``-like constructors are: each call makes a new object.
+_NEW_MAKERS = frozenset(
+    id(m) for m in (object.__new__, dict.__new__, list.__new__, set.__new__, frozenset.__new__)
+)
+
+
+def _new_makes_new(cls: Any) -> bool:
+    """Whether ``cls.__new__(cls, ...)`` always makes a new object (an ``Enum``'s returns
+    an existing member; a C type's ``__new__`` may return a cached one)."""
+    return isinstance(cls, type) and id(getattr(cls, "__new__", None)) in _NEW_MAKERS
+
+
+def _makes_new(value: Any) -> bool:
+    """Whether calling ``value`` (an allowed global) always makes a new object: torch's
+    tensor rebuild functions and tensor classes, ``Parameter``, and classes built by
+    ``type.__call__`` over a ``__new__`` that makes a new object (not an ``Enum``, whose
+    call returns a shared member)."""
+    if value in _REBUILDS_NEW or value in _TENSOR_CLASSES:
+        return True
+    return (
+        isinstance(value, type) and type(value).__call__ is type.__call__ and _new_makes_new(value)
+    )
 
 
 def short(exc: BaseException) -> str:

@@ -43,11 +43,13 @@ from .restricted_pickle import (
     Refused,
     as_text,
     check_extent,
+    check_materialised,
     run_restricted,
     short,
     sparse_queue,
     validate_sparse,
 )
+from .storages import fixed_storage
 
 __all__ = [
     "StorageRef",
@@ -267,6 +269,8 @@ def _bounded(rebuild: Callable[..., Any], dtype_at: int | None = None) -> Callab
                 "with _rebuild_qtensor, which gives them their quantizer)"
             )
         check_extent(storage.nbytes(), storage_offset, size, stride, dtype.itemsize)
+        if not plain:  # allocates a quantized tensor of ``size``, then sets it over storage
+            check_materialised(storage, dtype, size)
         return rebuild(storage, storage_offset, size, stride, *rest)
 
     return checked
@@ -532,7 +536,7 @@ def load_torch_bytes(
             raise CorruptCheckpointError(
                 f"{url}: storage record data/{ref.key} is missing or not {ref.nbytes} bytes"
             )
-        storage = torch.UntypedStorage(ref.nbytes)
+        storage = fixed_storage(ref.nbytes)
         if ref.nbytes:  # (the record may be read-only: copied, never wrapped)
             storage_view(storage)[:] = raw
         if swap:
