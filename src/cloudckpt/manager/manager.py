@@ -55,6 +55,7 @@ from ..errors import (
 from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..store import Store, Target, open_target
+from ..store.deadline import deadline_scope
 from ..store.overlay import OverlayStore
 from . import peers
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
@@ -207,14 +208,16 @@ class CheckpointManager:
     # -- discovery -----------------------------------------------------------------------
     def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest step first (one listing, markers only); with a
-        local tier, those of either tier, each saying which tiers hold it."""
+        local tier, those of either tier, each saying which tiers hold it. The bucket's
+        listing and marker reads are bounded by the manager's ``deadline``."""
         found = on_first(self._list_local, what=f"the listing of {self.root_url}")
         return found if self._tier is None else merge_tiers(found, self._tier.list())
 
     def _list_local(self) -> builtins.list[CheckpointInfo]:
         with self._lock:
             cache = dict(self._cache)
-        found = list_checkpoints(self.store, self.root_key, self.options, cache)
+        with deadline_scope(self.options.deadline):  # the listing and its marker reads
+            found = list_checkpoints(self.store, self.root_key, self.options, cache)
         with self._lock:
             self._cache.update(cache)
         return found
@@ -225,11 +228,13 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def info(self, step: int) -> CheckpointInfo:
-        """The committed checkpoint of ``step``; NotFoundError if it is not committed."""
+        """The committed checkpoint of ``step``; NotFoundError if it is not committed.
+        The marker read is bounded by the manager's ``deadline``."""
         self._check_step(step)
 
         def read() -> CheckpointInfo:
-            found = read_marker(self.store, marker_key(self.root_key, step))
+            with deadline_scope(self.options.deadline):
+                found = read_marker(self.store, marker_key(self.root_key, step))
             if self._tier is not None:
                 local = self._tier.info(step)
                 both = merge_tiers([found] if found else [], [local] if local else [])

@@ -7,25 +7,45 @@ with :func:`within`), reads the same expiry. Retries stop at it
 (:class:`~cloudckpt.errors.DeadlineExceededError`), groups stop waiting at it, and the
 cleanup after a failure (aborting an upload, deleting what was written) gets
 :data:`CLEANUP_GRACE` seconds more, never a retry past that.
+
+A request its caller waits for directly (a load's first HEAD and directory reads, a
+listing, a marker read, a copy's HEAD: anything not sent through a transfer group, which
+bounds its own requests) runs under a deadline through :func:`call_within`: in a daemon
+thread, waited for until the deadline, then abandoned (it ends at its own request
+timeout; nobody waits for it) with :class:`~cloudckpt.errors.DeadlineExceededError`
+naming the request. The store's retry loop does this for every attempt
+(cloudckpt.store.retry), so no request of a bounded operation outlives its deadline in
+the caller's thread, whatever its socket timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..errors import DeadlineExceededError
 
 __all__ = [
     "CLEANUP_GRACE",
     "Deadline",
+    "call_within",
     "cleanup_scope",
     "current_deadline",
     "deadline_scope",
     "start_deadline",
     "within",
 ]
+
+T = TypeVar("T")
 
 #: Seconds the cleanup after a failed operation may take past its deadline (one abort
 #: or a few deletes); what is not done by then is left for ``cloudckpt gc``.
@@ -105,3 +125,90 @@ def cleanup_scope() -> Iterator[Deadline | None]:
         yield grace
     finally:
         _current.reset(token)
+
+
+# -- requests their caller waits for, bounded ------------------------------------------------
+
+#: True inside a request run by :func:`call_within` (its nested requests, an overlay
+#: store's tiers, need no thread of their own: the outer wait bounds them).
+_bounded: contextvars.ContextVar[bool] = contextvars.ContextVar("cloudckpt_bounded", default=False)
+
+#: Seconds an idle helper thread waits for work before it ends.
+_IDLE_SECONDS = 30.0
+
+
+class _Helpers:
+    """Daemon threads for :func:`call_within`, one per request in flight: a request
+    never queues behind another (a stalled one would hold it past its deadline), and an
+    abandoned one, stuck until its socket timeout, never holds up the process's exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._idle = 0  # waiting threads no job has been promised to
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # that thread's next job is this one
+        self._jobs.put((future, fn))
+        if start:
+            threading.Thread(target=self._work, name="cloudckpt-request", daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            try:
+                future, fn = self._jobs.get(timeout=_IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # nobody was promised this thread: it may go
+                        self._idle -= 1
+                        return
+                continue
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+            del future, fn
+            with self._lock:
+                self._idle += 1
+
+
+_helpers = _Helpers()
+
+
+def _reset_after_fork() -> None:
+    global _helpers
+    _helpers = _Helpers()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def call_within(fn: Callable[[], T], deadline: Deadline | None, what: str) -> T:
+    """``fn()`` (one request attempt, ``what``: "head s3://b/k"), not waited for past
+    ``deadline``: then :class:`~cloudckpt.errors.DeadlineExceededError` naming ``what``,
+    the request left to end at its own timeout in its daemon thread. Without a deadline,
+    or inside a request already bounded this way, ``fn()`` in this thread."""
+    if deadline is None or _bounded.get():
+        return fn()
+    if deadline.passed:
+        raise DeadlineExceededError(
+            f"{what} not sent: the operation's {deadline.seconds:g} s deadline has passed"
+        )
+    context = contextvars.copy_context()
+    context.run(_bounded.set, True)
+    future = _helpers.submit(lambda: context.run(fn))
+    try:
+        return future.result(timeout=deadline.remaining())
+    except FutureTimeout:
+        if future.done():  # finished as the wait ended
+            return future.result()
+        raise DeadlineExceededError(
+            f"{what} not answered within the operation's {deadline.seconds:g} s deadline; abandoned"
+        ) from None

@@ -23,7 +23,9 @@ each shared by every transfer of the process (and replaced in a forked child):
 A transfer group (the engine's scheduler) stops the retries of its requests by
 running them inside :func:`cancel_scope`: a backoff wait or a rate-limit wait ends at
 once with :class:`Cancelled` when the scope's event is set. Inside an operation's
-deadline (cloudckpt.store.deadline) no retry starts that could not begin before it.
+deadline (cloudckpt.store.deadline) no retry starts that could not begin before it, and
+a request made outside a transfer group is not waited for past it
+(:func:`~cloudckpt.store.deadline.call_within`: its socket timeout does not matter).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from ..errors import (
     TransientError,
 )
 from ..redact import display_url, redact_text
-from .deadline import current_deadline
+from .deadline import call_within, current_deadline
 
 if TYPE_CHECKING:
     from ..options import TransferOptions
@@ -432,7 +434,9 @@ class RetryPolicy:
                 limiter.acquire(cancel)
             stamp = adaptive.acquire(cancel) if adaptive is not None else 0
             try:
-                result = fn()
+                # A transfer group's request is bounded by the group's wait; any other one
+                # (a HEAD, a listing, a small read its caller waits for) by the deadline.
+                result = fn() if cancel is not None else call_within(fn, current_deadline(), what)
             except TransientError as exc:
                 if adaptive is not None and isinstance(exc, ThrottledError):
                     adaptive.throttled(stamp)

@@ -1,0 +1,345 @@
+"""``deadline=`` bounds every request of an operation, not only its data transfers: the
+first HEAD of a load, its directory reads, a listing, a marker read, a copy's HEAD and
+listing, a save's abort. Against a server on 127.0.0.1 that accepts connections and
+never answers (the default 120 s ``request_timeout`` left as it is), each operation
+raises ``DeadlineExceededError`` naming the URL soon after its deadline; before, a load
+sat in its first HEAD until the socket's read timeout (120 s), whatever its deadline.
+
+Each operation runs in a daemon thread joined for at most ``BOUND`` seconds, so a test
+fails there (not after minutes) when a request outlives the deadline. ``BOUND`` is
+generous (a busy machine); what it separates is seconds from minutes.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cloudckpt
+from cloudckpt.cli.main import main
+from cloudckpt.errors import DeadlineExceededError
+from cloudckpt.io.scheduler import TransferGroup
+from cloudckpt.options import MiB, TransferOptions
+from cloudckpt.store.deadline import CLEANUP_GRACE, Deadline, deadline_scope, within
+from cloudckpt.store.memory import MemoryStore
+from faults import FaultyStore
+
+DEADLINE = 3.0
+#: Past the deadline: starting the store's client and the scheduler's cancel grace.
+SLACK = 4.0
+BOUND = DEADLINE + SLACK
+CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
+
+
+class SilentServer:
+    """Accepts TCP connections on 127.0.0.1 and reads requests; answers none of them,
+    except, with ``answer_uploads``, a CreateMultipartUpload (``POST ...?uploads``: a
+    store that starts an upload and then goes silent, so the save's abort meets it) and,
+    with ``answer_heads``, a HEAD (an object of that many bytes: the load's next request,
+    a range read, meets the silence)."""
+
+    def __init__(self, answer_uploads: bool = False, answer_heads: int | None = None) -> None:
+        self.answer_uploads = answer_uploads
+        self.answer_heads = answer_heads
+        self.requests: list[str] = []  # request lines, in arrival order
+        self._sock = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def storage_options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.url, **CREDS}
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        data = b""
+        try:
+            while not self._stopped.is_set():
+                head, sep, rest = data.partition(b"\r\n\r\n")
+                if not sep:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                    continue
+                line = head.split(b"\r\n", 1)[0].decode("latin-1")
+                with self._lock:
+                    self.requests.append(line)
+                method, target = line.split(" ")[:2]
+                if self.answer_heads is not None and method == "HEAD":
+                    conn.sendall(
+                        b'HTTP/1.1 200 OK\r\nETag: "e"\r\n'
+                        + f"Content-Length: {self.answer_heads}\r\n\r\n".encode()
+                    )
+                elif self.answer_uploads and method == "POST" and target.endswith("?uploads"):
+                    key = target.split("?")[0].split("/", 2)[-1]
+                    body = (
+                        '<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult>'
+                        f"<Bucket>b</Bucket><Key>{key}</Key><UploadId>up-1</UploadId>"
+                        "</InitiateMultipartUploadResult>"
+                    ).encode()
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                        + body
+                    )
+                else:
+                    while conn.recv(65536):  # drain the body, never answer
+                        pass
+                    return
+                data = rest
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._sock.close()
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+
+
+@pytest.fixture
+def silent() -> Iterator[SilentServer]:
+    server = SilentServer()
+    yield server
+    server.close()
+
+
+def _bounded(fn: Callable[[], Any], bound: float = BOUND) -> tuple[BaseException | None, float]:
+    """Run ``fn`` in a daemon thread; what it raised and the seconds it took. Fails the
+    test if it is still running ``bound`` seconds after it started."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            fn()
+        except BaseException as exc:
+            box["error"] = exc
+        box["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(bound)
+    assert not thread.is_alive(), f"still running {bound:g} s later (deadline {DEADLINE:g} s)"
+    return box.get("error"), box["seconds"]
+
+
+def _deadline_error(error: BaseException | None, url: str) -> str:
+    assert isinstance(error, DeadlineExceededError), repr(error)
+    message = str(error)
+    assert url in message and "deadline" in message, message
+    return message
+
+
+#: A URL of each backend and its storage options pointing at a server's endpoint, with
+#: the client library it needs.
+BACKENDS = {
+    "s3": ("s3://silent-load/run/c.pt", lambda ep: {"endpoint_url": ep, **CREDS}, "botocore"),
+    "gs": (
+        "gs://silent-load/run/c.pt",
+        lambda ep: {"endpoint_url": ep, "anonymous": True},
+        "google.auth",
+    ),
+    "az": (
+        "az://silent-load/run/c.pt",
+        lambda ep: {"account_url": f"{ep}/devstoreaccount1", "anonymous": True},
+        "azure.storage.blob",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_load_s_first_head_is_bounded(silent: SilentServer, backend: str) -> None:
+    url, options, module = BACKENDS[backend]
+    pytest.importorskip(module)
+    error, seconds = _bounded(
+        lambda: cloudckpt.load(url, storage_options=options(silent.url), deadline=DEADLINE)
+    )
+    message = _deadline_error(error, url)
+    assert "head" in message
+    assert seconds < BOUND
+    assert silent.requests  # it got there, and no answer
+
+
+def test_a_load_of_some_keys_is_bounded(silent: SilentServer) -> None:
+    url = "s3://silent-keys/run/c.pt"
+    error, _ = _bounded(
+        lambda: cloudckpt.load(
+            url, keys=["model"], storage_options=silent.storage_options(), deadline=DEADLINE
+        )
+    )
+    _deadline_error(error, url)
+
+
+def test_a_load_s_directory_reads_are_bounded() -> None:
+    """The HEAD is answered (a 64 MiB object); the first range read (the archive's tail,
+    its directory) gets no answer."""
+    server = SilentServer(answer_heads=64 * MiB)
+    try:
+        url = "s3://silent-tail/run/c.pt"
+        error, _ = _bounded(
+            lambda: cloudckpt.load(url, storage_options=server.storage_options(), deadline=DEADLINE)
+        )
+        message = _deadline_error(error, url)
+        assert "read" in message
+        assert [line.split()[0] for line in server.requests][:2] == ["HEAD", "GET"]
+    finally:
+        server.close()
+
+
+def test_a_copy_from_a_silent_bucket_is_bounded(
+    silent: SilentServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = "s3://silent-cp/run/c.pt"
+    argv = [
+        "cp", url, str(tmp_path / "c.pt"), "--deadline", f"{DEADLINE:g}s",
+        "--endpoint-url", silent.url,
+        "-o", f"aws_access_key_id={CREDS['aws_access_key_id']}",
+        "-o", f"aws_secret_access_key={CREDS['aws_secret_access_key']}",
+        "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    box: dict[str, int] = {}
+    error, _ = _bounded(lambda: box.setdefault("code", main(argv)))
+    assert error is None
+    assert box["code"] == 1
+    err = capsys.readouterr().err
+    assert url in err and "deadline" in err, err
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_a_recursive_copy_s_listing_is_bounded(
+    silent: SilentServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = "s3://silent-cpr/run/"
+    argv = [
+        "cp", "-r", url, str(tmp_path / "out") + "/", "--deadline", f"{DEADLINE:g}",
+        "--endpoint-url", silent.url,
+        "-o", f"aws_access_key_id={CREDS['aws_access_key_id']}",
+        "-o", f"aws_secret_access_key={CREDS['aws_secret_access_key']}",
+        "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    box: dict[str, int] = {}
+    error, _ = _bounded(lambda: box.setdefault("code", main(argv)))
+    assert error is None
+    assert box["code"] == 1
+    err = capsys.readouterr().err
+    assert "s3://silent-cpr/run" in err and "deadline" in err, err
+    assert silent.requests and silent.requests[0].startswith("GET ")  # the listing
+
+
+def test_a_manager_s_listing_and_marker_reads_are_bounded(silent: SilentServer) -> None:
+    manager = cloudckpt.CheckpointManager(
+        "s3://silent-mgr/run", storage_options=silent.storage_options(), deadline=DEADLINE
+    )
+    error, _ = _bounded(manager.latest)
+    _deadline_error(error, "s3://silent-mgr/run")
+    error, _ = _bounded(lambda: manager.info(7))
+    _deadline_error(error, "s3://silent-mgr/run")
+
+
+def test_a_save_whose_abort_meets_a_silent_store_is_bounded() -> None:
+    """The upload starts, its parts and then its abort get no answer: the save raises
+    within its deadline plus the cleanup's grace, naming the object."""
+    server = SilentServer(answer_uploads=True)
+    try:
+        url = "s3://silent-save/run/c.pt"
+        g = torch.Generator().manual_seed(0)
+        state = {f"t{i}": torch.randn(3 * MiB // 4, generator=g) for i in range(4)}  # 12 MiB
+        error, _ = _bounded(
+            lambda: cloudckpt.save(
+                state,
+                url,
+                storage_options=server.storage_options(),
+                part_size=5 * MiB,
+                deadline=DEADLINE,
+            ),
+            BOUND + CLEANUP_GRACE,
+        )
+        _deadline_error(error, url)
+        assert any(line.startswith("DELETE ") for line in server.requests)  # the abort
+    finally:
+        server.close()
+
+
+# -- the store layer alone (no network) -------------------------------------------------------
+
+
+def _stalling(name: str, bucket: str) -> tuple[FaultyStore, threading.Event, list[str]]:
+    """A store whose ``name`` requests wait for the event (a request with no answer);
+    the threads they ran in, by name."""
+    store = FaultyStore(MemoryStore(bucket))
+    release = threading.Event()
+    threads: list[str] = []
+
+    def stall(n: int) -> None:
+        threads.append(threading.current_thread().name)
+        release.wait(60)
+
+    store.faults[name] = stall
+    return store, release, threads
+
+
+def test_a_request_with_no_answer_is_abandoned_at_the_deadline() -> None:
+    store, release, _ = _stalling("head", "deadline-head")
+    try:
+        started = time.monotonic()
+        with deadline_scope(0.5), pytest.raises(DeadlineExceededError) as info:
+            store.head("run/c.pt")
+        assert time.monotonic() - started < 0.5 + SLACK
+        assert store.url("run/c.pt") in str(info.value)
+        assert store.calls["head"] == 1  # abandoned, not retried
+    finally:
+        release.set()
+
+
+def test_a_request_after_the_deadline_is_not_sent() -> None:
+    store = FaultyStore(MemoryStore("deadline-passed"))
+    with (
+        within(Deadline(1.0, time.monotonic() - 1.0)),
+        pytest.raises(DeadlineExceededError) as info,
+    ):
+        store.put("run/c.pt", b"x")
+    assert "not sent" in str(info.value) and store.url("run/c.pt") in str(info.value)
+    assert "put" not in store.calls
+
+
+def test_requests_run_in_the_caller_s_thread_unless_a_deadline_needs_a_bound() -> None:
+    """No deadline: the caller's thread; in a transfer group: the group's thread (the
+    group bounds it); a deadline outside a group: a thread of its own."""
+    store, release, threads = _stalling("get", "deadline-threads")
+    release.set()
+    store.inner.put("k", b"x")
+    store.get("k")
+    group = TransferGroup(TransferOptions(), 1)
+    with deadline_scope(60.0):
+        TransferGroup(TransferOptions(), 1).call(lambda: store.get("k"), "get")
+        store.get("k")
+    group.call(lambda: store.get("k"), "get")
+    caller = threading.current_thread().name
+    assert threads[0] == caller
+    assert threads[1].startswith("cloudckpt-io")
+    assert threads[2] == "cloudckpt-request"
+    assert threads[3].startswith("cloudckpt-io")
