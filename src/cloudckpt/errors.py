@@ -6,7 +6,8 @@ builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``
 
     CloudCkptError
     ├── ConfigError (ValueError)                  bad option or storage option
-    │   └── InvalidURLError                       malformed or unsupported URL
+    │   ├── InvalidURLError                       malformed or unsupported URL
+    │   └── UnsafePathError                       a local write would go through a link
     ├── NotFoundError (FileNotFoundError)         object or key is missing
     │   └── BucketNotFoundError                   bucket/container is missing
     ├── AlreadyExistsError (FileExistsError)      conditional create lost
@@ -68,6 +69,7 @@ __all__ = [
     "TransientError",
     "UnpicklableError",
     "UnsafeCheckpointError",
+    "UnsafePathError",
     "UnsupportedFormatError",
 ]
 
@@ -82,6 +84,22 @@ class ConfigError(CloudCkptError, ValueError):
 
 class InvalidURLError(ConfigError):
     """A URL is malformed or uses a scheme cloudckpt does not support."""
+
+
+class UnsafePathError(ConfigError):
+    """A local write would go through a symbolic link inside the directory it writes in
+    (a ``step-N`` that links elsewhere, a link two levels down): refused, naming the
+    path and the link, before a byte is written. The directory the caller names itself
+    (a store's root, ``cp``'s destination) may be a link: only what lies inside it is
+    checked (docs/security.md, "Links and sizes")."""
+
+    def __init__(self, message: str, path: str = "", link: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.link = link
+
+    def __reduce__(self) -> tuple[Any, ...]:  # sent between ranks: keep the path and link
+        return (type(self), (str(self), self.path, self.link))
 
 
 class NotFoundError(CloudCkptError, FileNotFoundError):

@@ -40,6 +40,7 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     NotFoundError,
+    UnsafePathError,
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
@@ -319,7 +320,9 @@ def fetch_latest(
     ETags, every torch archive's CRC-32s) and the folder is renamed into place once
     whole; an interrupted fetch resumes there. A ``checkpoint-N`` already in
     ``local_dir`` is returned when its files match the marker's sizes, else refused
-    (:class:`~cloudckpt.errors.AlreadyExistsError`).
+    (:class:`~cloudckpt.errors.AlreadyExistsError`). ``local_dir`` may be a link; nothing
+    inside it is followed: a ``checkpoint-N``, its hidden folder or a folder below them
+    that is a symbolic link is refused (:class:`~cloudckpt.errors.UnsafePathError`).
     """
     manager = _open_run(url, options, storage_options)
     info = manager.latest()
@@ -328,6 +331,14 @@ def fetch_latest(
     name = f"checkpoint-{info.step}"
     local = Path(local_dir).expanduser()
     target = local / name
+    if target.is_symlink():  # neither returned nor written through
+        link = os.readlink(target)
+        raise UnsafePathError(
+            f"{target} is a symbolic link (to {link}) inside local_dir; fetch_latest "
+            "neither writes through nor returns a link there: remove it",
+            path=str(target),
+            link=link,
+        )
     if target.exists():
         try:
             _check_sizes(LocalStore(target), info)
@@ -338,8 +349,8 @@ def fetch_latest(
         return str(target)
     store, prefix = manager.store, info.url[len(manager.store.url("")) :]
     _check_remote(manager, prefix, info)
-    partial = local / f".{name}.cloudckpt-fetch"
-    partial.mkdir(parents=True, exist_ok=True)
+    # Made with no link inside local_dir (UnsafePathError); written below it the same way.
+    partial = LocalStore(local).make_dirs(f".{name}.cloudckpt-fetch/")
     fetched = LocalStore(partial)
     copy_tree(store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME,))
     _check_sizes(fetched, info)

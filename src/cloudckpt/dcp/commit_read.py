@@ -21,16 +21,19 @@ from ..format.commit import read_committed
 from ..format.dcp.index import LayoutIndex, decode_committed, read_document, save_id_of
 from ..format.dcp.layout import layout_name, metadata_name
 from ..io.scheduler import TransferGroup
-from ..store.paths import check_prefix
+from ..store.paths import MAX_INDEX_BYTES, check_prefix, read_capped
 from .location import CheckpointLocation
 
 __all__ = ["adopt", "layout_document", "read_commit"]
 
 
 def _layout_payload(location: CheckpointLocation, rank: int | None) -> bytes | None:
-    """The layout index's bytes beside ``metadata_name(rank)``; None when absent."""
+    """The layout index's bytes beside ``metadata_name(rank)``; None when absent. One
+    over :data:`~cloudckpt.store.paths.MAX_INDEX_BYTES` is CorruptCheckpointError,
+    refused from its size."""
     try:
-        return location.store.get(location.key(layout_name(rank)))
+        key = location.key(layout_name(rank))
+        return read_capped(location.store, key, MAX_INDEX_BYTES, what="layout index")
     except BucketNotFoundError:
         raise
     except NotFoundError:
@@ -55,7 +58,8 @@ def read_commit(
     url = location.url_of(name)
     store, key = location.store, location.key(name)
     group = TransferGroup(location.options, 2)
-    marker = group.submit(lambda: read_committed(store, key), f"read {url}")
+    # .metadata is a pickle sized by the checkpoint's chunks: no JSON cap (format/commit.py).
+    marker = group.submit(lambda: read_committed(store, key, max_bytes=None), f"read {url}")
     layout = group.submit(lambda: _layout_payload(location, rank), f"read layout of {url}")
     group.wait()
     payload, raw = marker.result(), layout.result()

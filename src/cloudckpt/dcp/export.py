@@ -49,7 +49,7 @@ from ..engine.safetensors import (
     retire_index,
     streamed_file,
 )
-from ..errors import ConfigError, MissingKeyError, NotFoundError
+from ..errors import ConfigError, CorruptCheckpointError, MissingKeyError, NotFoundError
 from ..format.dcp.index import save_id_of
 from ..format.dcp.layout import metadata_name
 from ..format.safetensors import (
@@ -63,6 +63,7 @@ from ..format.safetensors import (
 from ..io.progress import progress_bar
 from ..options import MiB, TransferOptions
 from ..store import Settings, Store, join_key, open_target
+from ..store.paths import read_capped
 from .reader import CloudStorageReader, MetadataOnceReader
 
 __all__ = ["SOURCE_KEY", "ExportResult", "export_safetensors", "parse_dtype"]
@@ -333,9 +334,9 @@ def export_safetensors(
     if len(groups) > 1:
         weight_map = {n: f for f, names in zip(files, groups, strict=True) for n in names}
         index = encode_index(weight_map, payload, {SOURCE_KEY: fingerprint})
-        try:
-            kept = resume and store.get(index_key) == index
-        except NotFoundError:
+        try:  # ours has exactly len(index) bytes: a larger one is not read
+            kept = resume and read_capped(store, index_key, len(index)) == index
+        except (NotFoundError, CorruptCheckpointError):
             kept = False
         if not kept:
             retire_index(store, index_key, files)

@@ -23,11 +23,17 @@ chunks still hold the bytes whose CRC-32s the journal records (an inode number c
 reused by a file made in the partial's place). Anything else
 is logged at WARNING and removed by name (a link itself, never its target), and the copy
 starts over. A ``DST`` that is a symbolic link is refused (:class:`DestinationIsSymlinkError`)
-rather than written through; the final rename makes ``DST`` a regular file.
+rather than written through; the final rename makes ``DST`` a regular file. The directory
+``DST`` lies in is reached the filesystem store's way (``LocalStore.open_parent``: no
+link below the directory the user named, :class:`~cloudckpt.errors.UnsafePathError`), and
+every file there is made, opened, renamed and removed relative to it.
 
 A prefix (:func:`copy_tree`) is copied object by object, each as above, keys relative to
-the prefix. A rerun skips the objects already whole at the destination (:func:`same_object`)
-and resumes the one that was in progress. Commit markers (:data:`COMMIT_MARKERS`) are
+the prefix. To the filesystem, the destination directory named may itself be a link, but
+nothing below it is followed: ``./dest/step-1`` linking elsewhere is refused
+(:class:`~cloudckpt.errors.UnsafePathError`), at any depth. A rerun skips the objects
+already whole at the destination (:func:`same_object`) and resumes the one that was in
+progress. Commit markers (:data:`COMMIT_MARKERS`) are
 copied after every other object, so the destination never looks committed while files
 are missing.
 
@@ -45,8 +51,8 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, NotFoundError, StorageError
+from ..errors import NotFoundError, StorageError, UnsafePathError
 from ..format.checksum import crc32
 from ..format.commit import COMMIT_MARKERS, SAFETENSORS_INDEX_SUFFIX
 from ..io.ranges import split
@@ -90,7 +96,7 @@ _JOURNAL_ENTRY_BYTES = 512
 _INDEX_SUFFIX = SAFETENSORS_INDEX_SUFFIX
 
 
-class DestinationIsSymlinkError(ConfigError):
+class DestinationIsSymlinkError(UnsafePathError):
     """``cp`` to a path that is a symbolic link: refused, so nothing is written through it."""
 
 
@@ -178,19 +184,27 @@ def _journal_limit(entries: int) -> int:
     return _JOURNAL_BASE_BYTES + _JOURNAL_ENTRY_BYTES * entries
 
 
-def _write_json(path: Path, body: dict[str, Any]) -> None:
-    """Replace the journal at ``path`` atomically. The temporary file gets a new random name
-    (``mkstemp``: ``O_EXCL``, mode 0600), so nothing planted beside it is written through."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+def _write_json(path: Path | str, body: dict[str, Any], dir_fd: int | None = None) -> None:
+    """Replace the journal at ``path`` (a name in the directory ``dir_fd``, when given)
+    atomically. The temporary file gets a new random name (``O_EXCL | O_NOFOLLOW``, mode
+    0600), so nothing planted beside it is written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            break
+        except FileExistsError:  # pragma: no cover - 64 random bits taken
+            continue
     try:
         with open(fd, "w") as f:
             json.dump(body, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 
@@ -205,12 +219,16 @@ def _untrusted(st: os.stat_result) -> str:
     return ""
 
 
-def _open_trusted(path: Path, flags: int) -> tuple[int | None, str]:
-    """Open ``path`` without following a symbolic link, and keep it only if it is a regular
-    file of this user with a single link. Returns the fd, or None and why ('' if absent)."""
+def _open_trusted(
+    path: Path | str, flags: int, dir_fd: int | None = None
+) -> tuple[int | None, str]:
+    """Open ``path`` (in the directory ``dir_fd``, when given) without following a symbolic
+    link, and keep it only if it is a regular file of this user with a single link.
+    Returns the fd, or None and why ('' if absent)."""
     try:
         # O_NONBLOCK: a planted FIFO must not hang the open; it changes nothing for a file.
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(path, flags, dir_fd=dir_fd)
     except FileNotFoundError:
         return None, ""
     except OSError as exc:
@@ -224,10 +242,12 @@ def _open_trusted(path: Path, flags: int) -> tuple[int | None, str]:
     return fd, ""
 
 
-def _read_journal(path: Path, max_bytes: int) -> tuple[dict[str, Any] | None, str]:
+def _read_journal(
+    path: Path | str, max_bytes: int, dir_fd: int | None = None
+) -> tuple[dict[str, Any] | None, str]:
     """The JSON object in a journal, or None and why not ('' if there is none). A journal
     is untrusted input: a link, another user's file, too large or not JSON is refused."""
-    fd, why = _open_trusted(path, os.O_RDONLY)
+    fd, why = _open_trusted(path, os.O_RDONLY, dir_fd)
     if fd is None:
         return None, why
     try:
@@ -246,10 +266,10 @@ def _read_journal(path: Path, max_bytes: int) -> tuple[dict[str, Any] | None, st
     return body, ""
 
 
-def _discard(path: Path) -> None:
+def _discard(path: Path | str, dir_fd: int | None = None) -> None:
     """Remove a leftover by name: a symbolic link goes itself, never the file it names."""
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -301,13 +321,22 @@ def copy_object(
 # -- to the filesystem ---------------------------------------------------------------------
 
 
-def _not_a_link(dst: LocalStore, dst_key: str) -> Path:
-    """The path of ``dst_key``; DestinationIsSymlinkError when it is a symbolic link."""
+def _not_a_link(dst: LocalStore, dst_key: str, dir_fd: int | None = None) -> Path:
+    """The path of ``dst_key`` (whose name is looked up in the directory ``dir_fd``, when
+    given); DestinationIsSymlinkError when it is a symbolic link."""
     path = dst.root / check_key(dst_key, dst.url(dst_key))
-    if path.is_symlink():
+    where = path.name if dir_fd is not None else path
+    try:
+        st = os.stat(where, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return path  # absent (or unreachable: the write says why)
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(where, dir_fd=dir_fd)
         raise DestinationIsSymlinkError(
-            f"{path} is a symbolic link (to {os.readlink(path)}); cp does not write through "
-            "links: copy to the link's target, or remove the link first"
+            f"{path} is a symbolic link (to {target}); cp does not write through "
+            "links: copy to the link's target, or remove the link first",
+            path=str(path),
+            link=target,
         )
     return path
 
@@ -361,21 +390,24 @@ def _journal_chunks(
 
 
 def _open_partial(
-    partial: Path,
-    journal_path: Path,
+    partial: str,
+    journal_path: str,
     max_bytes: int,
     check: Callable[[dict[str, Any], os.stat_result, int], dict[int, int] | str],
+    dir_fd: int,
+    folder: Path,
 ) -> tuple[int, os.stat_result, dict[int, int]]:
     """The partial file to write into (fd and status) and the chunks it already holds
     (index -> CRC-32).
 
     A previous run's file is reused only if it and its journal prove that cloudckpt made
     them for this copy (see the module docstring); otherwise both are removed by name and a
-    new file is made with ``O_EXCL | O_NOFOLLOW``, so no planted link is ever written."""
-    journal, why = _read_journal(journal_path, max_bytes)
+    new file is made with ``O_EXCL | O_NOFOLLOW``, so no planted link is ever written. The
+    names are of the directory ``dir_fd``, at ``folder`` (for messages)."""
+    journal, why = _read_journal(journal_path, max_bytes, dir_fd)
     culprit = journal_path
     if journal is not None:
-        fd, why = _open_trusted(partial, os.O_RDWR)
+        fd, why = _open_trusted(partial, os.O_RDWR, dir_fd)
         culprit = partial
         if fd is None and not why:
             why = "it is missing"
@@ -386,21 +418,30 @@ def _open_partial(
                 return fd, st, chunks
             os.close(fd)
             why, culprit = chunks, journal_path
-    elif not why and os.path.lexists(partial):
+    elif not why and _lexists(partial, dir_fd):
         why, culprit = "there is no journal for it", partial
     if why:
-        log.warning("cloudckpt cp: not resuming from %s: %s; starting over", culprit, why)
-    _discard(journal_path)
-    _discard(partial)
+        log.warning("cloudckpt cp: not resuming from %s: %s; starting over", folder / culprit, why)
+    _discard(journal_path, dir_fd)
+    _discard(partial, dir_fd)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(partial, flags, 0o644)
+    fd = os.open(partial, flags, 0o644, dir_fd=dir_fd)
     return fd, os.fstat(fd), {}
 
 
-def _same_file(path: Path, st: os.stat_result) -> bool:
+def _lexists(name: str, dir_fd: int) -> bool:
+    """Whether ``name`` is in the directory ``dir_fd`` (a link counts, whatever it names)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _same_file(path: str, st: os.stat_result, dir_fd: int) -> bool:
     """Whether ``path`` itself (not a link's target) is the file ``st`` describes."""
     try:
-        now = os.lstat(path)
+        now = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return False
     return stat.S_ISREG(now.st_mode) and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
@@ -452,10 +493,31 @@ def _download(
     moved: Callable[[int], None],
     state: CopyState,
 ) -> int:
-    path = _not_a_link(dst, dst_key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    journal_path = path.with_name(path.name + PARTIAL_SUFFIX + ".json")
+    # The directory, made and opened with no link below the one the user named; every
+    # file below is made, renamed and removed relative to it, never by its path.
+    dir_fd, name = dst.open_parent(dst_key, create=True)
+    try:
+        return _download_into(dir_fd, name, src, info, dst, dst_key, options, advance, moved, state)
+    finally:
+        os.close(dir_fd)
+
+
+def _download_into(
+    dir_fd: int,
+    name: str,
+    src: Store,
+    info: ObjectInfo,
+    dst: LocalStore,
+    dst_key: str,
+    options: TransferOptions,
+    advance: Callable[[int], None],
+    moved: Callable[[int], None],
+    state: CopyState,
+) -> int:
+    """:func:`_download` into the file ``name`` of the directory ``dir_fd``."""
+    path = _not_a_link(dst, dst_key, dir_fd)
+    partial = name + PARTIAL_SUFFIX
+    journal_path = name + PARTIAL_SUFFIX + ".json"
     chunk = options.read_chunk_size
     pieces = split(0, info.size, chunk)  # the journal records them by index
     identity = _identity(info)
@@ -469,7 +531,9 @@ def _download(
         chunk=chunk,
         n_pieces=len(pieces),
     )
-    fd, made, done = _open_partial(partial, journal_path, _journal_limit(len(pieces)), check)
+    fd, made, done = _open_partial(
+        partial, journal_path, _journal_limit(len(pieces)), check, dir_fd, path.parent
+    )
     shared = _SharedFile(fd)
     lock = threading.Lock()
     try:
@@ -501,6 +565,7 @@ def _download(
                             "done": sorted(done),
                             "crc32": [done[d] for d in sorted(done)],
                         },
+                        dir_fd,
                     )
                     state.pieces_kept = len(done)
             moved(n)
@@ -519,12 +584,17 @@ def _download(
         shared.close()
     # rename() replaces a link at DST rather than following it; the checks make sure what
     # lands there is the file written above, not something swapped in meanwhile.
-    if not _same_file(partial, made):
-        raise StorageError(f"{partial} was replaced during the copy; not moving it into place")
-    os.replace(partial, path)
-    if not _same_file(path, made):
+    if not _same_file(partial, made, dir_fd):
+        raise StorageError(
+            f"{path}{PARTIAL_SUFFIX} was replaced during the copy; not moving it into place"
+        )
+    os.replace(partial, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    with contextlib.suppress(OSError):  # durable like the filesystem store's renames
+        os.fsync(dir_fd)
+    if not _same_file(name, made, dir_fd):
         raise StorageError(f"{path} is not the file just copied; something replaced it")
-    journal_path.unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal_path, dir_fd=dir_fd)
     return resumed
 
 
@@ -857,15 +927,19 @@ def copy_tree(
     """Copy every object under ``src_prefix`` to ``dst_prefix``, keys relative to it
     (objects named in ``exclude`` left out: :func:`plan_tree`).
 
-    Objects already whole at the destination are skipped. Small ones (one request each,
-    :func:`_small_limit`) go first, ``write_concurrency`` at a time; then the larger ones
-    one by one through :func:`copy_object` (each in parallel parts, and resumed midway
-    after an interruption); commit markers last, one by one.
+    Objects already whole at the destination are skipped. To the filesystem, nothing is
+    written through a link below ``dst_prefix`` (:meth:`LocalStore.checked`). Small ones
+    (one request each, :func:`_small_limit`) go first, ``write_concurrency`` at a time;
+    then the larger ones one by one through :func:`copy_object` (each in parallel parts,
+    and resumed midway after an interruption); commit markers last, one by one.
     ``on_size`` hears the bytes to copy, once. With ``dry_run`` nothing is written: the
     result is the plan. The whole copy is bounded by ``options.deadline``."""
     started = time.perf_counter()
     state = state if state is not None else CopyState()
     src_url, dst_url = src.url(dir_prefix(src_prefix)), dst.url(dir_prefix(dst_prefix))
+    if isinstance(dst, LocalStore):
+        # The directory named may be a link (followed); nothing below it is (UnsafePathError).
+        dst = dst.checked(dst_prefix)
     with deadline_scope(options.deadline):
         entries = plan_tree(src, src_prefix, dst, dst_prefix, exclude)
         if not entries:

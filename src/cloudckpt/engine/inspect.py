@@ -52,7 +52,15 @@ from ..format.torch.unpickle import load_torch_bytes
 from ..io.ranges import RangeReader
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, join_key
-from ..store.paths import Entry, children, classify, dir_prefix
+from ..store.paths import (
+    MAX_INDEX_BYTES,
+    MAX_RECORD_BYTES,
+    Entry,
+    children,
+    classify,
+    dir_prefix,
+    read_capped,
+)
 from .verify import ArchiveInfo, TensorInfo, describe, scalars_of, verify_archive
 
 __all__ = [
@@ -259,8 +267,12 @@ def _read_dcp(found: Found) -> _Dcp:
     """``.metadata`` through the trust boundary, and the layout index when it is the
     same save's (its save id), checked against ``.metadata``'s CRC-32."""
     url = found.store.url(found.key_of(METADATA_NAME))
-    payload = found.store.get(found.key_of(METADATA_NAME))
-    raw = found.store.get(found.key_of(LAYOUT_NAME)) if LAYOUT_NAME in found.files else None
+    payload = found.store.get(found.key_of(METADATA_NAME))  # a pickle: no JSON cap
+    layout = found.files.get(LAYOUT_NAME)
+    raw = None
+    if layout is not None:
+        key = found.key_of(LAYOUT_NAME)
+        raw = read_capped(found.store, key, MAX_INDEX_BYTES, size=layout.size, what="layout index")
     layout_url = found.store.url(found.key_of(LAYOUT_NAME))
     metadata, layout = decode_committed(payload, url, raw, layout_url)
     return _Dcp(metadata, layout)
@@ -341,7 +353,8 @@ def _describe_dcp(
 def _megatron_config(found: Found) -> dict[str, Any]:
     """``metadata.json``, Megatron's backend record, parsed as the integration parses it."""
     key = found.key_of(MEGATRON_CONFIG)
-    return dataclasses.asdict(decode_config(found.store.get(key), found.store.url(key)))
+    payload = read_capped(found.store, key, MAX_RECORD_BYTES, what="megatron metadata.json")
+    return dataclasses.asdict(decode_config(payload, found.store.url(key)))
 
 
 def _load_item(found: Found, item: _Item, data: memoryview) -> Any:

@@ -50,6 +50,7 @@ from ..errors import (
 )
 from ..format.safetensors import (
     INDEX_SUFFIX,
+    MAX_HEADER_SIZE,
     METADATA_KEY,
     Header,
     TensorEntry,
@@ -72,6 +73,7 @@ from ..io.sink import BORROW_MIN, BorrowingSink
 from ..options import TransferOptions
 from ..store import Store, Target, join_key, object_url, open_target
 from ..store.deadline import deadline_scope
+from ..store.paths import read_capped
 from .save import SaveResult
 
 __all__ = ["load_safetensors", "save_safetensors"]
@@ -475,12 +477,11 @@ def retire_index(store: Store, index_key: str, files: Sequence[str]) -> None:
     """Delete an existing index that names a file this save will overwrite, before the
     first byte is written: no reader may combine shards of two saves."""
     try:
-        raw = store.get(index_key)
+        raw = read_capped(store, index_key, MAX_HEADER_SIZE, what="safetensors index")
+        old = set(parse_index(raw, store.url(index_key)).values())
     except NotFoundError:
         return
-    try:
-        old = set(parse_index(raw, store.url(index_key)).values())
-    except CorruptCheckpointError:
+    except CorruptCheckpointError:  # unreadable, or too large to be one: it goes
         old = None
     if old is None or old & set(files):
         store.delete(index_key)

@@ -19,12 +19,19 @@ succeeded; other bytes are another save's marker, and AlreadyExistsError names i
 Markers hold something of their own save (DCP's save id, the manager's commit time),
 so two saves never write the same bytes; Megatron's ``metadata.json`` is the same for
 every save, so its writer deletes an old one before writing any data.
+
+A marker is read with a size cap (:func:`read_committed`, ``store/paths.read_capped``):
+one larger than :data:`~cloudckpt.store.paths.MAX_RECORD_BYTES` (16 MiB) is refused
+as CorruptCheckpointError from its size alone, never read whole. DCP's ``.metadata``, a
+pickle whose size follows the checkpoint's number of chunks, is read without one
+(``max_bytes=None``).
 """
 
 from __future__ import annotations
 
-from ..errors import AlreadyExistsError, BucketNotFoundError, NotFoundError
+from ..errors import AlreadyExistsError, BucketNotFoundError, CorruptCheckpointError, NotFoundError
 from ..store import Store
+from ..store.paths import MAX_RECORD_BYTES, read_capped
 
 __all__ = [
     "COMMIT_MARKERS",
@@ -57,7 +64,11 @@ def commit_marker(store: Store, key: str, payload: bytes) -> None:
     try:
         store.put(key, payload, if_none_match=True)
     except AlreadyExistsError:
-        if read_committed(store, key) == bytes(payload):
+        try:  # ours has exactly len(payload) bytes: a larger one is not read
+            found = read_committed(store, key, max_bytes=len(payload))
+        except CorruptCheckpointError:
+            found = None
+        if found == bytes(payload):
             return  # an earlier attempt of this put landed before its answer was lost
         raise AlreadyExistsError(
             f"another save committed {store.url(key)} while this one was writing; the "
@@ -65,11 +76,18 @@ def commit_marker(store: Store, key: str, payload: bytes) -> None:
         ) from None
 
 
-def read_committed(store: Store, key: str) -> bytes | None:
+def read_committed(
+    store: Store, key: str, *, max_bytes: int | None = MAX_RECORD_BYTES
+) -> bytes | None:
     """The marker's bytes, or None when there is none (the checkpoint is not
-    committed). A missing bucket is an error (BucketNotFoundError), not "no marker"."""
+    committed). A missing bucket is an error (BucketNotFoundError), not "no marker".
+    One larger than ``max_bytes`` is CorruptCheckpointError naming its URL and the cap,
+    found from its size without reading it (``store/paths.read_capped``); ``None``: no
+    cap, one GET (DCP's ``.metadata``)."""
     try:
-        return store.get(key)
+        if max_bytes is None:
+            return store.get(key)
+        return read_capped(store, key, max_bytes, what="commit marker")
     except BucketNotFoundError:
         raise
     except NotFoundError:

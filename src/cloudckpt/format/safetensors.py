@@ -39,7 +39,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..store import Store, join_key
-from ..store.paths import head_object
+from ..store.paths import head_object, read_capped
 from .commit import SAFETENSORS_INDEX_SUFFIX
 
 __all__ = [
@@ -465,10 +465,9 @@ def read_index(store: Store, key: str) -> dict[str, list[str]]:
     """Shard key -> the tensor names an index assigns to it, in the index's order; a
     shard outside the index's folder is refused."""
     url = store.url(key)
-    size = head_object(store, key).size
-    if size > MAX_HEADER_SIZE:
-        raise CorruptCheckpointError(f"{url}: an index of {size} bytes is not plausible")
-    weight_map = parse_index(store.get_range(key, 0, size) if size else b"", url)
+    size = head_object(store, key).size  # its errors say what a prefix's URL holds
+    raw = read_capped(store, key, MAX_HEADER_SIZE, size=size, what="safetensors index")
+    weight_map = parse_index(raw, url)
     folder = key.rpartition("/")[0]
     files: dict[str, list[str]] = {}
     for name, file in weight_map.items():

@@ -34,7 +34,7 @@ from ..errors import CorruptCheckpointError, NotFoundError, UnsupportedFormatErr
 from ..options import TransferOptions
 from ..store import ObjectInfo, Settings, Target
 from ..store.local import LocalStore
-from ..store.paths import exists, is_prefix
+from ..store.paths import MAX_RECORD_BYTES, exists, is_prefix, read_capped
 from ._compat import CheckpointIO
 from .fs import is_remote, register_settings, unwrap
 from .strategies import delete_tree
@@ -95,7 +95,7 @@ class _Mirror:
     # -- the journal ---------------------------------------------------------------------
     def _read_journal(self) -> None:
         try:
-            data = json.loads(self.store.get(JOURNAL))
+            data = json.loads(read_capped(self.store, JOURNAL, MAX_RECORD_BYTES))
             if data.get("format") != JOURNAL_FORMAT or data.get("root_url") != self.root:
                 raise ValueError(f"not the journal of {self.root}")
             due, drained = data["due"], data["drained"]
@@ -298,7 +298,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             return
         self._resumed = True
         try:
-            data = json.loads(LocalStore(self.local_dir).get(JOURNAL))
+            data = json.loads(read_capped(LocalStore(self.local_dir), JOURNAL, MAX_RECORD_BYTES))
             root = data["root_url"]
         except (NotFoundError, ValueError, KeyError, TypeError):
             return

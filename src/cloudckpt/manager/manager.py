@@ -56,6 +56,7 @@ from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..store import Store, Target, open_target
 from ..store.deadline import deadline_scope
+from ..store.local import LocalStore
 from ..store.overlay import OverlayStore
 from . import peers
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
@@ -148,6 +149,8 @@ class CheckpointManager:
         store, key = where.store, where.key
         self.store: Store = store
         self.root_key = key.strip("/")
+        if isinstance(store, LocalStore):  # no write through a link below the run root
+            self.store = store.checked(self.root_key)
         self.root_url = store.url(root_prefix(self.root_key))
         if policies is not None and any(
             v is not None for v in (keep_last, keep_every_n_steps, keep_top_k)
@@ -449,7 +452,9 @@ class CheckpointManager:
     def _target(self, step: int) -> tuple[str, TransferOptions]:
         """Where a save writes ``step``'s payload: the local tier if any, else the bucket."""
         if self._tier is not None:
-            return self._tier.step_url(step), self._tier.options
+            return self._tier.save_url(step), self._tier.options  # no step-N link followed
+        if isinstance(self.store, LocalStore):  # a save by URL: step-N made here, unlinked
+            self.store.make_dirs(self._step_prefix(step))
         return self.step_url(step), self.options
 
     def _commit_save(

@@ -23,7 +23,7 @@ from ..format.commit import MANAGER_MARKER, commit_marker, read_committed
 from ..io.scheduler import TransferGroup
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store, check_key
-from ..store.paths import check_prefix
+from ..store.paths import MAX_RECORD_BYTES, check_prefix, read_capped
 
 __all__ = [
     "MARKER_FORMAT",
@@ -332,8 +332,10 @@ def list_checkpoints(
 
         def fetch(key: str, size: int) -> None:
             try:
-                # One ranged GET: the listing gave the size (markers never change).
-                info = decode_marker(store.get_range(key, 0, size), store.url(key))
+                # One ranged GET: the listing gave the size (markers never change); one
+                # over the cap is refused from that size, unread, and skipped.
+                data = read_capped(store, key, MAX_RECORD_BYTES, size=size, what="marker")
+                info = decode_marker(data, store.url(key))
             except (NotFoundError, CorruptCheckpointError):
                 return  # deleted since the listing, or not a marker of ours
             results[key] = info

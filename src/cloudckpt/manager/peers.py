@@ -23,6 +23,7 @@ from ..dist.groups import group_ranks
 from ..errors import CorruptCheckpointError, NotFoundError
 from ..store import Store
 from ..store.base import MultipartUpload, UploadedPart
+from ..store.paths import MAX_RECORD_BYTES, read_capped
 from .gc import delete_prefix
 from .marker import MARKER_NAME, decode_marker, list_checkpoints, step_dir
 from .retention import KeepLast, to_delete
@@ -180,7 +181,7 @@ def _send(
     error: BaseException | None = None
     if send is not None:
         try:
-            source = tier.store.get(send[1] + MARKER_NAME)
+            source = read_capped(tier.store, send[1] + MARKER_NAME, MAX_RECORD_BYTES)
             info = decode_marker(source, tier.store.url(send[1] + MARKER_NAME))
             outgoing = [(f.name, f.size) for f in info.files]
             marker = source

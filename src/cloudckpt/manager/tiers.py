@@ -146,6 +146,13 @@ class LocalTier:
         """URL of ``step``'s local prefix (ends in ``/``)."""
         return self.store.url(self.step_prefix(step))
 
+    def save_url(self, step: int) -> str:
+        """:meth:`step_url`, for a save addressing the tier by URL: ``step-N/`` is made
+        first by the tier's store, so a ``step-N`` that is a symbolic link is refused
+        (UnsafePathError) rather than saved through."""
+        self.store.make_dirs(self.step_prefix(step))
+        return self.step_url(step)
+
     def due(self, step: int) -> bool:
         """Whether ``step`` goes to the bucket (every ``drain_every_n_steps``-th)."""
         return step % self.every == 0

@@ -124,7 +124,7 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
             assert self._tier is not None
             self._tier.check_room(checkpoint)  # LocalTierFullError before any write
             self._tier.forget(name)  # an earlier save of the same name is uncommitted
-            url = self._tier.weights_path(name)
+            url = self._tier.save_path(name)  # no link inside the tier followed
             where = {"options": self._tier.options}
         validate = not (self.validated_consistency and self.assume_constant_structure)
         self.validated_consistency = True

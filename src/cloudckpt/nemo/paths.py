@@ -23,6 +23,7 @@ from ..lightning.fs import target_for, unwrap
 from ..manager.gc import delete_prefix
 from ..megatron.layout import CONFIG_NAME
 from ..store import paths
+from ..store.local import LocalStore
 
 __all__ = [
     "CONTEXT",
@@ -119,13 +120,14 @@ def upload_tree(local: Path, url: str) -> None:
 
 
 def download_tree(url: str, local: Path) -> int:
-    """Copy every object under ``url/`` into the local directory ``local``; returns the count."""
+    """Copy every object under ``url/`` into the local directory ``local``; returns the count.
+    Each file is written by the filesystem store (temp file and rename), through no link
+    inside ``local`` (UnsafePathError)."""
     where = target_for(url)
     prefix = paths.dir_prefix(where.key)
+    into = LocalStore(local)
     count = 0
     for obj in where.store.list(prefix):
-        target = local / obj.key[len(prefix) :]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(where.store.get(obj.key))
+        into.put(obj.key[len(prefix) :], where.store.get(obj.key))
         count += 1
     return count

@@ -47,6 +47,7 @@ from ..options import TransferOptions
 from ..store import Target
 from ..store.local import LocalStore
 from ..store.overlay import OverlayStore
+from ..store.paths import MAX_RECORD_BYTES, read_capped
 from .paths import WEIGHTS
 
 __all__ = ["NemoTier"]
@@ -138,6 +139,13 @@ class NemoTier:
     def weights_path(self, name: str) -> str:
         """The local directory of checkpoint ``name``'s megatron files."""
         return str(self.path / name / WEIGHTS)
+
+    def save_path(self, name: str) -> str:
+        """:meth:`weights_path`, for megatron's save by path: made first by the tier's
+        store, so a ``name`` or ``weights`` that is a symbolic link is refused
+        (UnsafePathError) rather than saved through."""
+        self._local_store().make_dirs(f"{name}/{WEIGHTS}/")
+        return self.weights_path(name)
 
     def _remote_prefix(self, name: str) -> str:
         assert self.remote is not None
@@ -289,7 +297,7 @@ class NemoTier:
         record, or one that cannot be read: a WARNING)."""
         key = f"{name}{DRAIN_RECORD}"
         try:
-            body = json.loads(self._local_store().get(key))
+            body = json.loads(read_capped(self._local_store(), key, MAX_RECORD_BYTES))
             record = {k: body[k] for k in ("started", "drained")}
             if not all(isinstance(v, bool) for v in record.values()):
                 raise ValueError(f"not booleans: {record}")

@@ -3,11 +3,27 @@
 A multipart upload is a hidden temp file beside the target (``.NAME.cloudckpt-ID.part``)
 that parts are written into at their offsets; completing it fsyncs the file, renames
 it into place and fsyncs the directory, so a reader sees the whole object or none.
+
+No write goes through a symbolic link inside the root (docs/security.md, "Links and
+sizes"): every directory between the root and a file written, made or removed is opened
+component by component with ``O_DIRECTORY | O_NOFOLLOW`` relative to the one above it
+(:func:`open_dir`), the temp file is made with ``O_EXCL | O_NOFOLLOW`` in the directory so
+opened, and the rename, link or unlink is made relative to it; a link met on the way is
+refused (:class:`~cloudckpt.errors.UnsafePathError`, naming the path and the link). The
+root itself is followed as the filesystem resolves it: the caller named it. The object's
+own name being a link is never followed either: a rename replaces the link, an unlink
+removes it. Reads follow links (a store's root may hold links a user made on purpose).
+
+The filesystem store of ``file://`` URLs and plain paths (``LocalStore("/",
+checked_below=None)``, store/registry.py) takes every directory of a key as the user
+named it; :meth:`LocalStore.checked` gives the same store checking every directory
+below a prefix, for a copy into a directory the user named (``cp -r``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import mmap
 import os
@@ -20,11 +36,13 @@ from pathlib import Path
 from ..errors import (
     AccessDeniedError,
     AlreadyExistsError,
+    CloudCkptError,
     CorruptCheckpointError,
     NotAnObjectError,
     NotAPrefixError,
     NotFoundError,
     StorageError,
+    UnsafePathError,
 )
 from .base import (
     MultipartUpload,
@@ -36,21 +54,68 @@ from .base import (
     check_key,
 )
 
-__all__ = ["LocalStore"]
+__all__ = ["LocalStore", "open_dir", "refuse_link"]
 
 _TMP_MARK = ".cloudckpt-"
 #: Most buffers one preadv call takes (the kernel refuses more with EINVAL).
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _TMP_SUFFIX = ".part"
+#: A directory opened as the filesystem resolves it (a root the caller named) ...
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+#: ... and one inside it: never a symbolic link.
+_DIR_NOFOLLOW = _DIR | os.O_NOFOLLOW
+#: A new temp file: exclusive, never through a link.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LocalStore(Store):
-    """Objects are files under ``root``; keys are paths relative to it."""
+    """Objects are files under ``root``; keys are paths relative to it.
 
-    def __init__(self, root: str | os.PathLike[str] = "/") -> None:
+    ``checked_below``: the key prefix below which every directory a write goes through
+    is opened without following a symbolic link (UnsafePathError when one is a link).
+    ``""`` (the default): every directory under ``root``, which itself is resolved
+    (a link named as the root is followed). ``None``: none, for the store of
+    ``file://`` URLs, whose keys are whole paths a user names (:meth:`checked` gives a
+    copy checking below a prefix). A key outside ``checked_below`` is checked from
+    ``root``.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str] = "/", *, checked_below: str | None = ""
+    ) -> None:
         self.root = Path(root).resolve()
         self.root_url = "file://" + str(self.root).rstrip("/") + "/"
         self._fds_lock = threading.Lock()
+        self.checked_below = None if checked_below is None else _dir_parts(checked_below)
+
+    def checked(self, prefix: str) -> LocalStore:
+        """This store writing nothing through a link below the key prefix ``prefix``
+        (its own directories are followed: the user named them): for a copy into a
+        directory named by path (``cp -r``'s destination). A store that checks already
+        (from its root, or another prefix) is returned as it is."""
+        if self.checked_below is not None:
+            return self
+        clone = copy.copy(self)
+        clone.checked_below = _dir_parts(prefix)
+        return clone
+
+    def make_dirs(self, prefix: str) -> Path:
+        """Make the directory of the key prefix ``prefix`` (``a/b/``) and those above it,
+        none through a link (UnsafePathError naming it): for a writer that fills it by
+        path afterwards (a save addressed by URL). Returns its path."""
+        key = prefix.strip("/")
+        parts = key.split("/") if key else []
+        if key:
+            check_key(key, self.root_url)
+        try:
+            os.close(self._open_dir(parts, create=True))
+        except (FileExistsError, NotADirectoryError):
+            raise NotAPrefixError(
+                f"cannot make {self.url(key)}: a part of its path is a file, not a directory"
+            ) from None
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+        return self.root.joinpath(*parts)
 
     def url(self, key: str) -> str:
         return self.root_url + key
@@ -152,106 +217,140 @@ class LocalStore(Store):
         return sorted(found, key=lambda o: o.key), None
 
     # -- writes --------------------------------------------------------------------------
-    def _temp_for(self, path: Path) -> Path:
-        return path.with_name(f".{path.name}{_TMP_MARK}{uuid.uuid4().hex}{_TMP_SUFFIX}")
+    def _open_dir(self, dirs: Sequence[str], *, create: bool) -> int:
+        """A descriptor of the directory ``root/dirs...``: the part under
+        :attr:`checked_below` followed, every directory below it opened without
+        following a link (:func:`open_dir`)."""
+        below = self.checked_below
+        if below is None:
+            trusted: Sequence[str] = dirs
+        elif list(dirs[: len(below)]) == below:
+            trusted = below
+        else:
+            trusted = ()
+        return open_dir(self.root.joinpath(*trusted), dirs[len(trusted) :], create=create)
 
-    def _publish(self, tmp: Path, path: Path, key: str, if_none_match: bool) -> None:
-        """Move a fully written, fsynced temp file into place and fsync the directory."""
+    def open_parent(self, key: str, *, create: bool) -> tuple[int, str]:
+        """A descriptor of the directory ``key``'s file lies in (made, with those above
+        it, if ``create``), never reached through a link below the checked prefix; and
+        the file's name, for writes relative to it (``dir_fd``). The caller closes the
+        descriptor. Errors are typed for ``key``: a link is UnsafePathError; a file in
+        the path NotAPrefixError when writing, NotFoundError otherwise."""
+        check_key(key, self.root_url)
+        *dirs, name = key.split("/")
         try:
-            if if_none_match:
-                try:
-                    os.link(tmp, path)  # atomic create-if-absent
-                except FileExistsError:
-                    raise AlreadyExistsError(f"{self.url(key)} already exists") from None
-                finally:
-                    tmp.unlink(missing_ok=True)
-            else:
-                if path.is_dir():
-                    raise NotAnObjectError(
-                        f"{self.url(key)} is a directory, not an object: name the object, "
-                        f"e.g. {self.url(key)}/model.pt"
-                    )
-                os.replace(tmp, path)
-            _fsync_dir(path.parent)
-        except (AlreadyExistsError, NotAnObjectError):
-            tmp.unlink(missing_ok=True)
-            raise
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise self._oserror(exc, key) from None
-
-    def _make_parents(self, path: Path, key: str) -> None:
-        """The directories above ``path``; one of them being a file is NotAPrefixError
-        (an object store would take the key, a filesystem cannot)."""
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
+            return self._open_dir(dirs, create=create), name
+        except (FileExistsError, NotADirectoryError) as exc:
+            if not create:
+                raise self._oserror(exc, key) from None
             raise NotAPrefixError(
                 f"cannot write {self.url(key)}: a part of its path is a file, not a directory"
             ) from None
         except OSError as exc:
             raise self._oserror(exc, key) from None
 
-    def _open_temp(self, tmp: Path, path: Path, key: str) -> int:
-        """Create ``tmp`` (exclusive) for writing, with the directories above it; made
-        again if a delete removed them in between (:meth:`remove_prefix_dir`)."""
+    def _create_temp(self, key: str) -> tuple[int, str, int]:
+        """A new temp file beside ``key``'s (``O_EXCL | O_NOFOLLOW``): the descriptor of
+        its directory, its name, and its own descriptor. Made again when a delete removed
+        the directory in between (:meth:`remove_prefix_dir`)."""
         for attempt in range(3):
-            self._make_parents(path, key)
+            dfd, name = self.open_parent(key, create=True)
+            tmp = f".{name}{_TMP_MARK}{uuid.uuid4().hex}{_TMP_SUFFIX}"
             try:
-                return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileNotFoundError as exc:
-                if attempt == 2:
-                    raise self._oserror(exc, key) from None
+                return dfd, tmp, os.open(tmp, _CREATE, 0o644, dir_fd=dfd)
             except OSError as exc:
+                os.close(dfd)
+                if isinstance(exc, FileNotFoundError) and attempt < 2:
+                    continue  # the directory went away since it was opened: make it again
                 raise self._oserror(exc, key) from None
         raise AssertionError("unreachable")
 
-    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
-        path = self._path(key)
-        tmp = self._temp_for(path)
-        fd = self._open_temp(tmp, path, key)
+    def _publish(self, dfd: int, tmp: str, key: str, if_none_match: bool) -> None:
+        """Move a fully written, fsynced temp file of the directory ``dfd`` into place
+        (a link in its place is replaced, not followed) and fsync the directory."""
+        name = key.rpartition("/")[2]
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise self._oserror(exc, key) from None
-        except BaseException:
-            tmp.unlink(missing_ok=True)
+            if if_none_match:
+                try:
+                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # create-if-absent
+                except FileExistsError:
+                    raise AlreadyExistsError(f"{self.url(key)} already exists") from None
+                finally:
+                    _unlink_quietly(dfd, tmp)
+            else:
+                if _is_dir(dfd, name):
+                    raise NotAnObjectError(
+                        f"{self.url(key)} is a directory, not an object: name the object, "
+                        f"e.g. {self.url(key)}/model.pt"
+                    )
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+                os.fsync(dfd)
+        except (AlreadyExistsError, NotAnObjectError):
+            _unlink_quietly(dfd, tmp)
             raise
-        self._publish(tmp, path, key, if_none_match)
+        except OSError as exc:
+            _unlink_quietly(dfd, tmp)
+            raise self._oserror(exc, key) from None
+
+    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
+        dfd, tmp, fd = self._create_temp(key)
+        try:
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                _unlink_quietly(dfd, tmp)
+                raise self._oserror(exc, key) from None
+            except BaseException:
+                _unlink_quietly(dfd, tmp)
+                raise
+            self._publish(dfd, tmp, key, if_none_match)
+        finally:
+            os.close(dfd)
 
     def _delete(self, key: str) -> None:
-        path = self._path(key)
         try:
-            path.unlink()
+            dfd, name = self.open_parent(key, create=False)
+        except NotFoundError:
+            return  # no directory, no object
+        try:
+            os.unlink(name, dir_fd=dfd)  # a link is removed itself, never its target
         except FileNotFoundError:
             return
         except OSError as exc:
             raise self._oserror(exc, key) from None
+        finally:
+            os.close(dfd)
 
     def remove_prefix_dir(self, prefix: str) -> None:
         """Remove the directory of ``prefix`` (a key prefix ending in ``/``) if it is
         empty, and nothing above it: after a checkpoint's objects are deleted, so a
         prefix exists only while objects do, as in a bucket (retention would otherwise
         leave one empty ``step-N/`` per deleted step). A writer that loses the directory
-        to this makes it again (:meth:`_open_temp`)."""
-        directory = self._path(prefix.rstrip("/"))
-        if directory == self.root:
+        to this makes it again (:meth:`_create_temp`)."""
+        key = prefix.rstrip("/")
+        if not key:
+            return
+        check_key(key, self.root_url)
+        try:
+            dfd, name = self.open_parent(key, create=False)
+        except CloudCkptError:  # gone, or reached only through a link: nothing to do
             return
         try:
-            directory.rmdir()
+            os.rmdir(name, dir_fd=dfd)
         except OSError:  # not empty, gone, or not a directory: nothing to do
             return
+        finally:
+            os.close(dfd)
 
     # -- multipart -----------------------------------------------------------------------
     def _create_multipart(self, key: str) -> MultipartUpload:
-        path = self._path(key)
-        tmp = self._temp_for(path)
-        fd = self._open_temp(tmp, path, key)
-        return MultipartUpload(key=key, upload_id=tmp.name, backend=[fd, tmp])
+        dfd, tmp, fd = self._create_temp(key)
+        os.close(dfd)  # opened again, checked again, to publish or abort
+        return MultipartUpload(key=key, upload_id=tmp, backend=[fd, tmp])
 
     def _upload_part(
         self, upload: MultipartUpload, number: int, data: memoryview, offset: int
@@ -290,14 +389,40 @@ class LocalStore(Store):
             self._abort_multipart(upload)
             raise self._oserror(exc, upload.key) from None
         self._close_fd(upload)
-        self._publish(tmp, self._path(upload.key), upload.key, if_none_match=False)
+        try:
+            dfd, _ = self.open_parent(upload.key, create=False)
+        except BaseException:
+            self._remove_temp(upload.key, tmp)
+            raise
+        try:
+            self._publish(dfd, tmp, upload.key, if_none_match=False)
+        finally:
+            os.close(dfd)
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
         if upload.backend is not None:
             self._close_fd(upload)
-            Path(upload.backend[1]).unlink(missing_ok=True)
+            self._remove_temp(upload.key, upload.backend[1])
         else:  # found by list_multipart
-            (self.root / upload.key).parent.joinpath(upload.upload_id).unlink(missing_ok=True)
+            self._remove_temp(upload.key, upload.upload_id)
+
+    def _remove_temp(self, key: str, tmp: str) -> None:
+        """Remove the temp file ``tmp`` beside ``key``'s, if it is one (a name of this
+        store's temp files) and is there."""
+        if "/" in tmp or not (tmp.startswith(".") and _TMP_MARK in tmp):
+            return  # not an upload of this store: nothing of ours to remove
+        try:
+            dfd, _ = self.open_parent(key, create=False)
+        except CloudCkptError:  # gone, or reached only through a link: nothing of ours
+            return
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._oserror(exc, key) from None
+        finally:
+            os.close(dfd)
 
     def _close_fd(self, upload: MultipartUpload) -> None:
         with self._fds_lock:
@@ -322,15 +447,98 @@ class LocalStore(Store):
                         yield MultipartUpload(key=key, upload_id=name, initiated=mtime)
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable; some filesystems refuse fsync on directories."""
+def _dir_parts(prefix: str) -> list[str]:
+    """The directory names of a key prefix (``a/b/`` or ``a/b``); [] for the root."""
+    key = prefix.strip("/")
+    if key:
+        check_key(key, "file:///")
+    return key.split("/") if key else []
+
+
+def _is_dir(dfd: int, name: str) -> bool:
+    """Whether ``name`` in the directory ``dfd`` is itself a directory (not a link to one)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        return stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink_quietly(dfd: int, name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=dfd)
+
+
+def refuse_link(dfd: int, name: str, path: str | os.PathLike[str]) -> None:
+    """UnsafePathError when ``name`` in the directory ``dfd`` (at ``path``) is a symbolic
+    link, naming the path and the link's target; nothing when it is not (or is absent)."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except OSError:
         return
+    if not stat.S_ISLNK(st.st_mode):
+        return
     try:
-        os.fsync(fd)
+        target = os.readlink(name, dir_fd=dfd)
     except OSError:
-        pass
-    finally:
+        target = "?"
+    raise UnsafePathError(
+        f"{path} is a symbolic link (to {target}) inside the directory being written; "
+        "cloudckpt writes nothing through a link there: remove the link, or name the "
+        "directory it points to as the destination",
+        path=str(path),
+        link=target,
+    )
+
+
+def _open_child(parent: int, name: str, path: Path, create: bool) -> int:
+    """The directory ``name`` of the directory ``parent``, opened without following a
+    link (made first, if missing and ``create``)."""
+    try:
+        return os.open(name, _DIR_NOFOLLOW, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    except OSError:
+        refuse_link(parent, name, path)  # ELOOP (or EMLINK, ENOTDIR): say it is a link
+        raise
+    with contextlib.suppress(FileExistsError):  # made meanwhile by another writer
+        os.mkdir(name, 0o777, dir_fd=parent)
+    try:
+        return os.open(name, _DIR_NOFOLLOW, dir_fd=parent)
+    except OSError:
+        refuse_link(parent, name, path)  # a link made in its place meanwhile
+        raise
+
+
+def open_dir(base: Path, parts: Sequence[str], *, create: bool = False) -> int:
+    """A descriptor of the directory ``base/parts[0]/parts[1]/...``, reached through no
+    symbolic link below ``base``: each part is opened with ``O_DIRECTORY | O_NOFOLLOW``
+    relative to the one above it (``dir_fd``), and made (mode 0o777 less the umask)
+    when missing if ``create``. ``base`` itself is opened as the filesystem resolves it
+    (a link the caller names is followed), made with its parents if missing and
+    ``create``.
+
+    UnsafePathError naming the path and the link when a part is a symbolic link;
+    FileNotFoundError when one is missing (not ``create``), NotADirectoryError when one
+    is a file. The caller closes the descriptor. The one place cloudckpt opens a
+    directory it writes in: the filesystem store, ``cp``'s downloads and the callers
+    that make a directory to fill by path (:meth:`LocalStore.make_dirs`) go through it.
+    """
+    try:
+        fd = os.open(base, _DIR)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.makedirs(base, exist_ok=True)
+        fd = os.open(base, _DIR)
+    path = base
+    try:
+        for name in parts:
+            path = path / name
+            child = _open_child(fd, name, path, create)
+            os.close(fd)
+            fd = child
+    except BaseException:
         os.close(fd)
+        raise
+    return fd

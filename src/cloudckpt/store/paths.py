@@ -1,5 +1,6 @@
 """File-system verbs on store keys, written once: is it an object, a prefix, neither;
-what lies one level below a prefix.
+what lies one level below a prefix; the bytes of a small document, capped
+(:func:`read_capped`).
 
 An object store has no directories: a "directory" is a prefix ``key/`` that other keys
 start with (on the filesystem store, also a real directory, which is never an object).
@@ -14,10 +15,18 @@ from __future__ import annotations
 from itertools import islice
 from typing import Literal, NamedTuple
 
-from ..errors import BucketNotFoundError, NotAnObjectError, NotAPrefixError, NotFoundError
+from ..errors import (
+    BucketNotFoundError,
+    CorruptCheckpointError,
+    NotAnObjectError,
+    NotAPrefixError,
+    NotFoundError,
+)
 from .base import ObjectInfo, Store
 
 __all__ = [
+    "MAX_INDEX_BYTES",
+    "MAX_RECORD_BYTES",
     "Children",
     "Entry",
     "Kind",
@@ -28,7 +37,19 @@ __all__ = [
     "exists",
     "head_object",
     "is_prefix",
+    "read_capped",
 ]
+
+#: The most bytes a small JSON document cloudckpt reads from a store may have: the
+#: manager's ``_CHECKPOINT.json``, a tier's ``_TIER.json``, drain records and journals,
+#: megatron's ``metadata.json``. A marker lists each file of its checkpoint in about
+#: 150 bytes (16 MiB: 100,000 files); the others hold a few hundred bytes.
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+#: The most bytes of an index: DCP's ``.cloudckpt-layout.json`` (an entry of about 30
+#: to 60 bytes per chunk, and 4 bytes per block of a large tensor's checksums: millions
+#: of chunks fit). A safetensors index keeps the safetensors header bound
+#: (``format/safetensors.MAX_HEADER_SIZE``, 100 MB): it names the same tensors.
+MAX_INDEX_BYTES = 256 * 1024 * 1024
 
 #: What a key names: one object, a prefix other objects start with, or nothing.
 Kind = Literal["object", "prefix", "missing"]
@@ -117,6 +138,27 @@ def head_object(store: Store, key: str) -> ObjectInfo:
         f"torch.distributed.checkpoint.load(state, storage_reader=CloudStorageReader({url!r})) "
         f"(cloudckpt.dcp); a manager run: CheckpointManager({url!r}).restore()"
     ) from None
+
+
+def read_capped(
+    store: Store, key: str, max_bytes: int, *, size: int | None = None, what: str = "document"
+) -> bytes:
+    """The bytes of the small object ``key``, refused without reading them when it holds
+    more than ``max_bytes``: CorruptCheckpointError naming its URL, its size and the cap.
+
+    One HEAD for the size (``size``, from a listing, spares it), then one ranged read of
+    exactly that many bytes: an object replaced meanwhile by a larger one still costs no
+    more than the cap. NotFoundError (BucketNotFoundError) as ``Store.get`` raises it.
+    Every JSON document cloudckpt reads from a store comes through here.
+    """
+    if size is None:
+        size = store.head(key).size
+    if size > max_bytes:
+        raise CorruptCheckpointError(
+            f"{store.url(key)} holds {size} bytes, more than the {max_bytes} bytes a {what} "
+            "may have: refused without reading it (not one cloudckpt wrote)"
+        )
+    return store.get_range(key, 0, size) if size else b""
 
 
 def check_prefix(store: Store, key: str, what: str) -> None:

@@ -55,7 +55,10 @@ def _file(bucket: str, options: TransferOptions) -> Store:
     from .local import LocalStore
 
     _refuse_storage_options("the filesystem", options)
-    return LocalStore("/")
+    # A key is a whole path the user named: its directories are followed as the
+    # filesystem resolves them (writes into a directory of its own check below it:
+    # LocalStore.checked, store/local.py).
+    return LocalStore("/", checked_below=None)
 
 
 def _connections(options: TransferOptions) -> dict[str, Any]:
