@@ -206,6 +206,19 @@ class RestrictedUnpickler:
         self._callables = {id(v) for v in policy.globals.values() if callable(v)}
         #: Allowed callables whose every call makes a new object (:func:`_makes_new`).
         self._fresh = {id(v) for v in policy.globals.values() if _makes_new(v)}
+        #: Allowed classes NEWOBJ may make and BUILD fill with a dict inline: new objects
+        #: (``object.__new__``), no ``__setstate__``, none of the kinds checked further.
+        plain = {
+            v
+            for v in policy.globals.values()
+            if _new_makes_new(v)
+            and v not in _INT_SIZED_CLASSES
+            and v not in _SPARSE_CLASSES
+            and v not in _SETITEM_TYPES
+            and getattr(v, "__setstate__", None) is None
+        }
+        self._plain_new = {id(v) for v in plain}
+        self._plain_build = self._plain_new
         #: What a call of each allowed callable runs (its override, else itself).
         self._runs = {id(v): policy.calls.get(id(v), v) for v in policy.globals.values()}
         self._classes = {id(v) for v in policy.globals.values() if isinstance(v, type)}
@@ -350,6 +363,13 @@ class RestrictedUnpickler:
         plain_call = plain_calls.get
         fresh = self._fresh
         own = self._own
+        owned = own.get
+        #: Classes NEWOBJ makes and BUILD fills without further checks: allowed, each
+        #: call a new object, no __setstate__ (DCP's metadata dataclasses).
+        plain_new = self._plain_new
+        plain_build = self._plain_build
+        setitem_types = _SETITEM_TYPES
+        p4 = 0x94 in extended  # the policy admits protocol 4 (MEMOIZE and the rest)
         persistent = self._persistent
         load_storage = self.persistent_load
         stack: list[Any] = []
@@ -366,6 +386,11 @@ class RestrictedUnpickler:
             elif op == 0x68:  # BINGET
                 append(memo[data[pos]])
                 pos += 1
+            elif op == 0x94 and p4:  # MEMOIZE
+                memo[len(memo)] = stack[-1]
+            elif op == 0x6A:  # LONG_BINGET
+                append(memo[_unpack_I(data, pos)[0]])
+                pos += 4
             elif op == 0x4B:  # BININT1
                 append(data[pos])
                 pos += 1
@@ -411,9 +436,6 @@ class RestrictedUnpickler:
                 append(False)
             elif op == 0x29:  # EMPTY_TUPLE
                 append(())
-            elif op == 0x6A:  # LONG_BINGET
-                append(memo[_unpack_I(data, pos)[0]])
-                pos += 4
             elif op == 0x86:  # TUPLE2
                 stack[-2:] = [(stack[-2], stack[-1])]
             elif op == 0x87:  # TUPLE3
@@ -427,7 +449,8 @@ class RestrictedUnpickler:
                 stack = marks.pop()
                 append = stack.append
                 target = stack[-1]
-                self._check_target(target, _SETITEM_TYPES, "SETITEMS")
+                if type(target) not in setitem_types or owned(id(target)) is not target:
+                    self._check_target(target, setitem_types, "SETITEMS")  # raises
                 if len(items) % 2:
                     raise ValueError("SETITEMS with an odd number of items")
                 for i in range(0, len(items), 2):
@@ -436,7 +459,8 @@ class RestrictedUnpickler:
                 value = stack.pop()
                 key = stack.pop()
                 target = stack[-1]
-                self._check_target(target, _SETITEM_TYPES, "SETITEM")
+                if type(target) not in setitem_types or owned(id(target)) is not target:
+                    self._check_target(target, setitem_types, "SETITEM")  # raises
                 target[key] = value
             elif op == 0x4A:  # BININT
                 append(_unpack_i(data, pos)[0])
@@ -444,6 +468,13 @@ class RestrictedUnpickler:
             elif op == 0x4D:  # BININT2
                 append(_unpack_H(data, pos)[0])
                 pos += 2
+            elif op == 0x8C and p4:  # SHORT_BINUNICODE
+                n = data[pos]
+                pos += 1
+                if pos + n > end:
+                    raise EOFError("a string runs past the end")
+                append(str(data[pos : pos + n], "utf-8", "surrogatepass"))
+                pos += n
             elif op == 0x63:  # GLOBAL
                 stop = data.find(b"\n", pos)
                 middle = data.find(b"\n", stop + 1) if stop >= 0 else -1
@@ -469,14 +500,29 @@ class RestrictedUnpickler:
                 stack[-1].extend(items)
             elif op == 0x61:  # APPEND
                 item = stack.pop()
-                self._check_target(stack[-1], (list,), "APPEND")
-                stack[-1].append(item)
+                target = stack[-1]
+                if type(target) is not list or owned(id(target)) is not target:
+                    self._check_target(target, (list,), "APPEND")  # raises
+                target.append(item)
             elif op == 0x81:  # NEWOBJ
                 args = stack.pop()
-                stack[-1] = self._newobj(stack[-1], args)
+                cls = stack[-1]
+                if id(cls) in plain_new and type(args) is tuple:
+                    stack[-1] = new = cls.__new__(cls, *args)
+                    own[id(new)] = new
+                else:
+                    stack[-1] = self._newobj(cls, args)
             elif op == 0x62:  # BUILD
                 state = stack.pop()
-                self._build(stack[-1], state)
+                inst = stack[-1]
+                if (
+                    type(state) is dict
+                    and owned(id(inst)) is inst
+                    and id(type(inst)) in plain_build
+                ):
+                    inst.__dict__.update(state)
+                else:
+                    self._build(inst, state)
             elif op == 0x47:  # BINFLOAT
                 append(_unpack_d(data, pos)[0])
                 pos += 8
