@@ -1,9 +1,14 @@
 """Differential fuzzing of the trust boundary, torch's weights-only unpickler the oracle.
 
-    python tests/security/fuzz.py --seed S --cases N [--jobs J] [--target archive|metadata|all]
+    python tests/security/fuzz.py --seed S --cases N [--jobs J]
+        [--target all|classic|archive|metadata|attack|records] [--no-s3]
 
 Each case is a file built from ``(seed, index)`` alone (so any case can be replayed with
-``--case INDEX``), loaded by cloudckpt and by the oracle:
+``--case INDEX``), loaded by cloudckpt and by the oracle. The targets: ``archive`` and
+``metadata`` (below), ``classic`` (both, 80:20), ``attack`` and ``records`` (issue 39,
+below), and ``all``, the default and what ``make fuzz`` runs: the classic cases with
+``attack`` (10 %) and ``records`` (0.4 %) cases mixed in (which index is which kind is
+drawn apart from the case, so the classic cases of ``all`` are those of ``classic``).
 
 * ``archive`` cases: a torch.save archive, loaded by ``torch.load(weights_only=True)``
   and by ``cloudckpt.format.torch.unpickle.load_torch_bytes`` (or, where that entry point is
@@ -17,7 +22,29 @@ Each case is a file built from ``(seed, index)`` alone (so any case can be repla
   ``cloudckpt.format.dcp.metadata.decode_metadata``. torch's weights-only unpickler
   does not run the protocol-4 opcodes DCP writes, so the oracle here is Python's own
   pickle machine restricted to the same allow-list (and refusing any mutation of a
-  global); ``decode_metadata`` checks fields besides, so refusing more is expected.
+  global, or any change to an object every load shares: an enum member, a dtype, a
+  layout; :func:`shared_objects`); ``decode_metadata`` checks fields besides, so
+  refusing more is expected.
+* ``attack`` cases (:class:`Attack`): generated programs aimed at what the above
+  rarely reach: every integer position (sizes, strides, offsets, a persistent id's
+  element count, requires_grad) sometimes a bool, zero, a negative or a huge value;
+  views that reach past their storage, share elements (stride 0) or overlap, also
+  inside ``_rebuild_device_tensor_from_cpu_tensor`` (which copies them); BUILD states
+  of every length (0-5 items; tuple, list, dict) on every kind of object the machine
+  builds (tensors, parameters, containers, instances of allowed classes, what allowed
+  calls return: enum members, dtypes, layouts, ``torch.Size``, ``torch.device``);
+  SETITEM(S), APPEND(S) and BUILD on what allowed calls return, under both policies;
+  the legacy size constructors with bools among the sizes. Small records, the run's
+  entry point; a quarter are DCP ``.metadata``.
+* ``records`` cases: archives of realistic size (1 to 3 records of 1-8 MiB, read by
+  the reader threads straight into their storages while ``data.pkl`` is unpickled;
+  one about the 256 KiB small-record threshold; a few small ones), a tensor over most
+  records as torch.save writes it, and none to four attack statements (or that,
+  mutated). cloudckpt's side is every real path: ``cloudckpt.load`` of a local file,
+  of the same file with ``keys=[...]``, and (a quarter of the cases) of an ``s3://``
+  object on one moto server the run starts (``--no-s3``, or no moto installed: files
+  only); each is judged against torch's load (the ``keys`` one against torch's result
+  cut to those keys).
 
 Properties: the oracle refuses -> cloudckpt raises a ``CloudCkptError`` subclass (never
 another exception, never a result); both accept -> the results are equal
@@ -25,9 +52,18 @@ another exception, never a result); both accept -> the results are equal
 flags and bytes, the same sharing of objects and storages); the oracle accepts and
 cloudckpt refuses with a ``CloudCkptError`` -> "stricter", counted and listed, not a
 failure. Never a crash, a hang, a changed global (:func:`snapshot` of every allowed
-global, DCP's metadata classes and pathlib's, checked after every batch) or a side
-effect (torch's sparse-validation queue left filled, a module imported, torch's
-defaults changed); never a result holding far more storage than the file. One
+global, DCP's metadata classes and pathlib's, the enum members, dtypes and layouts every
+load shares, checked after every batch) or a side effect (torch's sparse-validation
+queue left filled, a module imported, torch's defaults changed); never a result holding
+far more storage than the file (16 times it and a MiB) and than torch's result and the
+file. Issue 39 adds: never a refusal over a CRC-32 (``ChecksumError``, or any message
+naming a CRC) of a file whose records' CRCs are right ("false-checksum"); never a load
+that runs what docs/security.md says cloudckpt refuses although torch runs it (a size
+constructor given integers, bools among them: "size-constructor"); and, for attack and
+records cases, never a peak of resident memory during cloudckpt's load (the kernel's
+high-water mark, reset before each load) above torch's peak for the same file plus the
+file's size plus 32 MiB ("peak-memory"; a peak over it is measured twice more and the
+least counts, as other threads of the process show in it too). One
 allowance: an archive whose zip bytes were damaged, which torch's zip reader refuses
 over a field cloudckpt does not read (or reads wrong: memory it never filled), is
 "lenient-zip" (counted and listed) when what cloudckpt loaded equals what torch loads
@@ -38,7 +74,9 @@ mode fills what torch allocates, glibc's ``M_PERTURB`` fills what malloc hands o
 Cases run in batches, each batch in a fresh process forked from this one (so one
 case's damage cannot leak into another batch), ``--jobs`` at a time. A batch whose
 process dies, hangs or changes a global is run again one case per process, and then
-each side alone, to name the case and the side; its bytes are printed in hex.
+each side alone, to name the case and the side; its bytes are printed in hex. Where
+no case does it again alone (a race: the reader threads of a records case), the
+batch itself is a failure, named by its first case.
 
 The summary line counts cases, both-refused, both-accepted-equal, stricter, failures;
 the exit status is 1 if any case failed. ``--report PATH`` writes it all as JSON.
@@ -181,9 +219,50 @@ def _is_dtype(v: Any) -> bool:
     return isinstance(v, torch.dtype)
 
 
+@functools.cache
+def shared_objects() -> dict[str, Any]:
+    """Objects every load in a process shares, which a pickle reaches through an allowed
+    global without naming them: the members of the enums among the allowed classes and
+    in DCP's modules (``_MEM_FORMAT_ENCODING(0)`` returns one), and torch's dtypes,
+    layouts, memory formats and qschemes (``_get_layout`` returns one)."""
+    import enum
+
+    from torch import _weights_only_unpickler as wo
+    from torch.distributed.checkpoint import metadata, planner
+
+    classes = [*metadata_globals().values(), *wo._get_allowed_globals().values()]
+    classes += [v for m in (metadata, planner) for v in vars(m).values()]
+    found: dict[str, Any] = {}
+    for cls in classes:
+        if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls is not enum.Enum:
+            for name, member in cls.__members__.items():
+                found[f"member {cls.__module__}.{cls.__qualname__}.{name}"] = member
+    kinds = (torch.dtype, torch.layout, torch.memory_format, torch.qscheme)
+    for name, value in vars(torch).items():
+        if isinstance(value, kinds):
+            found[f"torch.{name}"] = value
+    return found
+
+
+def _changes(op: int, at: int, machine: Any, target: Any) -> bool:
+    """Whether Python's handler of ``op`` would change ``target`` (a BUILD with an
+    empty state, an APPENDS or SETITEMS of nothing, do not)."""
+    if op == pickle.BUILD[0]:
+        if getattr(target, "__setstate__", None) is not None:
+            return True
+        state, slots = machine.stack[-1], None
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        return _probe(lambda: bool(state) or bool(slots)) != ("ok", False)
+    if at == -1:
+        return bool(machine.stack)
+    return True
+
+
 def _guarded(op: int, at: int) -> Callable[[Any], None]:
     """Python pickle's handler of ``op``, refusing when its target (``at`` on the stack;
-    -1: below the last mark) is a global."""
+    -1: below the last mark) is a global, or an object every load shares
+    (:func:`shared_objects`) that it would change."""
     real = pickle._Unpickler.dispatch[op]  # type: ignore[attr-defined]
 
     def run(self: Any) -> None:
@@ -192,6 +271,8 @@ def _guarded(op: int, at: int) -> Callable[[Any], None]:
         else:
             target = self.stack[at] if len(self.stack) >= -at else None
         self._no_global(target)
+        if id(target) in self._shared and _changes(op, at, self, target):
+            raise pickle.UnpicklingError("mutation of an object every load shares")
         real(self)
 
     return run
@@ -218,6 +299,7 @@ class _MetadataOracle(pickle._Unpickler):  # type: ignore[name-defined,misc]
         super().__init__(file, fix_imports=False)
         self._globals = metadata_globals()
         self._global_ids = {id(v) for v in self._globals.values()}
+        self._shared = {id(v) for v in shared_objects().values()}
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._globals.get(f"{module}.{name}")
@@ -577,6 +659,9 @@ def canary_objects() -> dict[str, Any]:
         pass
     found["module torch._utils"] = torch._utils
     found["module copyreg"] = sys.modules["copyreg"]
+    # what allowed calls return and every load shares: enum members (DCP's among them),
+    # dtypes, layouts, memory formats, qschemes
+    found.update(shared_objects())
     return found
 
 
@@ -1696,6 +1781,550 @@ class Gen:
         return b"".join(parts)
 
 
+# --- attacks (issue 39) ---------------------------------------------------------------------
+
+#: What an integer position holds when it does not hold the right value: bools (an int
+#: to Python, not to torch's checks), zero, negatives, and values too large for any size.
+HOSTILE_INTS: list[int] = [
+    True, False, 0, -1, -2, -(2**31), -(2**63), 2**31 - 1, 2**31, 2**32, 2**40, 2**62,
+    2**63 - 1, 2**63, 2**64, 10**30,
+]  # fmt: skip
+#: Attribute names a BUILD state or a SETITEM may set.
+ATTR_NAMES = [
+    "_value_", "_name_", "__objclass__", "_sort_order_", "x", "requires_grad", "data",
+    "grad", "_backward_hooks", "__class__", "__dict__", "__defaults__", "_dtype", "dtype",
+    "_untyped_storage", "_metadata", "state_dict_metadata", "planner_data", "storage_data",
+    "fqn", "offset", "index", "type", "properties", "memory_format", "cloudckpt_poisoned",
+]  # fmt: skip
+#: Storage classes with the dtype their tensors have.
+STORAGE_DTYPES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+}  # fmt: skip
+PLAIN_STORAGES = [c for c in STORAGE_DTYPES if c in STORAGE_TABLE]
+#: Allowed classes whose constructor, given sizes, allocates: (module, name, itemsize).
+SIZE_CLASSES = [
+    ("torch", "FloatTensor", 4), ("torch", "DoubleTensor", 8), ("torch", "ByteTensor", 1),
+    ("torch", "LongTensor", 8), ("torch", "BoolTensor", 1), ("torch", "HalfTensor", 2),
+    ("torch", "BFloat16Tensor", 2), ("torch", "Tensor", 4), ("torch.sparse", "FloatTensor", 4),
+    ("builtins", "bytearray", 1),
+]  # fmt: skip
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
+#: DCP ``.metadata`` classes made empty by NEWOBJ (as pickle makes a dataclass).
+METADATA_CLASSES = [
+    (_DCP_MD, "Metadata"), (_DCP_MD, "StorageMeta"), (_DCP_MD, "MetadataIndex"),
+    (_DCP_MD, "TensorStorageMetadata"), (_DCP_MD, "BytesStorageMetadata"),
+    (_DCP_MD, "ChunkStorageMetadata"), (_DCP_MD, "TensorProperties"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), (_DCP_PLANNER, "SavePlan"),
+    (_DCP_PLANNER, "WriteItem"), (_DCP_PLANNER, "TensorWriteData"),
+]  # fmt: skip
+#: DCP's enums, and the values of their members (and one that is none).
+METADATA_ENUMS = [
+    ((_DCP_MD, "_MEM_FORMAT_ENCODING"), [0, 1, 2, 7]),
+    ((_DCP_PLANNER, "WriteItemType"), [1, 2, 3, 0]),
+]
+
+
+#: What requires_grad holds when it does not hold a bool.
+_HOSTILE_FLAGS = [
+    ops.int_(0), ops.int_(1), ops.int_(2), ops.int_(-1), ops.LONG1(2**64), ops.NONE,
+    ops.BINFLOAT(1.0),
+]  # fmt: skip
+
+
+def _get(i: int) -> bytes:
+    return ops.BINGET(i) if i < 256 else ops.LONG_BINGET(i)
+
+
+def _is_intlike(args: list[Any]) -> bool:
+    return bool(args) and all(type(a) in (int, bool) for a in args)
+
+
+class Attack(Gen):
+    """Programs aimed at what :class:`Gen`'s rarely reach (issue 39): every integer
+    position (sizes, strides, offsets, a persistent id's element count, requires_grad)
+    sometimes a bool, zero, a negative or a huge value (:meth:`num`); views that reach
+    past, share (stride 0) or overlap their storage, also inside the device rebuild
+    that copies them; BUILD of states of every length (0-5 items; tuple, list, dict) on
+    every kind of object the machine builds (tensors, parameters, containers, instances
+    of allowed classes, and what allowed calls return: enum members, dtypes, layouts,
+    ``torch.Size``, ``torch.device``); SETITEM(S) and APPEND(S) on what allowed calls
+    return; the legacy size constructors with bools among the sizes.
+
+    The program's result is a dict of named values (so ``keys=`` can pick some); under
+    the ``.metadata`` policy a ``Metadata`` that holds them in an attribute of its own.
+    ``expect``: set where the program holds what cloudckpt must refuse although torch
+    runs it (a size constructor: docs/security.md, "Constructors")."""
+
+    def __init__(
+        self, rng: random.Random, storages: dict[str, bytes], target: str, budget: int
+    ) -> None:
+        super().__init__(rng, storages, target)
+        self.p_bad = rng.choice([0.0, 0.03, 0.1, 0.25])
+        self.budget = budget  # bytes a device rebuild may copy a view into
+        self.expect: str | None = None
+        self.classes = {
+            k: "FloatStorage" if len(v) > 4096 and self.chance(0.6) else rng.choice(PLAIN_STORAGES)
+            for k, v in storages.items()
+        }
+        self.memo_of: dict[str, int] = {}
+        self.top: list[tuple[str, int]] = []
+        self.last_key: str | None = None  # the storage of the last view made
+
+    # -- integers
+    def encode(self, value: int) -> bytes:
+        if value is True or value is False:
+            return ops.bool_(value)
+        if self.chance(0.08):
+            return ops.LONG1(value)
+        return ops.int_(value)
+
+    def num(self, right: int) -> bytes:
+        """An integer position: ``right``, or (at this program's rate) a hostile value."""
+        value = right
+        if self.chance(self.p_bad):
+            if self.chance(0.6):
+                value = self.rng.choice(HOSTILE_INTS)
+            else:
+                value = self.rng.choice([right + 1, right - 1, 2 * right, 16 * right + 1, -right])
+        return self.encode(value)
+
+    def nums(self, values: list[int]) -> bytes:
+        code = ops.tuple_(*(self.num(v) for v in values))
+        if self.chance(0.03):
+            code = ops.list_(*(self.num(v) for v in values))
+        elif self.chance(0.03):
+            code = ops.call("torch", "Size", code)
+        return code
+
+    def rg(self) -> bytes:
+        if self.chance(self.p_bad):
+            return self.rng.choice(_HOSTILE_FLAGS)
+        return ops.NEWTRUE if self.chance(0.04) else ops.NEWFALSE
+
+    def hooks(self) -> bytes:
+        if self.chance(0.9):
+            return ops.ordered_dict()
+        return self.rng.choice([ops.EMPTY_DICT, ops.NONE])
+
+    # -- storages and views
+    def storage_ref(self, key: str | None = None) -> tuple[bytes, int, str]:
+        """A storage (its memoized object, or a persistent id naming its record), its
+        element count, its class."""
+        if not self.storages:
+            return ops.storage("FloatStorage", "0", "cpu", 4), 4, "FloatStorage"
+        key = key if key is not None else self.rng.choice(list(self.storages))
+        cls = self.classes[key]
+        itemsize = STORAGE_TABLE[cls][1]
+        numel = len(self.storages[key]) // itemsize
+        if key in self.memo_of and self.chance(0.85):
+            return _get(self.memo_of[key]), numel, cls
+        named = cls if not self.chance(self.p_bad / 2) else self.rng.choice(PLAIN_STORAGES)
+        location = "cpu"
+        if self.chance(self.p_bad / 2):
+            location = self.rng.choice(["cuda", "cuda:0", "meta"])
+        code = (
+            ops.MARK
+            + self.str_code("storage")
+            + ops.GLOBAL(STORAGE_TABLE[named][0], named)
+            + self.str_code(key)
+            + self.str_code(location)
+            + self.num(numel)
+            + ops.TUPLE
+            + ops.BINPERSID
+        )
+        if key not in self.memo_of:
+            self._elements = numel
+            code += self.memoize("storage")
+            self.memo_of[key] = self.next_memo - 1
+        return code, numel, cls
+
+    def shape(self, numel: int, kind: str | None = None) -> tuple[int, list[int], list[int]]:
+        """A view of ``numel`` elements: (offset, size, stride); ``kind`` as named below."""
+        rng = self.rng
+        kind = kind or rng.choice(
+            ["full", "full", "split", "part", "transposed", "stride0", "stride0", "overlap",
+             "beyond", "grow", "empty", "scalar"]
+        )  # fmt: skip
+        n = max(numel, 1)
+        if kind == "full":
+            return 0, [numel], [1]
+        if kind == "split":
+            a = rng.choice([d for d in (2, 4, 8, 64, 256) if numel % d == 0] or [1])
+            return 0, [a, numel // a], [numel // a, 1]
+        if kind == "part":
+            offset = rng.randrange(n)
+            return offset, [rng.randint(0, max(numel - offset, 0))], [1]
+        if kind == "transposed":
+            a = rng.choice([d for d in (2, 4, 8, 16) if numel % d == 0] or [1])
+            return 0, [numel // a, a], [1, numel // a]
+        if kind == "stride0":  # one element (a row) repeated: much more than the storage
+            offset = rng.randrange(n)
+            row = min(rng.randint(1, 8), max(numel - offset, 1))
+            count = rng.choice([2, 2**10, 2**16, max(self.budget // (8 * row), 2)])
+            return rng.choice(
+                [
+                    (offset, [count], [0]),
+                    (offset, [row, count], [1, 0]),
+                    (offset, [count, row], [0, 1]),
+                ]
+            )
+        if kind == "overlap":  # rows that share elements
+            m = max(min(numel, 16), 1)
+            rows = max(numel - m + 1, 1)
+            return 0, [rows, m], [1, 1] if self.chance(0.5) else [max(m // 2, 1), 1]
+        if kind == "beyond":
+            return rng.choice(
+                [(0, [numel + 1], [1]), (numel, [1], [1]), (0, [2, numel], [numel, 1])]
+            )
+        if kind == "grow":  # what set_ would resize the storage to
+            return 0, [numel * rng.choice([2, 16, 256, 4096]) + rng.choice([0, 1])], [1]
+        if kind == "empty":
+            return rng.choice([(0, [0], [1]), (numel, [0], [1]), (0, [3, 0], [0, 1])])
+        return rng.randrange(n), [], []  # a scalar
+
+    def view(self, key: str | None = None, kind: str | None = None) -> bytes:
+        """A tensor over a storage, by one of the rebuilds over a storage."""
+        if key is None and self.storages:
+            key = self.rng.choice(list(self.storages))
+        self.last_key = key  # a BUILD of the tensor mostly names the same storage
+        storage, numel, cls = self.storage_ref(key)
+        offset, size, stride = self.shape(numel, kind)
+        which = self.rng.choice(["v2"] * 6 + ["v1", "v3"]) if kind is None else "v2"
+        geometry = [self.num(offset), self.nums(size), self.nums(stride)]
+        if which == "v1":
+            return self._call("_rebuild_tensor", storage, *geometry)
+        if which == "v3":
+            dtype = self.global_code("torch", STORAGE_DTYPES.get(cls, "uint8"))
+            return self._call(
+                "_rebuild_tensor_v3", storage, *geometry, self.rg(), self.hooks(), dtype
+            )
+        args = [storage, *geometry, self.rg(), self.hooks()]
+        if self.chance(0.04):
+            args.append(self.rng.choice([ops.EMPTY_DICT, ops.NONE]))
+        return self._call("_rebuild_tensor_v2", *args)
+
+    def device_rebuild(self) -> bytes:
+        """``_rebuild_device_tensor_from_cpu_tensor`` of a view (stride 0 mostly: what
+        ``.to`` copies into a tensor of its full size), to a dtype (another: a copy)."""
+        if self.chance(0.15) and any(k in ("tensor", "param") for _, k in self.refs):
+            data = self.ref(("tensor", "param")) or b""
+        else:
+            data = self.view(kind="stride0" if self.chance(0.7) else None)
+        dtype = self.rng.choice(["float64", "int64", "float32", "float16", "bfloat16", "uint8"])
+        device = self.rng.choice(["cpu"] * 6 + ["cuda", "cuda:0", "meta"])
+        return self._call(
+            "_rebuild_device_tensor_from_cpu_tensor",
+            data,
+            self.global_code("torch", dtype),
+            self.str_code(device),
+            self.rg(),
+        )
+
+    def parameter(self) -> bytes:
+        data = self.view()
+        r = self.rng.randrange(4)
+        if r == 0:
+            return self._call("_rebuild_parameter", data, self.rg(), self.hooks())
+        if r == 1:
+            state = ops.dict_((self.str_code(self.rng.choice(ATTR_NAMES)), self.item(1)))
+            return self._call("_rebuild_parameter_with_state", data, self.rg(), self.hooks(), state)
+        target = ops.GLOBAL("torch.nn.parameter", "Parameter")
+        args = ops.tuple_(data, self.rg()) if self.chance(0.7) else ops.tuple_(data)
+        return target + args + (ops.NEWOBJ if r == 2 else ops.REDUCE)
+
+    def size_constructor(self) -> bytes:
+        """A legacy size constructor (``FloatTensor(32768, 16384, True)``: 2 GiB from
+        a few bytes under torch); a few MiB here, so that the oracle stays cheap."""
+        module, name, _ = self.rng.choice(SIZE_CLASSES)
+        rng = self.rng
+        r = rng.random()
+        args: list[Any]
+        if r < 0.4:
+            args = [rng.choice([256, 1024, 2048]), rng.choice([256, 1024]), True]
+        elif r < 0.55:
+            args = [rng.choice([True, False])]
+        elif r < 0.7:
+            args = [rng.choice([0, 1, 3, 1024, 65536])]
+        elif r < 0.8:
+            args = [True, rng.choice([1024, 65536])]
+        elif r < 0.9:
+            args = [rng.choice([-1, 2**63, 2**31])] + [True] * rng.randint(0, 1)
+        else:
+            args = ["size", rng.choice([[1024, True], [True], [512, 512]])]
+        if args and args[0] == "size":
+            code = ops.tuple_(ops.call("torch", "Size", ops.tuple_(*map(self.encode, args[1]))))
+            intlike = True
+        else:
+            code = ops.tuple_(*map(self.encode, args))
+            intlike = _is_intlike(args)
+        op = ops.NEWOBJ if self.chance(0.3) else ops.REDUCE
+        if intlike and not (name == "bytearray" and op == ops.NEWOBJ):  # (__new__ ignores them)
+            self.expect = f"the size constructor {module}.{name}{tuple(args)}"
+        return ops.GLOBAL(module, name) + code + op
+
+    # -- what allowed calls return, and what BUILD fills
+    def call_result(self) -> tuple[bytes, str]:
+        """A call of an allowed callable that returns an object: a new one, or one every
+        load shares (an enum member, a layout, the tensor it was given)."""
+        rng = self.rng
+        if self.target == "metadata":
+            r = rng.randrange(9)
+            if r < 3:
+                (module, name), values = rng.choice(METADATA_ENUMS)
+                op = ops.NEWOBJ if self.chance(0.3) else ops.REDUCE
+                value = rng.choice(values)
+                return self.global_code(module, name) + ops.tuple_(
+                    self.encode(value)
+                ) + op, "member"
+            if r < 5:
+                module, name = rng.choice(METADATA_CLASSES)
+                return self.global_code(module, name) + ops.EMPTY_TUPLE + ops.NEWOBJ, "obj"
+            if r == 5:
+                return ops.call("torch", "Size", self.nums([2, 3])), "size"
+            if r == 6:
+                return ops.call("collections", "OrderedDict"), "od"
+            if r == 7:
+                path = rng.choice(["PosixPath", "PurePosixPath"])
+                return ops.call("pathlib", path, self.str_code("x")), "path"
+            layout = self.str_code(rng.choice(["torch.strided", "torch.sparse_coo"]))
+            return ops.call("torch.serialization", "_get_layout", layout), "layout"
+        r = rng.randrange(13)
+        if r == 0:
+            return ops.call("torch", "Size", self.nums([2, 3])), "size"
+        if r == 1:
+            return ops.call("torch", "device", self.str_code(rng.choice(["cpu", "meta"]))), "device"
+        if r == 2:
+            return ops.ordered_dict(), "od"
+        if r == 3:
+            return ops.call("collections", "Counter"), "counter"
+        if r == 4:
+            return ops.call("builtins", "set", ops.list_(self.encode(1))), "set"
+        if r == 5:
+            return ops.call("builtins", "complex", ops.BINFLOAT(1.0), ops.BINFLOAT(2.0)), "complex"
+        if r == 6:
+            data = ops.call("_codecs", "encode", self.str_code("ab"), self.str_code("latin1"))
+            return ops.call("builtins", "bytearray", data), "bytearray"
+        if r == 7:
+            return ops.call(
+                "_codecs", "encode", self.str_code(""), self.str_code("latin1")
+            ), "bytes"
+        if r == 8:
+            layout = self.str_code(rng.choice(["torch.strided", "torch.sparse_coo"]))
+            return ops.call("torch.serialization", "_get_layout", layout), "layout"
+        if r == 9:  # returns the tensor it was given where dtype and device are its own
+            return self._call(
+                "_rebuild_device_tensor_from_cpu_tensor",
+                self.ref(("tensor",)) or self.view(),
+                self.global_code("torch", "float32"),
+                self.str_code("cpu"),
+                ops.NEWFALSE,
+            ), "tensor"
+        if r == 10:
+            return ops.GLOBAL("torch", "Tensor") + ops.EMPTY_TUPLE + ops.NEWOBJ, "tensor"
+        if r == 11:
+            return ops.call(
+                "torch", rng.choice(["FloatTensor", "DoubleTensor", "Tensor"])
+            ), "tensor"
+        return self.global_code("torch", rng.choice(["float32", "int8", "bool"])), "global"
+
+    def build_target(self) -> tuple[bytes, str]:
+        r = self.rng.randrange(10)
+        if self.target != "metadata" and r < 3:
+            return self.view(kind="full" if self.chance(0.5) else None), "tensor"
+        if self.target != "metadata" and r == 3:
+            return self.parameter(), "param"
+        if r == 4 and self.refs:
+            i, kind = self.rng.choice(self.refs)
+            return _get(i), kind
+        if r == 5:
+            return self.rng.choice([(ops.EMPTY_DICT, "dict"), (ops.EMPTY_LIST, "list")])
+        return self.call_result()
+
+    def _numel(self, key: str) -> int:
+        return len(self.storages[key]) // STORAGE_TABLE[self.classes[key]][1]
+
+    def positional(self, n: int) -> list[bytes]:
+        """A tensor's legacy state, ``set_``'s arguments: (storage, offset, size,
+        stride, ...) cut to ``n`` items; the storage sometimes a tensor instead. (Only
+        the items kept are generated: a memo entry made in one dropped would dangle.)"""
+        if n == 0:
+            return []
+        key = self.rng.choice(list(self.storages)) if self.storages else None
+        if self.last_key is not None and self.chance(0.75):
+            key = self.last_key
+        if self.chance(0.2):
+            first = self.view() if self.chance(0.5) else (self.ref(("tensor", "param")) or ops.NONE)
+            numel = self._numel(key) if key is not None else 4
+        else:
+            first, numel, _ = self.storage_ref(key)
+        offset, size, stride = self.shape(numel, "grow" if self.chance(0.5) else None)
+        makers: list[Callable[[], bytes]] = [
+            lambda: self.num(offset),
+            lambda: self.nums(size),
+            lambda: self.nums(stride),
+            lambda: self.item(1),
+        ]
+        return [first] + [make() for make in makers[: n - 1]]
+
+    def state(self, kind: str) -> bytes:
+        """A BUILD state: a tuple or list of 0 to 5 items, a dict, or one value."""
+        rng = self.rng
+        n = rng.randint(0, 5)
+        form = rng.choice(["tuple", "tuple", "tuple", "list", "dict", "dict", "value"])
+        tensor = kind in ("tensor", "param") and self.target != "metadata"
+        if tensor and form in ("tuple", "list"):
+            n = rng.choice([0, 1, 2, 3, 3, 3, 4, 4, 5])  # set_'s own lengths most
+        if form == "dict":
+            return ops.dict_(
+                *[(self.str_code(rng.choice(ATTR_NAMES)), self.item(1)) for _ in range(n)]
+            )
+        if form == "value":
+            return self.item(1)
+        if tensor and self.chance(0.75):
+            items = self.positional(n)
+        elif kind == "param" and self.chance(0.5):
+            makers: list[Callable[[], bytes]] = [
+                self.rg,
+                lambda: ops.NONE,
+                self.hooks,
+                lambda: self.item(1),
+                lambda: self.item(1),
+            ]
+            items = [make() for make in makers[:n]]
+        elif n == 2 and self.chance(0.5):  # (dict state, slot state)
+            items = [
+                rng.choice(
+                    [ops.NONE, ops.EMPTY_DICT, ops.dict_((self.str_code("x"), self.item(1)))]
+                ),
+                ops.dict_((self.str_code(rng.choice(ATTR_NAMES)), self.item(1))),
+            ]
+        else:
+            items = [self.item(1) for _ in range(n)]
+        return ops.tuple_(*items) if form == "tuple" else ops.list_(*items)
+
+    def item(self, depth: int = 0) -> bytes:
+        """A value inside a state or a container."""
+        r = self.rng.randrange(11)
+        archive = self.target != "metadata"
+        if r == 0 and archive:
+            return self.storage_ref()[0]
+        if r in (0, 1):
+            return self.num(self.rng.choice([0, 1, 2, 7, 64]))
+        if r == 2:
+            return self.nums([self.rng.randint(0, 4) for _ in range(self.rng.randrange(3))])
+        if r == 3:
+            return ops.NONE
+        if r == 4:
+            return ops.bool_(self.chance(0.5))
+        if r == 5:
+            return self.str_code()
+        if r == 6:
+            return self.rng.choice([ops.EMPTY_DICT, ops.ordered_dict(), ops.EMPTY_LIST])
+        if r == 7 and depth < 2:
+            return self.view() if archive else self.call_result()[0]
+        if r == 8 and self.refs:
+            return _get(self.rng.choice(self.refs)[0])
+        if depth < 2:
+            return self.call_result()[0]
+        return ops.NONE
+
+    def build(self) -> tuple[bytes, str]:
+        target, kind = self.build_target()
+        code = target + self.state(kind) + ops.BUILD
+        if self.chance(0.15):
+            code += self.state(kind) + ops.BUILD
+        return code, kind
+
+    def mutate(self) -> tuple[bytes, str]:
+        """SETITEM(S), APPEND(S) or BUILD on what an allowed call returned (or an
+        earlier value)."""
+        if self.refs and self.chance(0.2):
+            i, kind = self.rng.choice(self.refs)
+            code = _get(i)
+        else:
+            code, kind = self.call_result()
+        for _ in range(self.rng.randint(1, 2)):
+            r = self.rng.randrange(5)
+            if r == 0:
+                code += self.state(kind) + ops.BUILD
+            elif r == 1:
+                code += self.str_code(self.rng.choice(ATTR_NAMES)) + self.item(1) + ops.SETITEM
+            elif r == 2:
+                pairs = b"".join(
+                    self.str_code(self.rng.choice(ATTR_NAMES)) + self.item(1)
+                    for _ in range(self.rng.randrange(3))
+                )
+                code += ops.MARK + pairs + ops.SETITEMS
+            elif r == 3:
+                code += self.item(1) + ops.APPEND
+            else:
+                items = b"".join(self.item(1) for _ in range(self.rng.randrange(3)))
+                code += ops.MARK + items + ops.APPENDS
+        return code, kind
+
+    def attack(self) -> tuple[bytes, str]:
+        r = self.rng.random()
+        if self.target == "metadata":
+            if r < 0.4:
+                return self.build()
+            if r < 0.8:
+                return self.mutate()
+            if r < 0.9:
+                return self.call_result()
+            code, kind = self.container()
+            return code, kind
+        if r < 0.12:
+            return self.view(), "tensor"
+        if r < 0.27:
+            return self.device_rebuild(), "tensor"
+        if r < 0.62:
+            return self.build()
+        if r < 0.74:
+            return self.mutate()
+        if r < 0.82:
+            return self.size_constructor(), "tensor"
+        if r < 0.9:
+            return self.parameter(), "param"
+        if r < 0.95:
+            return self.call_result()
+        return self.tensor()  # Gen's rebuilds (sparse, quantized, nested...)
+
+    def program(self, attacks: int = -1, plain: list[str] | None = None) -> bytes:  # type: ignore[override]
+        """PROTO, ``plain`` (storage keys: a tensor over each, as torch.save writes
+        it), ``attacks`` attack statements (-1: 1 to 5), each value memoized and most
+        put in the dict the pickle returns (or in the ``Metadata``)."""
+        metadata = self.target == "metadata"
+        parts = [ops.PROTO(4 if metadata and self.chance(0.5) else 2)]
+        for n, key in enumerate(plain or []):
+            parts.append(self.view(key, "full" if self.chance(0.85) else "split"))
+            parts.append(self.memoize("tensor"))
+            self.top.append((f"w{n}", self.next_memo - 1))
+        for n in range(self.rng.choice([1, 1, 2, 3, 5]) if attacks < 0 else attacks):
+            code, kind = self.attack()
+            parts.append(code + self.memoize(kind))
+            if self.chance(0.85):
+                self.top.append((f"x{n}", self.next_memo - 1))
+        pairs = b"".join(self.str_code(name) + _get(i) for name, i in self.top)
+        top = ops.EMPTY_DICT + (ops.MARK + pairs + ops.SETITEMS if pairs else b"")
+        if metadata:
+            state = ops.dict_(
+                (self.str_code("state_dict_metadata"), ops.EMPTY_DICT),
+                (self.str_code("fuzz_values"), top),  # an attribute nothing checks
+            )
+            top = (
+                self.global_code(_DCP_MD, "Metadata")
+                + ops.EMPTY_TUPLE
+                + ops.NEWOBJ
+                + state
+                + ops.BUILD
+            )
+        return b"".join(parts) + top + ops.STOP
+
+
 # --- cases ------------------------------------------------------------------------------
 
 
@@ -1707,12 +2336,50 @@ class Case:
     data: bytes  # the whole archive, or the .metadata pickle
     pkl: bytes
     undamaged: bytes | None = None  # the archive before its zip bytes were damaged
+    #: "classic" (mutated and generated, small records, one entry point), "attack"
+    #: (:class:`Attack`'s programs, small records) or "records" (large records, every
+    #: path of cloudckpt.load).
+    mode: str = "classic"
+    #: What cloudckpt must refuse in it although torch runs it (docs/security.md).
+    expect: str | None = None
+    keys: list[str] = field(default_factory=list)  # for the "keys" entries
+    #: cloudckpt's loads of a "records" case: "file", "keys" (the file with keys=),
+    #: "s3", "s3-keys" (the object on the run's moto server).
+    entries: list[str] = field(default_factory=list)
+
+
+#: The fuzzer's targets: "all" is the "classic" cases (archives and DCP metadata, 80:20)
+#: with a share of each new kind mixed in.
+TARGETS = ("all", "classic", "archive", "metadata", "attack", "records")
+#: In "all", the share of cases of each new kind (issue 39; the rest are classic cases).
+RECORDS_SHARE = 0.004
+ATTACK_SHARE = 0.1
+#: Seconds a batch may take per case of each kind (on top of 30).
+_COST = {"classic": 0.5, "attack": 0.5, "records": 4.0}
+
+
+def case_mode(seed: int, index: int, target: str) -> str:
+    """Which kind of case ``index`` of run ``seed`` is (drawn apart from the case
+    itself, so that the classic cases of "all" are those of "classic")."""
+    if target in ("attack", "records"):
+        return target
+    if target != "all":
+        return "classic"
+    k = random.Random(f"cloudckpt-fuzz/{seed}/{index}/kind").random()
+    if k < RECORDS_SHARE:
+        return "records"
+    return "attack" if k < RECORDS_SHARE + ATTACK_SHARE else "classic"
 
 
 def make_case(corpus: Corpus, seed: int, index: int, target: str) -> Case:
     """Case ``index`` of run ``seed``: a function of those alone (and the corpus)."""
+    mode = case_mode(seed, index, target)
     rng = random.Random(f"cloudckpt-fuzz/{seed}/{index}")
-    if target == "all":
+    if mode == "attack":
+        return _attack_case(rng, index)
+    if mode == "records":
+        return _records_case(rng, index)
+    if target in ("all", "classic"):
         target = "archive" if rng.random() < 0.8 else "metadata"
     if target == "metadata":
         return _metadata_case(corpus, rng, index)
@@ -1747,6 +2414,89 @@ def make_case(corpus: Corpus, seed: int, index: int, target: str) -> Case:
         data = bytes(buf)
         source += "+zip"
     return Case(index, "archive", source, data, pkl, undamaged if data != undamaged else None)
+
+
+def _attack_case(rng: random.Random, index: int) -> Case:
+    """An :class:`Attack` program: a DCP ``.metadata`` (a quarter), or an archive over
+    small records loaded by the run's entry point."""
+    if rng.random() < 0.25:
+        pkl = Attack(rng, {}, "metadata", 0).program()
+        return Case(index, "metadata", "attack-metadata", pkl, pkl, mode="attack")
+    storages = {
+        "0": rng.randbytes(64),
+        "1": rng.randbytes(16),
+        "2": b"",
+        "3": rng.randbytes(8),
+        "4": rng.randbytes(rng.choice([256, 4096])),
+    }
+    gen = Attack(rng, storages, "archive", rng.choice([1 << 16, 1 << 20, 16 << 20]))
+    pkl = gen.program(plain=rng.sample(["0", "1", "4"], rng.randint(0, 2)))
+    source, expect = "attack", gen.expect
+    if rng.random() < 0.15:
+        pkl, done = Mutator(rng, Gen(rng, storages, "archive")).mutate(pkl, [pkl], 1)
+        source, expect = source + f"+mutate:{'+'.join(done)}", None
+    data = craft.torch_archive(pkl, storages)
+    keys = [name for name, _ in gen.top]
+    return Case(index, "archive", source, data, pkl, mode="attack", expect=expect, keys=keys)
+
+
+def _filler(rng: random.Random, n: int) -> bytes:
+    """``n`` bytes of a record (a random 4 KiB repeated: cheap to make)."""
+    pattern = rng.randbytes(4096)
+    return (pattern * (n // 4096 + 1))[:n]
+
+
+def _records_case(rng: random.Random, index: int) -> Case:
+    """An archive of realistic size: 1 to 3 records of 1 to 8 MiB (read straight into
+    their storages by the reader threads while data.pkl is unpickled), often one about
+    the small-record threshold, a few small ones; its data.pkl a tensor over most
+    records, as torch.save writes it, and none to four :class:`Attack` statements
+    (or that, mutated). Loaded by cloudckpt.load of a file, of the file with ``keys=``
+    and (a quarter) of an ``s3://`` object on the run's moto server."""
+    storages: dict[str, bytes] = {}
+    total = 0
+    for n in range(rng.randint(1, 3)):
+        size = rng.choice([1, 2, 3, 4, 6, 8]) << 20
+        if total + size > 12 << 20:
+            break
+        storages[str(n)] = _filler(rng, size + rng.choice([0, 16, 4096]))
+        total += size
+    if rng.random() < 0.5:  # about engine/records.py's SMALL_RECORD (256 KiB)
+        storages["m"] = _filler(rng, (256 << 10) + rng.choice([-64, 0, 64]))
+    for n in range(rng.randint(0, 3)):
+        storages[f"s{n}"] = rng.randbytes(rng.choice([16, 64, 4096]))
+    # a device rebuild's copy: large enough that two of them show over one
+    gen = Attack(rng, storages, "archive", rng.choice([64 << 20, 128 << 20, 1 << 20]))
+    plain = [k for k in storages if rng.random() < 0.8]
+    r = rng.random()
+    expect = None
+    if r < 0.25:
+        gen.p_bad = 0.0
+        pkl, source = gen.program(0, plain), "records-plain"
+    elif r < 0.75:
+        pkl, source = gen.program(rng.randint(1, 4), plain), "records-attack"
+        expect = gen.expect
+    else:
+        pkl = gen.program(rng.randint(0, 2), plain)
+        pkl, done = Mutator(rng, Gen(rng, storages, "archive")).mutate(pkl, [pkl], _rounds(rng))
+        source = f"records-mutate:{'+'.join(done)}"
+    names = [name for name, _ in gen.top] or ["w0"]
+    keys = rng.sample(names, min(len(names), rng.randint(1, 2)))
+    entries = ["file", "keys"]
+    if rng.random() < 0.25:  # (moto takes 5 times as long as a file)
+        entries.append(rng.choice(["s3", "s3", "s3-keys"]))
+    data = craft.torch_archive(pkl, storages)
+    return Case(
+        index,
+        "archive",
+        source,
+        data,
+        pkl,
+        mode="records",
+        expect=expect,
+        keys=keys,
+        entries=entries,
+    )
 
 
 def _rounds(rng: random.Random) -> int:
@@ -1815,7 +2565,7 @@ def _attempt(fn: Callable[[], Any]) -> tuple[bool, Any]:
         return False, exc
 
 
-_FILE_URL = re.compile(r"(file://)?/\S*?/case\.pt")
+_FILE_URL = re.compile(r"(s3://|file://)?/\S*?/case\.pt")
 
 
 def _err(exc: BaseException) -> str:
@@ -1844,47 +2594,312 @@ def _memory_limit() -> None:
 def run_case(case: Case, opts: Options, modules: set[str]) -> dict[str, Any]:
     """Load one case both ways and judge it; a dict with ``verdict`` and details."""
     out: dict[str, Any] = {"index": case.index, "source": case.source, "target": case.target}
+    if case.mode == "records":
+        return _run_records(case, opts, modules, out)
+    measure = case.mode == "attack"  # peak memory, both sides
+    peak_ours = peak_theirs = None
     torch._utils._sparse_tensors_to_validate.clear()
     ok_ours, ours = True, None
     if opts.ours:
         before = side_state()
+        base = peak_reset() if measure else None
         if case.target == "archive":
             ok_ours, ours = _attempt(lambda: load_ours(case.data, opts.entry))
         else:
             ok_ours, ours = _attempt(lambda: decode_ours(case.data))
+        peak_ours = peak_since(base)
         effects = side_effects(before, modules)
         if effects:
             return _fail(out, "side-effect", "; ".join(effects))
     if not opts.theirs:
-        out["verdict"] = "ours-only"
-        if ok_ours:
-            footprint(ours)  # touches every storage of the result: a bad one crashes here
-            out["ours"] = "accepted"
-        elif isinstance(ours, errors.CloudCkptError):
-            out["ours"] = f"refused ({_err(ours)})"
-        else:
-            out["ours"] = f"wrong error ({_err(ours)})"
-        return out
+        return _ours_only(out, {"": (ok_ours, ours, None)})
     torch._utils._sparse_tensors_to_validate.clear()
+    base = peak_reset() if measure else None
     if case.target == "archive":
         ok_theirs, theirs = _attempt(lambda: load_torch(case.data))
     else:
         ok_theirs, theirs = _attempt(lambda: decode_oracle(case.data))
+    peak_theirs = peak_since(base)
     torch._utils._sparse_tensors_to_validate.clear()
     if not opts.ours:
         out["verdict"] = "theirs-only"
         return out
-    return judge(out, case, ok_ours, ours, ok_theirs, theirs)
+    if case.target == "archive":
+        again = functools.partial(load_ours, case.data, opts.entry)
+    else:
+        again = functools.partial(decode_ours, case.data)
+    peak_ours = _confirmed_peak(peak_ours, peak_theirs, len(case.data), again)
+    return judge(out, case, ok_ours, ours, ok_theirs, theirs, (peak_ours, peak_theirs))
+
+
+def _ours_only(out: dict[str, Any], results: dict[str, tuple[bool, Any, Any]]) -> dict[str, Any]:
+    """The verdict of a run of cloudckpt's side alone (to tell which side broke)."""
+    out["verdict"] = "ours-only"
+    said = []
+    for entry, (ok, result, _) in results.items():
+        name = f"{entry}: " if entry else ""
+        if ok:
+            footprint(result)  # touches every storage of the result: a bad one crashes here
+            said.append(f"{name}accepted")
+        elif isinstance(result, errors.CloudCkptError):
+            said.append(f"{name}refused ({_err(result)})")
+        else:
+            said.append(f"{name}wrong error ({_err(result)})")
+    out["ours"] = "accepted" if any(ok for ok, _, _ in results.values()) else "; ".join(said)
+    return out
+
+
+def _run_records(
+    case: Case, opts: Options, modules: set[str], out: dict[str, Any]
+) -> dict[str, Any]:
+    """A "records" case: cloudckpt.load by each of the case's entries (reader threads
+    running), each judged against torch's load, each with its peak memory."""
+    entries = [e for e in case.entries if _S3 or not e.startswith("s3")]
+    out["entries"] = entries
+    path = _case_file(case.data) if opts.ours else ""
+    s3key = _s3_put(case) if opts.ours and any(e.startswith("s3") for e in entries) else None
+    try:
+        return _judge_records(case, opts, modules, out, entries, path, s3key)
+    finally:
+        if s3key is not None:
+            _s3_delete(s3key)
+
+
+def _judge_records(
+    case: Case,
+    opts: Options,
+    modules: set[str],
+    out: dict[str, Any],
+    entries: list[str],
+    path: str,
+    s3key: str | None,
+) -> dict[str, Any]:
+    results: dict[str, tuple[bool, Any, int | None]] = {}
+    torch._utils._sparse_tensors_to_validate.clear()
+    for entry in entries if opts.ours else []:
+        before = side_state()
+        base = peak_reset()
+        ok, result = _attempt(lambda entry=entry: _load_entry(case, entry, path, s3key))
+        peak = peak_since(base)
+        effects = side_effects(before, modules)
+        if effects:
+            return _fail(out, "side-effect", f"{entry}: {'; '.join(effects)}")
+        results[entry] = (ok, result, peak)
+    if not opts.theirs:
+        return _ours_only(out, results)
+    torch._utils._sparse_tensors_to_validate.clear()
+    base = peak_reset()
+    ok_theirs, theirs = _attempt(lambda: load_torch(case.data))
+    peak_theirs = peak_since(base)
+    torch._utils._sparse_tensors_to_validate.clear()
+    if not opts.ours:
+        out["verdict"] = "theirs-only"
+        return out
+    verdicts = []
+    for entry, (ok, result, peak) in results.items():
+        peak = _confirmed_peak(
+            peak,
+            peak_theirs,
+            len(case.data),
+            lambda entry=entry: _load_entry(case, entry, path, s3key),
+        )
+        expected_ok, expected = ok_theirs, theirs
+        if entry.endswith("keys") and ok_theirs:
+            if isinstance(theirs, dict) and all(k in theirs for k in case.keys):
+                expected = {k: theirs[k] for k in case.keys}
+            else:
+                expected_ok, expected = False, KeyError(f"torch's result has no keys {case.keys}")
+        verdict = judge(
+            dict(out, entry=entry), case, ok, result, expected_ok, expected, (peak, peak_theirs)
+        )
+        if verdict["verdict"] == "failure":
+            verdict["detail"] = f"{entry}: {verdict['detail']}"
+            return verdict
+        if "reason" in verdict:
+            verdict["reason"] = f"{entry}: {verdict['reason']}"
+        verdicts.append(verdict)
+    rank = ["stricter", "lenient-zip", "both-accepted-equal", "both-refused"]
+    return min(verdicts, key=lambda v: rank.index(v["verdict"]))
+
+
+def _confirmed_peak(
+    peak: int | None, peak_theirs: int | None, size: int, again: Callable[[], Any]
+) -> int | None:
+    """``peak``; or, where it is over what :func:`judge` allows, the least of it and of
+    two more runs of ``again`` (cloudckpt's load, its result dropped): a process's peak
+    also counts what its other threads did meanwhile (a load's reads cancelled and still
+    finishing, the I/O pool growing), which a second run rarely meets again; what a
+    load itself allocates, it allocates each time."""
+    if peak is None or peak_theirs is None:
+        return peak
+    for _ in range(2):
+        if peak <= peak_theirs + size + PEAK_SLACK:
+            break
+        base = peak_reset()
+        _attempt(again)
+        found = peak_since(base)
+        if found is not None:
+            peak = min(peak, found)
+    return peak
+
+
+def _case_file(data: bytes) -> str:
+    """``data`` written to this process's temporary file; its path."""
+    if not _tmpdir:
+        _tmpdir.append(tempfile.mkdtemp(prefix="cloudckpt-fuzz-", dir=(_TMP_ROOT or [None])[0]))
+    path = os.path.join(_tmpdir[0], "case.pt")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _load_entry(case: Case, entry: str, path: str, s3key: str | None) -> Any:
+    kwargs: dict[str, Any] = {"map_location": "cpu", "weights_only": True}
+    if entry.endswith("keys"):
+        kwargs["keys"] = list(case.keys)
+    if entry.startswith("s3"):
+        url = f"s3://{_S3['bucket']}/{s3key}"
+        return cloudckpt.load(url, storage_options=_S3["options"], **kwargs)
+    return cloudckpt.load(path, **kwargs)
+
+
+# --- the run's S3 server ------------------------------------------------------------------
+
+#: The run's moto server, where one is up: ``bucket`` and ``options`` (storage options).
+#: Set before the batches are forked, so each inherits it; each makes its own client.
+_S3: dict[str, Any] = {}
+_S3_STORE: list[tuple[int, Any]] = []
+_S3_SEEN: list[str] = []  # the run had a server
+
+
+def start_s3(log: Callable[[str], None]) -> Callable[[], None]:
+    """Start a moto server for the run's "records" cases (its S3 entries); return what
+    stops it. Where moto is not there, those entries are left out (said in ``log``)."""
+    os.environ["NO_PROXY"] = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1"]))
+    try:
+        from cloudckpt.testing import stop
+        from cloudckpt.testing.s3 import launch
+
+        server = launch("moto")
+    except Exception as exc:
+        log(f"no moto server ({_err(exc)}): records cases load local files only")
+        return lambda: None
+    try:
+        bucket = server.make_bucket("cloudckpt-fuzz")
+    except Exception as exc:
+        stop(server)
+        log(f"no bucket on the moto server ({_err(exc)}): records cases load local files only")
+        return lambda: None
+    _S3.update(bucket=bucket, options=server.storage_options())
+    _S3_SEEN.append(server.endpoint_url)
+
+    def done() -> None:
+        _S3.clear()
+        stop(server)
+
+    return done
+
+
+def _s3_store() -> Any:
+    if not _S3_STORE or _S3_STORE[0][0] != os.getpid():
+        from cloudckpt.store.s3 import S3Store
+
+        _S3_STORE[:] = [(os.getpid(), S3Store(_S3["bucket"], _S3["options"]))]
+    return _S3_STORE[0][1]
+
+
+def _s3_put(case: Case) -> str:
+    key = f"{os.getpid()}-{case.index}/case.pt"
+    _s3_store().put(key, case.data)
+    return key
+
+
+def _s3_delete(key: str) -> None:
+    with contextlib.suppress(Exception):
+        _s3_store().delete(key)
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+#: What cloudckpt may hold at its peak beyond torch's peak and the file's size (its
+#: threads, read buffers, the objects of a second unpickle).
+PEAK_SLACK = 32 << 20
+_LIBC: list[Any] = []
+
+
+def _status_bytes(name: str) -> int:
+    with open("/proc/self/status") as f:
+        found = re.search(rf"^{name}:\s+(\d+) kB", f.read(), re.M)
+    if found is None:
+        raise ValueError(name)
+    return int(found.group(1)) * 1024
+
+
+def peak_reset() -> int | None:
+    """Give malloc's free memory back, reset the kernel's high-water mark of this
+    process's resident memory to what is resident now (``clear_refs``), and return
+    that (bytes); None where that cannot be done."""
+    try:
+        if _LIBC:
+            _LIBC[0].malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS")
+    except (OSError, ValueError):
+        return None
+
+
+def peak_since(base: int | None) -> int | None:
+    """How far resident memory rose above ``base`` (from :func:`peak_reset`)."""
+    if base is None:
+        return None
+    try:
+        return max(_status_bytes("VmHWM") - base, 0)
+    except (OSError, ValueError):
+        return None
+
+
+def _crc_refusal(exc: Any) -> bool:
+    return isinstance(exc, errors.ChecksumError) or (
+        isinstance(exc, errors.CloudCkptError) and "CRC" in str(exc)
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def judge(
-    out: dict[str, Any], case: Case, ok_ours: bool, ours: Any, ok_theirs: bool, theirs: Any
+    out: dict[str, Any],
+    case: Case,
+    ok_ours: bool,
+    ours: Any,
+    ok_theirs: bool,
+    theirs: Any,
+    peaks: tuple[int | None, int | None] = (None, None),
 ) -> dict[str, Any]:
     if not ok_ours and not isinstance(ours, errors.CloudCkptError):
         detail = _err(ours)
         if not ok_theirs:
             detail += f" (the oracle: {_err(theirs)})"
         return _fail(out, "wrong-error", detail)
+    if not ok_ours and case.undamaged is None and _crc_refusal(ours):
+        # every record's CRC-32 is right: the bytes checked are not the bytes read
+        return _fail(out, "false-checksum", _err(ours))
+    if ok_ours and case.expect:
+        return _fail(out, "size-constructor", f"cloudckpt ran {case.expect}")
+    peak_ours, peak_theirs = peaks
+    if peak_ours is not None and peak_theirs is not None:
+        allowed = peak_theirs + len(case.data) + PEAK_SLACK
+        if peak_ours > allowed:
+            return _fail(
+                out,
+                "peak-memory",
+                f"cloudckpt's peak {_mib(peak_ours)} over torch's {_mib(peak_theirs)} "
+                f"+ the file's {_mib(len(case.data))} ("
+                + ("accepted" if ok_ours else f"refused: {_err(ours)[:120]}")
+                + ")",
+            )
     oracle = "torch" if case.target == "archive" else "restricted pickle"
     if not ok_theirs:
         if ok_ours and case.undamaged is not None:
@@ -1910,7 +2925,8 @@ def judge(
         if not isinstance(ours, Metadata):
             return _fail(out, "wrong-result", f"decode_metadata returned {type(ours).__name__}")
     size = footprint(ours)
-    if size > 16 * len(case.data) + (1 << 20):
+    # in proportion to the file, or no more than torch's result and the file
+    if size > 16 * len(case.data) + (1 << 20) and size > footprint(theirs) + len(case.data):
         return _fail(
             out, "allocation", f"{size} bytes of storage from a {len(case.data)}-byte file"
         )
@@ -1944,7 +2960,10 @@ _CORPUS: list[Corpus] = []
 
 def _malloc_perturb() -> None:
     """glibc fills every allocation not made by calloc with one byte value (``mallopt``
-    ``M_PERTURB``), so what both sides leave uninitialized compares equal."""
+    ``M_PERTURB``), so what both sides leave uninitialized compares equal; and serves
+    every allocation over 256 KiB by a mapping of its own (a fixed ``M_MMAP_THRESHOLD``),
+    given back when freed: resident memory then says what a load holds (and a write
+    into a freed storage faults instead of landing in the heap)."""
     import ctypes
     import ctypes.util
 
@@ -1954,6 +2973,8 @@ def _malloc_perturb() -> None:
         except OSError:
             libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(-6, 0x5A)  # M_PERTURB
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
+        _LIBC[:] = [libc]
 
 
 def _setup_process() -> None:
@@ -1966,12 +2987,14 @@ def _setup_process() -> None:
 
 def _child(conn: Any, job: tuple[str, list[int]], opts: Options) -> None:
     """Runs the cases of ``job`` in this (forked) process; sends the results back."""
-    _memory_limit()
     _, indices = job
     if _file_mode(opts):  # its lazy state, before the snapshot
         _, pkl, storages = _CORPUS[0].archives[0]
         with contextlib.suppress(Exception):
             load_ours(craft.torch_archive(pkl, storages), opts.entry)
+    if opts.ours and any(case_mode(opts.seed, i, opts.target) == "records" for i in indices):
+        _records_warm_up()
+    _memory_limit()  # after the warm-ups: their threads' stacks and arenas are made
     objects = canary_objects()
     baseline = snapshot(objects)
     modules = set(sys.modules)
@@ -1995,6 +3018,22 @@ def _child(conn: Any, job: tuple[str, list[int]], opts: Options) -> None:
     if _tmpdir:
         shutil.rmtree(_tmpdir[0], ignore_errors=True)
     os._exit(0)
+
+
+def _records_warm_up() -> None:
+    """Load a benign archive with a large record by every entry of a records case, so
+    that what each path makes once (imports, the I/O threads, the S3 client) is made
+    before the snapshot of globals and modules."""
+    n = 1 << 17  # 512 KiB of float32: a large record
+    tensor = ops.tensor_v2(ops.storage("FloatStorage", "0", "cpu", n), size=(n,))
+    small = ops.tensor_v2(ops.storage("FloatStorage", "1", "cpu", 4))
+    pkl = craft.assemble(ops.dict_((ops.str_("w0"), tensor), (ops.str_("w1"), small)))
+    data = craft.torch_archive(pkl, {"0": bytes(4 * n), "1": bytes(16)})
+    case = Case(-1, "archive", "warm-up", data, pkl, mode="records", keys=["w0"])
+    case.entries = ["file", "keys", "s3", "s3-keys"]
+    with contextlib.suppress(Exception):
+        run_case(case, Options(0, "records", "file"), set(sys.modules))
+    torch._utils._sparse_tensors_to_validate.clear()
 
 
 @dataclass
@@ -2042,9 +3081,16 @@ def run_jobs(
         running[r] = (p, job, time.monotonic())
 
     def limit(job: Job) -> float:
-        return 30.0 + 0.5 * len(job.indices) if job.kind == "batch" else case_timeout
+        if job.kind != "batch":
+            return case_timeout
+        return 30.0 + sum(_COST[case_mode(opts.seed, i, opts.target)] for i in job.indices)
+
+    broke: list[tuple[list[int], str]] = []  # batches that broke: named in the end if
+    # no case in them is (a race may not show when its cases run again)
 
     def broken(job: Job, why: str) -> None:
+        if job.kind == "batch":
+            broke.append((job.indices, why))
         if job.kind == "batch" and len(job.indices) > 10:  # tenths first, then one by one
             log(f"batch {job.indices[0]}-{job.indices[-1]}: {why}; running it again in parts")
             step = -(-len(job.indices) // 10)
@@ -2149,7 +3195,35 @@ def run_jobs(
                 running.pop(conn)
                 conn.close()
                 broken(job, f"hung (over {limit(job):.0f} s)")
+    _unexplained(broke, tally, opts)
     return tally
+
+
+def _unexplained(broke: list[tuple[list[int], str]], tally: Tally, opts: Options) -> None:
+    """A failure for each batch that died, hung or changed a global while none of its
+    cases did so again alone (the smallest such batches): a race, or damage one case
+    leaves for a later one. Its replay names the batch's first case."""
+    named: list[set[int]] = [{r["index"] for r in tally.failures}]
+    for indices, why in sorted(broke, key=lambda b: len(b[0])):
+        covered = set(indices)
+        if any(covered & seen for seen in named):
+            continue
+        named.append(covered)
+        first, last = indices[0], indices[-1]
+        case = make_case(_CORPUS[0], opts.seed, first, opts.target)
+        tally.failures.append(
+            {
+                "index": first,
+                "source": case.source,
+                "target": case.target,
+                "verdict": "failure",
+                "kind": _kind(why),
+                "detail": f"cases {first}-{last} together: {why}; not again when run apart "
+                f"(a race, or one case's damage showing in a later one)",
+                "hex": case.pkl.hex(),
+            }
+        )
+        tally.counts["failure"] += 1
 
 
 def _kind(why: str) -> str:
@@ -2179,6 +3253,8 @@ def warm_up(corpus: Corpus, opts: Options) -> None:
     for name, pkl in corpus.metadata:
         run_case(Case(-1, "metadata", name, pkl, pkl), opts, modules)
     for i in range(40):
+        if case_mode(opts.seed + 10**6, i, opts.target) == "records":
+            continue  # cloudckpt.load starts threads: never in the parent of the batches
         case = make_case(corpus, opts.seed + 10**6, i, opts.target)
         ours = case.target == "metadata" or not file_mode
         with contextlib.suppress(Exception):
@@ -2194,7 +3270,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cases", type=int, default=1000)
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--target", choices=["archive", "metadata", "all"], default="all")
+    p.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="all",
+        help="all: the classic cases (archives and DCP metadata) with attack and records "
+        "cases mixed in; attack: Attack's programs over small records; records: archives "
+        "of 1-8 MiB records through cloudckpt.load of a file, with keys=, and of S3",
+    )
+    p.add_argument(
+        "--no-s3", action="store_true", help="records cases: no moto server, no s3 entries"
+    )
     p.add_argument(
         "--entry",
         choices=["bytes", "file"],
@@ -2202,7 +3288,7 @@ def _parser() -> argparse.ArgumentParser:
         help="cloudckpt's side: load_torch_bytes (bytes; cloudckpt.load of a file where "
         "it is absent) or cloudckpt.load of a temporary file",
     )
-    p.add_argument("--batch", type=int, default=100, help="cases per process")
+    p.add_argument("--batch", type=int, help="cases per process (100; 20 for --target records)")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds a case may take")
     p.add_argument("--case", type=int, help="run this one case here and print it")
     p.add_argument("--report", help="write the results as JSON here")
@@ -2217,22 +3303,25 @@ def main(argv: list[str] | None = None) -> int:
     corpus = build_corpus()
     _CORPUS[:] = [corpus]
     opts = Options(args.seed, args.target, args.entry)
-    if args.case is not None:
-        return _replay(corpus, opts, args.case)
-    warm_up(corpus, opts)
-    ready = time.monotonic()
-    _TMP_ROOT[:] = [tempfile.mkdtemp(prefix="cloudckpt-fuzz-run-")]
+    log = functools.partial(print, flush=True)
+    stop_s3: Callable[[], None] = lambda: None  # noqa: E731
+    if args.target in ("all", "records") and not args.no_s3:
+        wanted = [args.case] if args.case is not None else range(args.cases)
+        if any(case_mode(args.seed, i, args.target) == "records" for i in wanted):
+            stop_s3 = start_s3(log)
     try:
-        tally = run_jobs(
-            opts,
-            args.cases,
-            max(1, args.jobs),
-            max(1, args.batch),
-            args.timeout,
-            lambda s: print(s, flush=True),
-        )
+        if args.case is not None:
+            return _replay(corpus, opts, args.case)
+        warm_up(corpus, opts)
+        ready = time.monotonic()
+        _TMP_ROOT[:] = [tempfile.mkdtemp(prefix="cloudckpt-fuzz-run-")]
+        batch = args.batch or (20 if args.target == "records" else 100)
+        try:
+            tally = run_jobs(opts, args.cases, max(1, args.jobs), max(1, batch), args.timeout, log)
+        finally:
+            shutil.rmtree(_TMP_ROOT[0], ignore_errors=True)
     finally:
-        shutil.rmtree(_TMP_ROOT[0], ignore_errors=True)
+        stop_s3()
     elapsed = time.monotonic() - ready
     tally.failures.sort(key=lambda r: r["index"])
     for record in tally.failures[: args.show]:
@@ -2252,9 +3341,12 @@ def main(argv: list[str] | None = None) -> int:
     c = tally.counts
     entry = args.entry if HAS_BOUNDARY else "file"
     rate = tally.cases / max(elapsed, 1e-9)
+    modes = Counter(case_mode(args.seed, i, args.target) for i in range(args.cases))
+    s3 = "" if not modes["records"] else " s3=no" if args.no_s3 or not _S3_SEEN else " s3=moto"
     summary = (
-        f"fuzz seed={args.seed} target={args.target} entry={entry}: "
-        f"cases={tally.cases} both-refused={c['both-refused']} "
+        f"fuzz seed={args.seed} target={args.target} entry={entry}{s3}: "
+        f"cases={tally.cases} ({', '.join(f'{k}={n}' for k, n in sorted(modes.items()))}) "
+        f"both-refused={c['both-refused']} "
         f"both-accepted-equal={c['both-accepted-equal']} stricter={c['stricter']} "
         f"failures={c['failure']}"
         + (f" ({', '.join(f'{k}={n}' for k, n in kinds.most_common())})" if kinds else "")
@@ -2270,6 +3362,8 @@ def main(argv: list[str] | None = None) -> int:
                     "entry": args.entry,
                     "has_boundary": HAS_BOUNDARY,
                     "cases": tally.cases,
+                    "modes": dict(modes),
+                    "s3": bool(_S3_SEEN),
                     "counts": dict(c),
                     "failures": tally.failures,
                     "failure_kinds": dict(kinds),
@@ -2304,7 +3398,11 @@ def _replay(corpus: Corpus, opts: Options, index: int) -> int:
         _, pkl, storages = corpus.archives[0]
         load_ours(craft.torch_archive(pkl, storages), opts.entry)
     case = make_case(corpus, opts.seed, index, opts.target)
-    print(f"case {index} ({case.target}, {case.source}), {len(case.data)} bytes")
+    if case.mode == "records":  # as a batch's process does
+        _records_warm_up()
+    print(f"case {index} ({case.mode} {case.target}, {case.source}), {len(case.data)} bytes")
+    if case.mode != "classic":
+        print(f"keys {case.keys}, entries {case.entries}, expect {case.expect}")
     print(f"pickle hex: {case.pkl.hex()}")
     with contextlib.suppress(Exception):
         pickletools.dis(case.pkl, out=sys.stdout)

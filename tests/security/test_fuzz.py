@@ -1,11 +1,22 @@
-"""The differential fuzzer (fuzz.py) in the suite: a fixed seed, a share of the cases
-``make fuzz`` runs, zero failures (issue 29).
+"""The differential fuzzer (fuzz.py) in the suite: fixed seeds, a share of the cases
+``make fuzz`` runs, zero failures (issues 29 and 39).
 
-Two runs, each a fresh interpreter (the fuzzer forks its batches from it): archives and
-DCP metadata through the in-memory entry point, then archives through ``cloudckpt.load``
-of a file (the record-by-record path, with its own tensor rebuild): 16,000 cases in
-about 25 s on two cores. Where a run fails, its failures are in the assertion message
-with the command that replays each one.
+Each run is a fresh interpreter (the fuzzer forks its batches from it):
+
+* the classic cases: archives and DCP metadata through the in-memory entry point, then
+  archives through ``cloudckpt.load`` of a file (the record-by-record path, with its own
+  tensor rebuild): 16,000 cases in about 25 s on two cores;
+* the kinds issue 39 added: ``attack`` (hostile integers at every integer position,
+  stride-0 and overlapping views also inside device rebuilds, BUILD states of every
+  length on every kind of object, mutations of what allowed calls return, size
+  constructors; under torch's policy and DCP ``.metadata``'s) and ``records`` (archives
+  of 1-8 MiB records through cloudckpt.load of a file, with ``keys=`` and of an
+  ``s3://`` object on a moto server, the reader threads running; each load's peak
+  memory against torch's): about 40 s on two cores (a quiet machine).
+
+``make fuzz`` runs ``--target all``: the classic cases with both new kinds mixed in.
+Where a run fails, its failures are in the assertion message with the command that
+replays each one.
 """
 
 from __future__ import annotations
@@ -59,7 +70,27 @@ def _check(found: dict, cases: int) -> None:
 @_before_boundary
 def test_the_boundary_agrees_with_torch_on_mutated_and_generated_files(tmp_path):
     cases = 12_000 if fuzz.HAS_BOUNDARY else 300  # before it, a short run fails soon enough
-    _check(_fuzz(tmp_path, "--seed", "1", "--cases", str(cases), "--target", "all"), cases)
+    _check(_fuzz(tmp_path, "--seed", "1", "--cases", str(cases), "--target", "classic"), cases)
+
+
+def test_attacks_on_integers_views_builds_and_call_results(tmp_path):
+    """Issue 39's attack programs over small records, in memory, under torch's policy
+    and under DCP ``.metadata``'s: 8,000 cases in about 20 s on two cores."""
+    cases = 8_000
+    found = _fuzz(tmp_path, "--seed", "3", "--cases", str(cases), "--target", "attack")
+    assert found["modes"] == {"attack": cases}
+    _check(found, cases)
+
+
+def test_large_records_through_every_load_path(tmp_path):
+    """Issue 39's records cases: cloudckpt.load of archives with 1-8 MiB records, by a
+    file, by the file with ``keys=`` and (a quarter of them) by S3 on a moto server,
+    each with its peak memory against torch's: 300 cases in about 20 s on two cores."""
+    cases = 300
+    found = _fuzz(tmp_path, "--seed", "4", "--cases", str(cases), "--target", "records")
+    assert found["modes"] == {"records": cases}
+    assert found["s3"], "no moto server: the s3 entries did not run\n" + found["output"][-2000:]
+    _check(found, cases)
 
 
 @_before_boundary

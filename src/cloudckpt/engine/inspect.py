@@ -268,11 +268,11 @@ def _read_dcp(found: Found) -> _Dcp:
     same save's (its save id), checked against ``.metadata``'s CRC-32."""
     url = found.store.url(found.key_of(METADATA_NAME))
     payload = found.store.get(found.key_of(METADATA_NAME))  # a pickle: no JSON cap
-    layout = found.files.get(LAYOUT_NAME)
+    listed = found.files.get(LAYOUT_NAME)
     raw = None
-    if layout is not None:
+    if listed is not None:
         key = found.key_of(LAYOUT_NAME)
-        raw = read_capped(found.store, key, MAX_INDEX_BYTES, size=layout.size, what="layout index")
+        raw = read_capped(found.store, key, MAX_INDEX_BYTES, size=listed.size, what="layout index")
     layout_url = found.store.url(found.key_of(LAYOUT_NAME))
     metadata, layout = decode_committed(payload, url, raw, layout_url)
     return _Dcp(metadata, layout)

@@ -303,15 +303,22 @@ class RestrictedUnpickler:
             self._own[id(result)] = result
         return result
 
+    def _is_own(self, value: Any) -> bool:
+        """Whether ``value`` is an object this load built (the mutators' targets)."""
+        return self._own.get(id(value)) is value
+
     def _build(self, inst: Any, state: Any) -> None:
         """BUILD as torch's unpickler does it, only on an object the pickle built."""
-        if self._own.get(id(inst)) is not inst:
+        if not self._is_own(inst):
             raise Refused(f"BUILD on {_describe(inst)}, which this load did not build")
         kind = type(inst)
         if kind is torch.Tensor:
             _set_tensor(inst, state)  # the legacy tensor format
         elif kind is torch.nn.Parameter:
-            if type(state) is tuple and len(state) == 4:  # Tensor.__setstate__ would set_
+            # Tensor.__setstate__ set_s any state of 4 items (a list, a dict's keys...)
+            if type(state) is not tuple:
+                raise Refused(f"BUILD of a Parameter from {type(state).__name__}")
+            if len(state) == 4:
                 _set_tensor(inst, state)
             else:
                 inst.__setstate__(state)
@@ -327,6 +334,10 @@ class RestrictedUnpickler:
             slotstate = None
             if isinstance(state, tuple) and len(state) == 2:
                 state, slotstate = state
+            # dicts only, as Python's unpickler reads them (torch's update() also takes
+            # pairs; no writer makes those)
+            if (state and type(state) is not dict) or (slotstate and type(slotstate) is not dict):
+                raise Refused(f"BUILD of {_describe(inst)} from a state that is not a dict")
             if state:
                 inst.__dict__.update(state)
             if slotstate:
@@ -485,13 +496,13 @@ class RestrictedUnpickler:
                 pos = middle + 1
                 append(self.find_class(module, name))
             elif op == 0x7D:  # EMPTY_DICT
-                new = {}
-                own[id(new)] = new
-                append(new)
+                new_dict: dict[Any, Any] = {}
+                own[id(new_dict)] = new_dict
+                append(new_dict)
             elif op == 0x5D:  # EMPTY_LIST
-                new = []
-                own[id(new)] = new
-                append(new)
+                new_list: list[Any] = []
+                own[id(new_list)] = new_list
+                append(new_list)
             elif op == 0x65:  # APPENDS
                 items = stack
                 stack = marks.pop()
@@ -542,9 +553,9 @@ class RestrictedUnpickler:
                 append(raw if self.encoding == "bytes" else raw.decode(self.encoding, "strict"))
                 pos += n
             elif op == 0x8F:  # EMPTY_SET
-                new = set()
-                own[id(new)] = new
-                append(new)
+                new_set: set[Any] = set()
+                own[id(new_set)] = new_set
+                append(new_set)
             elif op == 0x80:  # PROTO
                 if data[pos] > pickle.HIGHEST_PROTOCOL:
                     raise ValueError(f"unsupported pickle protocol: {data[pos]}")
@@ -729,24 +740,25 @@ def check_materialised(data: Any, dtype: Any, size: Any = None) -> None:
     of ``data``'s storage (a tensor) or buffer (an array). A view of 2**27 elements with
     stride 0 over 64 bytes is a fine view, but copied it is 2**27 elements; torch.save
     never writes such a copy (it saves a device tensor's ``.cpu()``, as many bytes)."""
-    if isinstance(data, (torch.Tensor, *_STORAGES)):
-        tensor = isinstance(data, torch.Tensor)
-        held = data.untyped_storage().nbytes() if tensor else data.nbytes()
+    held: Any
+    count: Any
+    itemsize: Any
+    if isinstance(data, torch.Tensor):
+        held = data.untyped_storage().nbytes()
         count = data.numel() if size is None else math.prod(size)
-        if isinstance(dtype, torch.dtype):
-            itemsize = dtype.itemsize
-        else:
-            itemsize = data.element_size() if tensor else data.dtype.itemsize
-    else:
+        itemsize = data.element_size()
+    elif isinstance(data, _STORAGES):
+        held = data.nbytes()
+        count = held if size is None else math.prod(size)
+        itemsize = getattr(data, "dtype", torch.uint8).itemsize
+    else:  # an array (_rebuild_device_tensor_from_numpy)
         held = getattr(data, "nbytes", None)
         count = getattr(data, "size", None)
-        itemsize = (
-            dtype.itemsize
-            if isinstance(dtype, torch.dtype)
-            else getattr(getattr(data, "dtype", None), "itemsize", None)
-        )
-        if type(held) is not int or type(count) is not int or type(itemsize) is not int:
-            raise Refused(f"a device rebuild of {_describe(data)}")
+        itemsize = getattr(getattr(data, "dtype", None), "itemsize", None)
+    if isinstance(dtype, torch.dtype):
+        itemsize = dtype.itemsize
+    if type(held) is not int or type(count) is not int or type(itemsize) is not int:
+        raise Refused(f"a device rebuild of {_describe(data)}")
     if count * itemsize > held:
         raise Refused(
             f"a rebuild would copy {count} elements of {itemsize} bytes out of {held} bytes "
