@@ -77,6 +77,11 @@ class TransferOptions:
     #: Seconds without progress on a request before it is abandoned and retried on a
     #: fresh connection (the stall timeout).
     request_timeout: float = 120.0
+    #: Seconds to wait for the answer to a request whose answer is small (a HEAD, a
+    #: listing, a marker or manifest read, creating or aborting an upload, a delete),
+    #: never more than ``request_timeout``: a silent endpoint is given up on (and the
+    #: request retried) after this, not after the stall timeout of data transfers.
+    metadata_timeout: float = 10.0
     #: Seconds a whole save or load may take: every request, retry and wait of it, in
     #: whatever threads it uses, and the cleanup after a failure (a few seconds more,
     #: never a retry past them). Past it the operation fails (``DeadlineExceededError``),
@@ -127,7 +132,13 @@ class TransferOptions:
             raise ConfigError("option requests_per_second must be positive or None")
         if not isinstance(self.adaptive_rate, bool):
             raise ConfigError(f"option adaptive_rate={self.adaptive_rate!r} must be True or False")
-        for name in ("backoff_base", "backoff_max", "connect_timeout", "request_timeout"):
+        for name in (
+            "backoff_base",
+            "backoff_max",
+            "connect_timeout",
+            "request_timeout",
+            "metadata_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"option {name} must be positive")
         if not isinstance(self.storage_options, Mapping):

@@ -61,6 +61,7 @@ _TRANSFER_KEYS = {
     "backoff_max": "float",
     "connect_timeout": "float",
     "request_timeout": "float",
+    "metadata_timeout": "float",
     "deadline": "float",
 }
 _KEYS = frozenset({"url", "match", "storage_options", *_TRANSFER_KEYS})

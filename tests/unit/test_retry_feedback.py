@@ -166,7 +166,7 @@ def test_the_cli_shows_retries_and_fails_fast_on_a_refused_endpoint():
     done = _cli("ls", "--endpoint-url", endpoint, "s3://bucket/run1", env=keys)
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
-    retries = [line for line in lines if line.startswith("cloudckpt: retrying head ")]
+    retries = [line for line in lines if line.startswith("cloudckpt ls: retrying head ")]
     assert len(retries) == 2, lines
     assert "(attempt 2 of 3): connection refused" in retries[0]
     assert "(attempt 3 of 3): connection refused" in retries[1]

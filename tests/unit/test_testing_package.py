@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import cloudckpt
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 _PROGRAM = r"""
-import sys, tempfile, pathlib
+import sys, pathlib
 import torch
 import cloudckpt
 from cloudckpt.manager import CheckpointManager
@@ -21,7 +22,7 @@ from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 import torch.distributed.checkpoint as dcp
 from cloudckpt.cli.main import main
 
-d = pathlib.Path(tempfile.mkdtemp())
+d = pathlib.Path(sys.argv[1])  # the test's own directory: nothing left in /tmp
 state = {"w": torch.arange(6.0), "step": 3}
 cloudckpt.save(state, d / "a.pt")
 assert cloudckpt.load(d / "a.pt")["step"] == 3
@@ -43,15 +44,23 @@ print(sorted(m for m in sys.modules if m.startswith("cloudckpt.testing")))
 
 
 def test_the_runtime_never_imports_the_testing_package(tmp_path):
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
     out = subprocess.run(
-        [sys.executable, "-c", _PROGRAM],
+        [sys.executable, "-c", _PROGRAM, str(work)],
         capture_output=True,
         text=True,
         check=True,
         cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp)},
         timeout=300,
     )
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+    # Nothing left behind in the temporary directory (torch's compile cache aside): the
+    # program wrote under `work`, which pytest removes, not into a mkdtemp() of its own.
+    left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == [], left
 
 
 def test_the_testing_extra_names_what_the_launchers_need():

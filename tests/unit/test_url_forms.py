@@ -188,3 +188,25 @@ def test_the_command_line_shows_the_refusal(
     assert "did you mean 's3://my-bucket/run1'?" in err
     assert "nothing at" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("url", "meant"),
+    [
+        ("s3//bucket/x", "s3://bucket/x"),
+        ("S3//bucket/x.pt", "s3://bucket/x.pt"),
+        ("gs//b/k", "gs://b/k"),
+        ("az///c/k", "az://c/k"),
+        ("file//tmp/x.pt", "file:///tmp/x.pt"),
+    ],
+)
+def test_a_scheme_without_its_colon_says_what_was_meant(url: str, meant: str) -> None:
+    """``s3//bucket/x`` gets the same "did you mean" as ``s3:/bucket/x`` (issue 41)."""
+    with pytest.raises(InvalidURLError, match=f"did you mean '{meant}'") as info:
+        split_url(url)
+    assert "is written ./" in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["./s3//b/k", "data//x", "s3/b/k", "/s3//b/k"])
+def test_paths_that_only_look_like_that_are_paths(url: str) -> None:
+    assert split_url(url)[0] == "file"

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine.bench import run_bench
 from ..engine.copy import CopyState, TreeCopyResult, copy_object, copy_tree
-from ..errors import CloudCkptError, ConfigError, DeadlineExceededError, NotFoundError
+from ..errors import (
+    BucketNotFoundError,
+    CloudCkptError,
+    ConfigError,
+    DeadlineExceededError,
+    NotFoundError,
+)
 from ..manager.gc import Leftover, collect_garbage, delete_prefix, delete_tree, find_leftovers
 from ..manager.marker import (
     MARKER_NAME,
@@ -113,7 +119,7 @@ def _not_found(p: Printer, what: str, url: str) -> int:
     url = display_url(url)
     if p.json_mode:
         p.json({"error": f"{what}: {url}", "exit_code": EXIT_NOT_FOUND})
-    p.note(f"cloudckpt: {what}: {url}")
+    p.error(f"{what}: {url}")
     return EXIT_NOT_FOUND
 
 
@@ -183,28 +189,30 @@ def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     objects = t.objects
     if t.kind == "object":
         objects = [t.store.head(t.key)]
+    # Every listing names its objects relative to the prefix it lists, which heads it
+    # (a lone object: its folder); JSON gives each whole URL too.
+    base = root_prefix(t.key) if t.kind == "prefix" else t.key.rpartition("/")[0] + "/"
+    base = base.lstrip("/")
     if p.json_mode:
         listed: dict[str, Any] = {
             "kind": t.kind,
             "url": t.url if t.kind == "object" else t.dir_url,
             "objects": [
-                {"url": t.store.url(o.key), "size": o.size, "mtime": o.mtime} for o in objects
+                {
+                    "url": t.store.url(o.key),
+                    "name": o.key[len(base) :],
+                    "size": o.size,
+                    "mtime": o.mtime,
+                }
+                for o in objects
             ],
         }
         if leftovers is not None:
             listed["leftovers"] = _json(leftovers)
         p.json(listed)
         return EXIT_OK
-    base = root_prefix(t.key) if t.kind == "prefix" else ""
-    rows = [
-        [
-            human_bytes(o.size),
-            human_time(o.mtime),
-            o.key[len(base) :] if base else t.store.url(o.key),
-        ]
-        for o in objects
-    ]
-    p.table(["size", "modified", "name"], rows, title=t.dir_url if t.kind == "prefix" else None)
+    rows = [[human_bytes(o.size), human_time(o.mtime), o.key[len(base) :]] for o in objects]
+    p.table(["size", "modified", "name"], rows, title=t.store.url(base))
     if leftovers is not None:
         _print_leftovers(p, t.dir_url, leftovers)
     return EXIT_OK
@@ -718,7 +726,7 @@ def cmd_mb(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     create = getattr(o.store, "create_bucket", None)
     if create is None:
         raise ConfigError(
-            f"cloudckpt mb cannot create {display_url(args.url)}: its store "
+            f"cannot create a bucket for {display_url(args.url)}: its store "
             f"({type(o.store).__name__}) has no buckets to create (S3 and S3-compatible "
             "stores do)"
         )
@@ -767,9 +775,13 @@ def _copy_stopped(p: Printer, exc: BaseException, state: CopyState) -> None:
     else:
         cause = "stopped"
     if not (state.copied or state.pieces_kept):  # a rerun starts over: no resume to offer
-        p.note(f"cloudckpt cp: {cause}: nothing kept")
-        return
-    p.note(f"cloudckpt cp: {cause}: {state.kept()}; run the same command to resume")
+        said = f"{cause}: nothing kept"
+    else:
+        said = f"{cause}: {state.kept()}; run the same command to resume"
+    if isinstance(exc, KeyboardInterrupt):
+        p.stopped = said  # the one line an interrupted command ends with (cli/main.py)
+    else:
+        p.error(said)
 
 
 def cmd_cp(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
@@ -781,6 +793,8 @@ def cmd_cp(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     src_store, src_key = src.store, src.key
     if not src_key or args.src.endswith("/"):
         raise ConfigError(f"{args.src} names a prefix; copy a prefix with cp -r")
+    if isinstance(src_store, LocalStore) and (src_store.root / src_key).is_dir():
+        raise ConfigError(f"{args.src} is a directory: use cp -r to copy what it holds")
     dst, dst_key = _destination(src_key, args.dst, opts)
     dst_store = dst.store
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
@@ -800,6 +814,15 @@ def cmd_cp(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
                 on_size=set_total,
                 state=state,
             )
+    except NotFoundError as exc:
+        if not isinstance(exc, BucketNotFoundError):
+            first = next(iter(src_store.list(dir_prefix(src_key))), None)
+            if first is not None:  # no object there, but objects under it
+                raise ConfigError(
+                    f"{display_url(src_store.url(src_key))} is a prefix, not an object: use "
+                    "cp -r to copy what it holds"
+                ) from None
+        raise
     except (KeyboardInterrupt, CloudCkptError, OSError) as exc:
         _copy_stopped(p, exc, state)
         raise

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import (
@@ -15,10 +18,12 @@ from ..errors import (
     ConfigError,
     CorruptCheckpointError,
     CredentialsError,
+    DeadlineExceededError,
     NotFoundError,
 )
 from ..options import MiB
 from ..redact import RedactingFilter, redact_text
+from ..store.deadline import deadline_scope
 from .commands import COMMANDS, Settings
 from .output import Printer, StderrHandler
 
@@ -34,30 +39,81 @@ EXIT_CODES = {
     130: "interrupted",
 }
 
-_EPILOG = """\
-URLs: s3://bucket/prefix, file:///abs/path or a plain path. S3 credentials and endpoint
-come from the usual AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
-AWS_REGION, AWS_ENDPOINT_URL) or the flags below.
+#: ``(command line, what it does)``: the top-level help shows them all, each command's
+#: help its own.
+_EXAMPLES = (
+    ("cloudckpt ls s3://bucket/run1", "the run's checkpoints: step, time, size, metrics"),
+    ("cloudckpt ls --json s3://bucket/run1", "the same as one JSON document, for scripts"),
+    ("cloudckpt latest s3://bucket/run1", "URL of the newest committed checkpoint"),
+    ("cloudckpt info s3://bucket/run1/step-000000300", ""),
+    ("cloudckpt cp s3://bucket/run1/step-000000300/state.pt ./state.pt", ""),
+    ("cloudckpt cp -r s3://bucket/run1/step-000000300 ./step-300 --dry-run", ""),
+    ("cloudckpt verify s3://bucket/run1", "every checksum of every committed checkpoint"),
+    ("cloudckpt export s3://bucket/run1/step-000000300 s3://bucket/hf/ --dtype bf16", ""),
+    ("cloudckpt ls --all s3://bucket/run1", "also open uploads, uncommitted steps, ages"),
+    (
+        "cloudckpt ls --local /nvme/run1 s3://bucket/run1",
+        "steps in the local tier and the bucket, undrained",
+    ),
+    (
+        "cloudckpt verify --local /nvme/run1 s3://bucket/run1",
+        "every checksum of the local tier's copies",
+    ),
+    ("cloudckpt rm -r s3://bucket/scratch --dry-run", "what it would delete, markers first"),
+    ("cloudckpt gc s3://bucket/run1 --dry-run", "what a failed save left behind"),
+    ("cloudckpt mb s3://bucket", "create a bucket (S3-compatible stores)"),
+    ("cloudckpt bench s3://bucket/scratch", "throughput, latency, suggested settings"),
+)
 
-examples:
-  cloudckpt ls s3://bucket/run1              the run's checkpoints: step, time, size, metrics
-  cloudckpt latest s3://bucket/run1          URL of the newest committed checkpoint
-  cloudckpt info s3://bucket/run1/step-000000300
-  cloudckpt cp s3://bucket/run1/step-000000300/state.pt ./state.pt
-  cloudckpt cp -r s3://bucket/run1/step-000000300 ./step-300 --dry-run
-  cloudckpt verify s3://bucket/run1          every checksum of every committed checkpoint
-  cloudckpt export s3://bucket/run1/step-000000300 s3://bucket/hf/ --dtype bf16
-  cloudckpt ls --all s3://bucket/run1        also open uploads, uncommitted steps, ages
-  cloudckpt ls --local /nvme/run1 s3://bucket/run1
-                                             steps in the local tier and the bucket, undrained
-  cloudckpt verify --local /nvme/run1 s3://bucket/run1
-                                             every checksum of the local tier's copies
-  cloudckpt gc s3://bucket/run1 --dry-run    what a failed save left behind
-  cloudckpt mb s3://bucket                   create a bucket (S3-compatible stores)
-  cloudckpt bench s3://bucket/scratch        throughput, latency, suggested settings
+
+def _examples(command: str | None = None) -> str:
+    lines = []
+    for line, what in _EXAMPLES:
+        if command is not None and line.split()[1] != command:
+            continue
+        if not what:
+            lines.append(f"  {line}")
+        elif len(line) <= 42:
+            lines.append(f"  {line:<43}{what}")
+        else:
+            lines.append(f"  {line}\n{'':45}{what}")
+    return "examples:\n" + "\n".join(lines) if lines else ""
+
+
+#: Seconds each command may take by default (``--deadline`` changes it; ``0``: none).
+#: The commands that move data (cp, export, verify, bench) have none: no default fits
+#: every size; their requests stay bounded by the request timeouts and attempts.
+DEFAULT_DEADLINES: dict[str, float | None] = {
+    "ls": 120.0,
+    "latest": 120.0,
+    "info": 120.0,
+    "rm": 120.0,
+    "gc": 120.0,
+    "mb": 120.0,
+    "cp": None,
+    "export": None,
+    "verify": None,
+    "bench": None,
+}
+
+_EPILOG = (
+    """\
+URLs: s3://bucket/prefix, gs://, az://, file:///abs/path or a plain path. S3 credentials
+and endpoint come from the usual AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_PROFILE, AWS_REGION, AWS_ENDPOINT_URL) or the flags of each command. Every command
+takes --json (one JSON document on stdout) and --deadline (ls, latest, info, rm, gc and
+mb stop after 2m by default).
+
+"""
+    + _examples()
+    + """
 
 exit codes:
-""" + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_CODES.items())
+"""
+    + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_CODES.items())
+)
+#: Below each command's own help: its examples, and where the rest is.
+_COMMAND_EPILOG = "URLs, credentials and exit codes: cloudckpt --help (and docs/cli.md)."
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
@@ -79,6 +135,11 @@ def parse_duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 1h, 30m, 90s, 0)")
     unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2).lower()]
     return float(m.group(1)) * unit
+
+
+def _deadline(text: str) -> float:
+    """``--deadline``: a duration; ``0`` or ``none`` for no deadline (0.0)."""
+    return 0.0 if text.strip().lower() == "none" else parse_duration(text)
 
 
 def parse_storage_option(text: str) -> tuple[str, Any]:
@@ -125,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/stores.md); true/false are booleans; the flags above win",
     )
     g.add_argument(
+        "--deadline",
+        type=_deadline,
+        metavar="DURATION",
+        help="stop after this long, every request and retry included (e.g. 30s, 10m; "
+        "0: none; exit 1); default 2m for ls, latest, info, rm, gc and mb, none for cp, "
+        "export, verify and bench (cp keeps what is stored for a rerun)",
+    )
+    g.add_argument(
         "-v",
         "--verbose",
         action="count",
@@ -145,12 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        examples = _examples(name)
         return sub.add_parser(
             name,
             parents=[common],
             help=help,
             description=description,
-            epilog=_EPILOG,
+            epilog=(examples + "\n\n" if examples else "") + _COMMAND_EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
 
@@ -233,11 +303,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--part-size", type=parse_size, help="multipart part size (default 64MiB)")
     p.add_argument("--concurrency", type=int, help="parts/ranges in flight (default 10/15)")
     p.add_argument("--state-dir", help="where upload journals live (default ~/.cache/cloudckpt/cp)")
-    p.add_argument(
-        "--deadline",
-        type=parse_duration,
-        help="stop after this long (e.g. 10m; exit 1); what is stored stays for a rerun",
-    )
     _progress_flags(p)
 
     p = add(
@@ -386,8 +451,8 @@ def _options(args: argparse.Namespace) -> Any:
         overrides["storage_options"] = storage
     if getattr(args, "part_size", None):
         overrides["part_size"] = args.part_size
-    if getattr(args, "deadline", None):
-        overrides["deadline"] = args.deadline
+    if args.deadline is not None:  # given: a call argument, over a profile's (0: none)
+        overrides["deadline"] = args.deadline or None
     if getattr(args, "concurrency", None) and args.command == "cp":
         overrides["write_concurrency"] = overrides["read_concurrency"] = args.concurrency
     return Settings(overrides)
@@ -418,19 +483,65 @@ def _verbose_logging() -> None:
             handler.addFilter(RedactingFilter())
 
 
-def _warnings_to_stderr() -> None:
+def _warnings_to_stderr(prefix: str) -> None:
     """cloudckpt's warnings (each retry with its cause) as lines on stderr, above the
-    progress bar while one runs; installed once per process."""
+    progress bar while one runs, each starting with ``prefix:`` as the command's errors
+    do; installed once per process."""
     log = logging.getLogger("cloudckpt")
-    if not any(isinstance(h, StderrHandler) for h in log.handlers):
+    handler = next((h for h in log.handlers if isinstance(h, StderrHandler)), None)
+    if handler is None:
         handler = StderrHandler(logging.WARNING)
-        handler.setFormatter(logging.Formatter("cloudckpt: %(message)s"))
         handler.addFilter(RedactingFilter())
         log.addHandler(handler)
+    handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
+
+
+class _Interrupts:
+    """The SIGINT handler while a command runs: the first Ctrl-C raises
+    KeyboardInterrupt, which the command handles (keeps what is stored, says so in one
+    line, exit code 130); every later one is counted and ignored, so a second Ctrl-C
+    (``timeout -s INT`` delivers two) cannot interrupt that handling half-way."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _one_interrupt(leave_ignored: bool) -> Iterator[_Interrupts]:
+    """Run with :class:`_Interrupts` as the SIGINT handler (in the main thread only);
+    afterwards the previous one again, except that with ``leave_ignored`` (the process
+    ends next: the ``cloudckpt`` command) a process that was interrupted ignores further
+    Ctrl-C while it exits."""
+    handler = _Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield handler
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield handler
+    finally:
+        if handler.count and leave_ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
+            signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``cloudckpt`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    with _one_interrupt(leave_ignored=argv is None):
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:  # before a command ran (parsing the arguments)
+            print("cloudckpt: interrupted", file=sys.stderr)
+            return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -439,19 +550,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    prefix = f"cloudckpt {args.command}"
     if args.verbose:
         _verbose_logging()
     else:
-        _warnings_to_stderr()
-    printer = Printer(args.json)
+        _warnings_to_stderr(prefix)
+    printer = Printer(args.json, prefix)
+    given = args.deadline is not None
+    deadline = args.deadline if given else DEFAULT_DEADLINES.get(args.command)
     try:
-        return COMMANDS[args.command](args, _options(args), printer)
+        with deadline_scope(deadline or None):
+            return COMMANDS[args.command](args, _options(args), printer)
     except (CloudCkptError, OSError, KeyboardInterrupt) as exc:
         code = _exit_code(exc)
-        message = "interrupted" if isinstance(exc, KeyboardInterrupt) else redact_text(str(exc))
+        if isinstance(exc, KeyboardInterrupt):
+            message = printer.stopped or "interrupted"
+        else:
+            message = redact_text(str(exc))
+        if isinstance(exc, DeadlineExceededError) and deadline:
+            hint = "--deadline DURATION sets another, 0 none"
+            message += f" ({hint})" if given else f" ({args.command}'s default; {hint})"
         if args.json:
             printer.json({"error": message, "type": type(exc).__name__, "exit_code": code})
-        printer.note(f"cloudckpt {args.command}: {message}")
+        printer.error(message)
         return code
 
 

@@ -48,11 +48,18 @@ def human_time(ts: float | None) -> str:
 class Printer:
     """Writes either human output (rich) or one JSON document to stdout."""
 
-    def __init__(self, json_mode: bool) -> None:
+    def __init__(self, json_mode: bool, prefix: str = "cloudckpt") -> None:
         self.json_mode = json_mode
+        #: What every error line starts with: ``cloudckpt COMMAND``.
+        self.prefix = prefix
+        #: What an interrupted command kept, said once as its last line (exit code 130).
+        self.stopped: str | None = None
         from rich.console import Console
 
-        self.out = Console(highlight=False, soft_wrap=True)
+        # A terminal gets tables as wide as it is (long names folded, never cut); a file
+        # or a pipe gets every name whole, however long the line.
+        width = None if sys.stdout.isatty() else 1 << 20
+        self.out = Console(highlight=False, soft_wrap=True, width=width)
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def json(self, body: Any) -> None:
@@ -67,6 +74,10 @@ class Printer:
         """A remark on stderr (also in JSON mode, where stdout stays machine-readable)."""
         self.err.print(text, markup=False)
 
+    def error(self, text: str) -> None:
+        """An error line on stderr: ``cloudckpt COMMAND: text``."""
+        self.note(f"{self.prefix}: {text}")
+
     def table(self, columns: list[str], rows: list[list[str]], title: str | None = None) -> None:
         if self.json_mode:
             return
@@ -74,7 +85,8 @@ class Printer:
 
         table = Table(title=title, title_justify="left", box=None, pad_edge=False)
         for i, c in enumerate(columns):
-            table.add_column(c, justify="right" if i == 0 or c in ("size", "bytes") else "left")
+            right = i == 0 or c in ("size", "bytes")
+            table.add_column(c, justify="right" if right else "left", overflow="fold")
         for r in rows:
             table.add_row(*r)
         self.out.print(table)

@@ -12,6 +12,7 @@ across calls; each call gets a view of the cached store that retries by its own 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -24,6 +25,7 @@ from ..errors import ConfigError, InvalidURLError
 from ..options import TransferOptions, apply_profile, resolve_options
 from ..redact import dataclass_repr, display_url, redact_text
 from .base import (
+    STALE,
     MultipartUpload,
     ObjectInfo,
     Store,
@@ -32,6 +34,7 @@ from .base import (
     check_key,
     join_key,
 )
+from .environment import environment
 from .registry import (
     ALIASES,
     PROFILE,
@@ -167,6 +170,14 @@ def _check_local_path(path: str, pathlike: bool) -> None:
     if head is None:
         if first == ":":
             raise InvalidURLError(f"{path!r} has no scheme before its ':' (expected s3://...)")
+        if path.startswith(f"{first}//") and first.lower() in scheme_names():
+            # s3//bucket/key: the colon left out; as a path, ./s3/bucket/key.
+            rest = path[len(first) :]
+            shown = first + "//" + display_url(f"{first}://{rest.lstrip('/')}").partition("://")[2]
+            raise InvalidURLError(
+                f"{shown!r} lacks the ':' after '{first}'{_did_you_mean(first, rest)} "
+                f"(a local path starting '{first}//' is written ./{shown})"
+            )
         return
     word, rest = head.group(1), path[head.end() :]
     # Shown as display_url shows URLs: no query (a signature), user or password.
@@ -237,14 +248,24 @@ def open_url(url: str | os.PathLike[str], options: TransferOptions) -> tuple[Sto
         scheme,
         bucket,
         _freeze(options.storage_options),
+        # What the store reads from the environment (credentials, endpoint, region): a
+        # change makes a new store rather than reuse one made from the old values.
+        environment(scheme),
         options.connect_timeout,
         options.request_timeout,
+        options.metadata_timeout,
         options.connection_pool_size,
     )
     with _cache_lock:
         store = _cache.get(store_key)
+        if store is not None and store_key in STALE:  # its credentials failed: resolve anew
+            del _cache[store_key]
+            STALE.discard(store_key)
+            store = None
     if store is None:
         made = factory(bucket, options)
+        with contextlib.suppress(AttributeError):  # a store class without the slot
+            made.cache_key = store_key
         with _cache_lock:
             store = _cache.setdefault(store_key, made)
         if store is not made:

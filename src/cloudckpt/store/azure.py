@@ -43,6 +43,7 @@ from .base import (
     check_storage_options,
 )
 from .body import body_skip
+from .endpoints import check_endpoint
 from .status import error_for
 
 __all__ = ["ACCESS_TIERS", "AZURE_OPTIONS", "AzureStore"]
@@ -121,6 +122,7 @@ class AzureStore(Store):
         connect_timeout: float = 10.0,
         read_timeout: float = 120.0,
         max_connections: int = 64,
+        metadata_timeout: float | None = None,
     ) -> None:
         if _IMPORT_ERROR is not None:
             raise ConfigError(
@@ -166,6 +168,12 @@ class AzureStore(Store):
                     + ", ".join(ACCESS_TIERS)
                 )
             self._creating["standard_blob_tier"] = StandardBlobTier(tier)
+        # Requests with a small answer (properties, listings, deletes) wait less for it.
+        self._quick: dict[str, Any] = {
+            "read_timeout": min(metadata_timeout or read_timeout, read_timeout)
+        }
+        if opts.get("account_url"):
+            check_endpoint(opts["account_url"], "the Azure account_url (storage option)")
         session = requests.Session()
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=max_connections, max_retries=0)
         session.mount("https://", adapter)
@@ -275,7 +283,7 @@ class AzureStore(Store):
 
     # -- reads -----------------------------------------------------------------------------
     def _head(self, key: str) -> ObjectInfo:
-        props = self._call("head", key, self._blob(key).get_blob_properties)
+        props = self._call("head", key, self._blob(key).get_blob_properties, **self._quick)
         return _info(key, props)
 
     def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
@@ -293,7 +301,7 @@ class AzureStore(Store):
             raise TransientError(f"reading {self.url(key)}: connection closed mid-body")
 
     def _list_page(self, prefix: str, token: Any) -> Page:
-        listing = self._container.list_blobs(name_starts_with=prefix)
+        listing = self._container.list_blobs(name_starts_with=prefix, **self._quick)
         pages = listing.by_page(continuation_token=token)
         page = self._call("list", prefix, next, pages, None)
         if page is None:
@@ -317,7 +325,8 @@ class AzureStore(Store):
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
-            self._call("delete", key, self._blob(key).delete_blob, delete_snapshots="include")
+            blob = self._blob(key)
+            self._call("delete", key, blob.delete_blob, delete_snapshots="include", **self._quick)
 
     def _create_multipart(self, key: str) -> MultipartUpload:
         # Nothing to create server-side: the id lives in the block ids.

@@ -32,7 +32,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import CloudCkptError, ConfigError, InvalidURLError, TransientError
+from ..errors import (
+    CloudCkptError,
+    ConfigError,
+    CredentialsError,
+    InvalidURLError,
+    TransientError,
+)
 from ..redact import display_url, redact_text
 from .retry import Cancelled, RetryPolicy
 
@@ -51,6 +57,12 @@ Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 #: One page of a listing and the token of the next (``None`` after the last page).
 Page = tuple[Sequence["ObjectInfo"], Any]
+
+
+#: Cache keys of stores whose credentials failed: the next open makes the store again
+#: (``cloudckpt.store.open_url``), so what it took from the environment, a profile or
+#: the SDKs' credential files is read again.
+STALE: set[Any] = set()
 
 
 def byte_view(data: Buffer) -> memoryview:
@@ -129,6 +141,8 @@ class Store(ABC):
     root_url: str
     #: How failed requests are retried; :meth:`with_retry` gives a copy with another.
     retry: RetryPolicy = RetryPolicy()
+    #: The process cache's key for this store (``cloudckpt.store.open_url``), if cached.
+    cache_key: Any = None
 
     def url(self, key: str) -> str:
         """The user-facing URL of ``key``."""
@@ -170,11 +184,19 @@ class Store(ABC):
             raise mapped from None
 
     def _retrying(self, op: str, key: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run one primitive under the retry policy, its failures mapped to typed errors."""
+        """Run one primitive under the retry policy, its failures mapped to typed errors.
+
+        After a credentials failure the store is not handed out again by the cache
+        (``cloudckpt.store.open_url``): the next open resolves its settings anew."""
         scope = f"{self.root_url}|{key.rpartition('/')[0]}"
-        return self.retry.run(
-            lambda: self._attempt(op, key, fn, *args), f"{op} {self.url(key)}", scope=scope
-        )
+        try:
+            return self.retry.run(
+                lambda: self._attempt(op, key, fn, *args), f"{op} {self.url(key)}", scope=scope
+            )
+        except CredentialsError:
+            if self.cache_key is not None:
+                STALE.add(self.cache_key)
+            raise
 
     # -- the contract -----------------------------------------------------------------------
     def head(self, key: str) -> ObjectInfo:

@@ -50,6 +50,7 @@ from .base import (
     check_storage_options,
 )
 from .body import body_skip, content_range_total, read_body_into
+from .endpoints import check_endpoint
 from .status import error_for
 
 __all__ = ["GCS_OPTIONS", "UPLOADS_PREFIX", "GCSStore"]
@@ -110,6 +111,7 @@ class GCSStore(Store):
         connect_timeout: float = 10.0,
         read_timeout: float = 120.0,
         max_connections: int = 64,
+        metadata_timeout: float | None = None,
     ) -> None:
         if _IMPORT_ERROR is not None:
             raise _missing_extra(_IMPORT_ERROR)
@@ -144,9 +146,15 @@ class GCSStore(Store):
                 "a GCS storage class in capitals (STANDARD, NEARLINE, COLDLINE, ARCHIVE)",
             )
         self._timeout = (connect_timeout, read_timeout)
+        # Requests with a small answer (metadata, listings, deletes) wait less for it.
+        self._quick = (connect_timeout, min(metadata_timeout or read_timeout, read_timeout))
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
-        if emulator and "://" not in emulator:
+        if emulator and "://" not in emulator:  # the Google libraries' convention: host:port
             emulator = f"http://{emulator}"
+        if opts.get("endpoint_url"):
+            check_endpoint(
+                opts["endpoint_url"], "the GCS endpoint_url (storage option, --endpoint-url)"
+            )
         endpoint = (opts.get("endpoint_url") or emulator or _DEFAULT_ENDPOINT).rstrip("/")
         # An emulator takes no credentials; so does a public bucket read anonymously.
         anonymous = bool(opts.get("anonymous")) or (
@@ -233,7 +241,7 @@ class GCSStore(Store):
         if self._bucket_seen:
             return True
         try:
-            resp = self._session.get(self._bucket_api, timeout=self._timeout)
+            resp = self._session.get(self._bucket_api, timeout=self._quick)
         except requests.RequestException:
             return True  # cannot tell: report the object as missing
         resp.close()
@@ -242,7 +250,7 @@ class GCSStore(Store):
 
     # -- reads ----------------------------------------------------------------------------
     def _head(self, key: str) -> ObjectInfo:
-        meta = self._request("GET", self._object_url(key), key, "head").json()
+        meta = self._request("GET", self._object_url(key), key, "head", timeout=self._quick).json()
         return _info(meta)
 
     def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
@@ -268,7 +276,9 @@ class GCSStore(Store):
         params: dict[str, str] = {"prefix": prefix}
         if token:
             params["pageToken"] = token
-        resp = self._request("GET", f"{self._bucket_api}/o", prefix, "list", params=params)
+        resp = self._request(
+            "GET", f"{self._bucket_api}/o", prefix, "list", params=params, timeout=self._quick
+        )
         body = resp.json()
         # The service returns names in lexicographic order; an emulator may not.
         items = sorted(body.get("items", ()), key=lambda m: m["name"])
@@ -323,7 +333,8 @@ class GCSStore(Store):
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
-            self._request("DELETE", self._object_url(key), key, "delete").close()
+            url = self._object_url(key)
+            self._request("DELETE", url, key, "delete", timeout=self._quick).close()
 
     def _create_multipart(self, key: str) -> MultipartUpload:
         upload_id = uuid.uuid4().hex

@@ -66,6 +66,7 @@ def _connections(options: TransferOptions) -> dict[str, Any]:
     return {
         "connect_timeout": options.connect_timeout,
         "read_timeout": options.request_timeout,
+        "metadata_timeout": min(options.metadata_timeout, options.request_timeout),
         "max_connections": options.connection_pool_size,
     }
 

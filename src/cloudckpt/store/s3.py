@@ -15,13 +15,17 @@ import copy
 import hashlib
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
 import botocore.session
 from botocore import UNSIGNED
 from botocore.config import Config
+from botocore.credentials import RefreshableCredentials
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -61,6 +65,8 @@ from .base import (
     check_storage_options,
 )
 from .body import body_skip, content_range_total, read_body_into
+from .endpoints import check_endpoint
+from .environment import environment
 from .s3_signed_reads import SignedReads
 from .status import error_for
 
@@ -158,6 +164,67 @@ _TRANSIENT_EXCEPTIONS = (
 )
 
 
+#: The client calls whose answers are small (metadata, listings, markers, creating or
+#: ending an upload): they wait at most ``metadata_timeout`` for an answer. Data
+#: transfers (ranged GETs, puts, parts) and the completion of an upload (which S3 may
+#: take a while to answer for a large object) keep ``request_timeout``.
+_QUICK_OPS = frozenset(
+    {
+        "head_object",
+        "list_objects_v2",
+        "list_multipart_uploads",
+        "delete_object",
+        "create_multipart_upload",
+        "abort_multipart_upload",
+    }
+)
+#: Seconds between two looks at the environment from the request path (an open makes
+#: a new store when it changed: cloudckpt.store.open_url).
+_ENV_CHECK_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class _Clients:
+    """What one set of settings made: the data and metadata clients, the fast reads, the
+    environment they were made from and who they act as (endpoint, region, the source
+    and a digest of the credentials; never the credentials themselves)."""
+
+    data: Any
+    quick: Any
+    fast: SignedReads
+    env: str | None
+    identity: tuple[Any, ...]
+
+
+class _ClientHolder:
+    """A store's clients, shared by its copies (``with_retry``), made again from the
+    storage options and the environment when the AWS variables change (looked at, from
+    the request path, once a second: a store held for long, a manager's, follows them)
+    and after a credentials failure (the shared credentials and config files read
+    again). Clients already handed to a request are left to it."""
+
+    def __init__(self, make: Callable[[], _Clients]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self.made = make()
+        self._checked = time.monotonic()
+
+    def get(self) -> _Clients:
+        made = self.made
+        now = time.monotonic()
+        if now - self._checked < _ENV_CHECK_SECONDS:
+            return made
+        self._checked = now
+        return made if made.env == environment("s3") else self.renew(made)
+
+    def renew(self, seen: _Clients) -> _Clients:
+        """Clients made again, unless another thread did since ``seen`` was current."""
+        with self._lock:
+            if self.made is seen:
+                self.made = self._make()
+            return self.made
+
+
 class S3Store(Store):
     """One bucket on S3 or an S3-compatible server."""
 
@@ -169,6 +236,7 @@ class S3Store(Store):
         connect_timeout: float = 10.0,
         read_timeout: float = 120.0,
         max_connections: int = 64,
+        metadata_timeout: float | None = None,
     ) -> None:
         opts = check_storage_options("S3", storage_options or {}, S3_OPTIONS)
         self.bucket = check_bucket_name(bucket)
@@ -177,51 +245,21 @@ class S3Store(Store):
         #: place they are chosen; ``_call`` adds them to every request of that kind.
         self._params = _request_params(opts)
         self._sse_c = "sse_customer_key" in opts
-        endpoint = (
-            opts.get("endpoint_url")
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or (os.environ.get("AWS_ENDPOINT_URL"))
-        )
-        try:
-            session = botocore.session.Session(profile=opts.get("profile_name"))
-            region = (
-                opts.get("region_name")
-                or os.environ.get("AWS_REGION")
-                or session.get_config_variable("region")
-                or "us-east-1"
+        timeouts = (connect_timeout, read_timeout, metadata_timeout or read_timeout)
+        self._holder = _ClientHolder(
+            lambda: _make_clients(
+                bucket, opts, self.root_url, timeouts, max_connections, self._params
             )
-        except ProfileNotFound as exc:
-            raise CredentialsError(f"AWS profile for {self.root_url} not found: {exc}") from None
-        config = Config(
-            s3={
-                "addressing_style": opts.get("addressing_style")
-                or ("path" if endpoint else "auto"),
-                "payload_signing_enabled": False,
-            },
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            retries={"total_max_attempts": 1},  # the store retries, not botocore
-            max_pool_connections=max_connections,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            tcp_keepalive=True,
-            # Validation rejects memoryview bodies; urllib3 sends them with one sendall and
-            # no copy. Every call's parameters are built here, so nothing is lost.
-            parameter_validation=False,
-            # SigV4 for every request (also the fast reads of s3_signed_reads.py).
-            signature_version=UNSIGNED if opts.get("anonymous") else "s3v4",
         )
-        self._client = session.create_client(
-            "s3",
-            region_name=region,
-            endpoint_url=endpoint,
-            aws_access_key_id=opts.get("aws_access_key_id"),
-            aws_secret_access_key=opts.get("aws_secret_access_key"),
-            aws_session_token=opts.get("aws_session_token"),
-            verify=opts.get("verify"),
-            config=config,
-        )
-        self._fast_reads = SignedReads(self._client, bucket, _read_headers(self._params))
+
+    @property
+    def _client(self) -> Any:
+        """The client of data transfers, as the environment has it now."""
+        return self._holder.get().data
+
+    @property
+    def _fast_reads(self) -> SignedReads:
+        return self._holder.get().fast
 
     # -- error mapping -------------------------------------------------------------------
     def _map_error(self, exc: Exception, key: str | None, op: str) -> Exception:
@@ -260,11 +298,30 @@ class S3Store(Store):
             return StorageError(f"{op} {url} failed: {redact_text(str(exc))}")
         return exc
 
-    def _call(self, op: str, key: str | None, **kwargs: Any) -> Any:
-        """One client call; failures come back as typed errors (the primitives need them)."""
+    def _call(self, op: str, key: str | None, *, quick: bool | None = None, **kwargs: Any) -> Any:
+        """One client call; failures come back as typed errors (the primitives need them).
+
+        ``quick``: a request with a small answer, sent through the client that waits
+        ``metadata_timeout`` for it (default: by ``op``). A credentials failure makes
+        the clients again from the environment and the shared files; when they then act
+        as someone else (rotated keys, a corrected secret, another endpoint), the call
+        is made once more with them."""
+        made = self._holder.get()
+        try:
+            return self._send(made, op, key, quick, kwargs)
+        except CredentialsError:
+            renewed = self._holder.renew(made)
+            if renewed.identity == made.identity:
+                raise
+            return self._send(renewed, op, key, quick, kwargs)
+
+    def _send(
+        self, made: _Clients, op: str, key: str | None, quick: bool | None, kwargs: dict[str, Any]
+    ) -> Any:
+        client = made.quick if (op in _QUICK_OPS if quick is None else quick) else made.data
         try:
             extra = self._params.get(op, {})  # bucket-level calls take none
-            return getattr(self._client, op)(Bucket=self.bucket, **extra, **kwargs)
+            return getattr(client, op)(Bucket=self.bucket, **extra, **kwargs)
         except Exception as exc:
             mapped = self._map_error(exc, key, op)
             if mapped is exc:
@@ -282,7 +339,7 @@ class S3Store(Store):
         except AccessDeniedError:
             # A HEAD answer has no body, so a bare 403 cannot say whether the credentials
             # were rejected or lack permission; a one-byte GET returns the error code.
-            self._call("get_object", key, Key=key, Range="bytes=0-0")["Body"].close()
+            self._call("get_object", key, quick=True, Key=key, Range="bytes=0-0")["Body"].close()
             raise
         mtime = resp.get("LastModified")
         return ObjectInfo(
@@ -294,7 +351,7 @@ class S3Store(Store):
 
     def _get(self, key: str) -> bytes:
         """A whole (small) object in one GET, not HEAD + GET: manifests are read this way."""
-        resp = self._call("get_object", key, Key=key)
+        resp = self._call("get_object", key, quick=True, Key=key)
         stream = _stream(resp["Body"])
         with _reading(stream, self.url(key)):
             size = int(resp.get("ContentLength", -1))
@@ -308,8 +365,9 @@ class S3Store(Store):
         length = sum(b.nbytes for b in buffers)
         url = self.url(key)
         answer = None
-        if self._fast_reads.enabled:  # the fast path: s3_signed_reads.py
-            answer = self._fast_reads.get(key, start, length, url)
+        fast = self._holder.get().fast
+        if fast.enabled:  # the fast path: s3_signed_reads.py
+            answer = fast.get(key, start, length, url)
         if answer is not None:
             headers = answer.headers
             stream = answer
@@ -325,8 +383,8 @@ class S3Store(Store):
         with _reading(stream, url):
             skip = body_skip(url, start, length, got, content_range_total(content_range))
             read_body_into(stream, skip, buffers, url)
-        if self._fast_reads.enabled:
-            self._fast_reads.served(answer is not None)
+        if fast.enabled:
+            fast.served(answer is not None)
 
     def _list_page(self, prefix: str, token: Any) -> Page:
         kwargs: dict[str, Any] = {"Prefix": prefix}
@@ -349,7 +407,7 @@ class S3Store(Store):
 
     # -- writes --------------------------------------------------------------------------
     def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
-        extra = {"IfNoneMatch": "*"} if if_none_match else {}
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_none_match else {}
         self._call("put_object", key, Key=key, Body=data, **extra)
 
     def _delete(self, key: str) -> None:
@@ -446,18 +504,19 @@ class S3Store(Store):
 
     def _create_bucket(self) -> None:
         # A HEAD first: us-east-1 (and moto) answer 200 to creating a bucket one owns.
+        clients = self._holder.get()
         try:
-            self._client.head_bucket(Bucket=self.bucket)
+            clients.quick.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if status != 404:
                 raise
         else:
             raise AlreadyExistsError(f"bucket {self.root_url} already exists")
-        region = self._client.meta.region_name
+        region = clients.data.meta.region_name
         where = {"CreateBucketConfiguration": {"LocationConstraint": region}}
         try:
-            self._client.create_bucket(
+            clients.quick.create_bucket(
                 Bucket=self.bucket, **({} if region in (None, "us-east-1") else where)
             )
         except ClientError as exc:
@@ -470,7 +529,104 @@ class S3Store(Store):
             raise
 
     def close(self) -> None:
-        self._client.close()
+        made = self._holder.made
+        made.data.close()
+        if made.quick is not made.data:
+            made.quick.close()
+
+
+def _endpoint(opts: Mapping[str, Any]) -> str | None:
+    """The endpoint URL: the storage option, else ``AWS_ENDPOINT_URL_S3``, else
+    ``AWS_ENDPOINT_URL``; checked (a ConfigError naming where it came from)."""
+    for where, value in (
+        ("the S3 endpoint_url (storage option, --endpoint-url)", opts.get("endpoint_url")),
+        ("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL_S3")),
+        ("AWS_ENDPOINT_URL", os.environ.get("AWS_ENDPOINT_URL")),
+    ):
+        if value:
+            return check_endpoint(value, where)
+    return None
+
+
+def _make_clients(
+    bucket: str,
+    opts: Mapping[str, Any],
+    root_url: str,
+    timeouts: tuple[float, float, float],
+    max_connections: int,
+    params: Mapping[str, Mapping[str, Any]],
+) -> _Clients:
+    """Clients from the storage options and, beneath them, the environment as it is now.
+
+    ``timeouts``: connect, data read, metadata read (docs/configuration.md)."""
+    env = environment("s3")
+    endpoint = _endpoint(opts)
+    connect_timeout, read_timeout, quick_timeout = timeouts
+    try:
+        session = botocore.session.Session(profile=opts.get("profile_name"))
+        region = (
+            opts.get("region_name")
+            or os.environ.get("AWS_REGION")
+            or session.get_config_variable("region")
+            or "us-east-1"
+        )
+    except ProfileNotFound as exc:
+        raise CredentialsError(f"AWS profile for {root_url} not found: {exc}") from None
+    config = Config(
+        s3={
+            "addressing_style": opts.get("addressing_style") or ("path" if endpoint else "auto"),
+            "payload_signing_enabled": False,
+        },
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        retries={"total_max_attempts": 1},  # the store retries, not botocore
+        max_pool_connections=max_connections,
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        tcp_keepalive=True,
+        # Validation rejects memoryview bodies; urllib3 sends them with one sendall and
+        # no copy. Every call's parameters are built here, so nothing is lost.
+        parameter_validation=False,
+        # SigV4 for every request (also the fast reads of s3_signed_reads.py).
+        signature_version=UNSIGNED if opts.get("anonymous") else "s3v4",
+    )
+    client_args = {
+        "region_name": region,
+        "endpoint_url": endpoint,
+        "aws_access_key_id": opts.get("aws_access_key_id"),
+        "aws_secret_access_key": opts.get("aws_secret_access_key"),
+        "aws_session_token": opts.get("aws_session_token"),
+        "verify": opts.get("verify"),
+    }
+    try:
+        data = session.create_client("s3", config=config, **client_args)
+        quick = data
+        if quick_timeout < read_timeout:
+            # A second pool whose requests wait less for their answer; the session's
+            # credentials are resolved once, for both.
+            quick_config = config.merge(Config(read_timeout=quick_timeout))
+            quick = session.create_client("s3", config=quick_config, **client_args)
+    except ValueError as exc:  # botocore's "Invalid endpoint", a bad region name...
+        raise ConfigError(f"invalid S3 settings for {root_url}: {redact_text(str(exc))}") from None
+    fast = SignedReads(data, bucket, _read_headers(params))
+    return _Clients(data, quick, fast, env, _identity(session, opts, endpoint, region))
+
+
+def _identity(
+    session: Any, opts: Mapping[str, Any], endpoint: str | None, region: str
+) -> tuple[Any, ...]:
+    """Who requests act as: the endpoint, the region, and where the credentials came from
+    with a digest of static ones (refreshing credentials renew themselves)."""
+    if any(opts.get(k) for k in ("aws_access_key_id", "aws_secret_access_key")):
+        return (endpoint, region, "storage_options")
+    creds = session.get_credentials()  # resolved by create_client already: no new lookup
+    if creds is None:
+        return (endpoint, region, None)
+    method = getattr(creds, "method", type(creds).__name__)
+    if isinstance(creds, RefreshableCredentials):
+        return (endpoint, region, method)
+    secret = "\0".join(str(x) for x in (creds.access_key, creds.secret_key, creds.token))
+    return (endpoint, region, method, hashlib.sha256(secret.encode()).hexdigest())
 
 
 def _request_params(opts: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

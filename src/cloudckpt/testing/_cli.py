@@ -21,6 +21,18 @@ from ._process import stop
 from .emulators import EMULATOR_NAMES, Emulator, azurite_binary, launch_emulator
 from .s3 import SERVER_NAMES, S3Server, launch
 
+#: The help's text, plain (the module's docstring is reST, for the API docs).
+_DESCRIPTION = """\
+Run one local server on 127.0.0.1 until killed: create the buckets given with
+--bucket, print `export NAME=VALUE` lines for a shell (once they appear the buckets
+exist), then wait for Ctrl-C, SIGTERM or SIGHUP and stop the server cleanly."""
+_EPILOG = """\
+example (README.md's local-S3 block waits for the exports, and stops if the server
+cannot start):
+  python -m cloudckpt.testing rclone --bucket my-bucket > local-s3.env &
+  # once local-s3.env holds the export lines:
+  . ./local-s3.env    # AWS_ENDPOINT_URL, test credentials, region"""
+
 
 def main(
     argv: Sequence[str] | None = None,
@@ -29,8 +41,18 @@ def main(
     node_prefix: str | os.PathLike[str] | None = None,
 ) -> int:
     """Run the command line; ``node_prefix`` is the default for ``--node-prefix``."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=[*SERVER_NAMES, *EMULATOR_NAMES, "install-azurite"])
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "name",
+        choices=[*SERVER_NAMES, *EMULATOR_NAMES, "install-azurite"],
+        help="the server: moto or rclone (S3), gcs, azure (Azurite); install-azurite only "
+        "installs Azurite and prints its path",
+    )
     parser.add_argument("--node-prefix", default=node_prefix, help="where npm installs Azurite")
     parser.add_argument("--log-level", help="rclone's --log-level (DEBUG logs every request)")
     parser.add_argument(
