@@ -71,6 +71,7 @@ from ..store import MultipartUpload, ObjectInfo, Store, UploadedPart, check_key
 from ..store.deadline import deadline_scope
 from ..store.local import LocalStore
 from ..store.paths import dir_prefix
+from .proof import proven_same
 
 __all__ = [
     "COMMIT_MARKERS",
@@ -822,17 +823,12 @@ def _is_leftover(key: str) -> bool:
 
 
 def same_object(src: Store, s: ObjectInfo, dst: Store, d: ObjectInfo) -> bool:
-    """Whether ``d`` already is a copy of ``s``: the same size, and the same ETag where
-    both stores are of one kind and both ETags are content hashes of a single request
-    (a multipart ETag depends on the part size, and other kinds hash differently)."""
-    if s.size != d.size:
-        return False
-    if not (s.etag and d.etag) or type(src) is not type(dst):
-        return True
-    a, b = s.etag.strip('"'), d.etag.strip('"')
-    if "-" in a or "-" in b:
-        return True
-    return a == b
+    """Whether ``d`` is proven to be a copy of ``s`` (engine/proof.py): the same ETag
+    from two stores of one kind, an S3-style MD5 ETag of one side matching the other
+    side's local file, or two local files with the same bytes. The same size alone
+    proves nothing (two saves of one step with the same shapes): such an object is
+    copied again."""
+    return proven_same(src, s, dst, d)
 
 
 def plan_tree(

@@ -23,7 +23,14 @@ from typing import Any, Generic, TypeVar
 
 from ..dist.collectives import agree, group_rank, on_first, settle
 from ..dist.groups import runs_collectives
-from ..errors import AlreadyExistsError, CorruptCheckpointError, StorageError
+from ..errors import (
+    AlreadyExistsError,
+    CorruptCheckpointError,
+    DeadlineExceededError,
+    RetriesExhaustedError,
+    StorageError,
+    TransientError,
+)
 from ..format.commit import commit_marker, read_committed
 from ..store import Store
 
@@ -34,6 +41,7 @@ __all__ = [
     "claim",
     "complete_directories",
     "directory_owner",
+    "is_outage",
     "read_owner",
 ]
 
@@ -118,6 +126,29 @@ def complete_directories(
     settle(error, f"the copy of {what} to every local tier", group=group)
 
 
+def is_outage(error: BaseException | None) -> bool:
+    """Whether ``error`` (or an error it was raised from) says the bucket cannot be
+    reached or fails every request now: retries spent, a deadline or a timeout passed,
+    a connection refused or dropped. A drain failing so is part of an outage, not a
+    fault of its own step."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(
+            error,
+            (
+                RetriesExhaustedError,
+                DeadlineExceededError,
+                TransientError,
+                ConnectionError,
+                TimeoutError,
+            ),
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _in_order(keys: Iterable[K]) -> list[K]:
     """``keys`` sorted when they compare (steps, file names), else as given."""
     found = list(keys)
@@ -141,6 +172,21 @@ class Drainer(Generic[K]):
     ``noun`` names a key in messages ("step", "file"); ``at_exit`` says what becomes of
     a drain left at exit, ``retry`` what tries a failed one again. Nothing waits for
     the thread at exit: what is left is logged at WARNING.
+
+    ``prepare``, when given, runs in the thread before the first work (and again after
+    it failed, at the next :meth:`kick`, submit or :meth:`retry_failed`): the keys it
+    returns (the drains an earlier process left unfinished, found in the bucket) are
+    queued first, oldest first. Whoever saves never waits for it: the bucket is the
+    thread's business.
+
+    An outage (:func:`is_outage`: the bucket refuses, fails or does not answer) is
+    logged at WARNING once, when it begins, with the keys waiting; while it lasts, a
+    failed drain is logged at INFO. With ``solo()`` true (the work is this process's
+    alone, not a collective every rank must run alike; default: ``merge``) the keys
+    queued behind the failure are not tried: they wait, failed, for the next retry,
+    which takes the oldest first, and starts with ``probe()`` (one request to the
+    bucket, not retried) when given: while it fails nothing else is sent. The first
+    drain that succeeds again ends the outage (INFO).
     """
 
     def __init__(
@@ -153,9 +199,14 @@ class Drainer(Generic[K]):
         at_exit: str = "the next CheckpointManager with this local_dir finishes it",
         retry: str = "the next save or drain()",
         merge: bool = True,
+        prepare: Callable[[], Iterable[K]] | None = None,
+        probe: Callable[[], object] | None = None,
+        solo: Callable[[], bool] | None = None,
     ) -> None:
         self._work = work
         self._merge = merge
+        self._probe = probe
+        self._solo = solo if solo is not None else (lambda: merge)
         self.src, self.dst = src, dst
         self.noun, self.at_exit, self.retry = noun, at_exit, retry
         self._cond = threading.Condition()
@@ -163,7 +214,26 @@ class Drainer(Generic[K]):
         self._busy: K | None = None
         self._failed: dict[K, BaseException] = {}
         self._thread: threading.Thread | None = None
+        self._prepare = prepare
+        self._prepared = prepare is None
+        self._preparing = False
+        #: Counts the requests for work (submit, kick, retry): a probe or prepare that
+        #: failed is tried again when one came after it began.
+        self._generation = 0
+        #: Why the last ``prepare`` failed (None: it has not, or it succeeded since).
+        self.prepare_error: BaseException | None = None
+        #: The failure that began the outage under way (None: no outage).
+        self.outage: BaseException | None = None
         atexit.register(_report_at_exit, weakref.ref(self))
+
+    def _start(self) -> None:
+        """Start the thread if it is not running (under the lock)."""
+        self._generation += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cloudckpt-drain", daemon=True)
+            runs_collectives(self._thread)  # its drains agree on the drain group
+            self._thread.start()
+        self._cond.notify_all()
 
     def submit(self, key: K) -> None:
         """Queue ``key`` (a failed key is forgotten and tried again)."""
@@ -172,20 +242,30 @@ class Drainer(Generic[K]):
                 return
             self._failed.pop(key, None)
             self._queue.append(key)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="cloudckpt-drain", daemon=True
-                )
-                runs_collectives(self._thread)  # its drains agree on the drain group
-                self._thread.start()
-            self._cond.notify_all()
+            self._start()
+
+    def kick(self) -> None:
+        """Start the thread if it has work: a queue, or ``prepare`` not done yet."""
+        with self._cond:
+            if self._queue or not self._prepared:
+                self._start()
 
     def retry_failed(self) -> None:
-        """Queue every failed key again, oldest first."""
+        """Queue every failed key again, oldest first: with ``merge``, before the keys
+        queued since (they are newer); without, after them, as every rank queued them."""
         with self._cond:
             failed = _in_order(self._failed)
+            if self._merge:
+                for key in failed:
+                    del self._failed[key]
+                fresh = [k for k in failed if k not in self._queue]
+                self._queue.extendleft(reversed(fresh))
+                if self._queue or not self._prepared:
+                    self._start()
+                return
         for key in failed:
             self.submit(key)
+        self.kick()
 
     def unfinished(self) -> set[K]:
         """Keys queued, draining or failed: due for the bucket, not there yet."""
@@ -200,7 +280,7 @@ class Drainer(Generic[K]):
         TimeoutError after ``timeout`` seconds."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy is not None:
+            while self._thread is not None or self._queue or self._busy is not None:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     busy = [] if self._busy is None else [self._busy]
@@ -213,13 +293,35 @@ class Drainer(Generic[K]):
             return dict(self._failed)
 
     def _run(self) -> None:
+        # A failed prepare, and during an outage the probe before anything is sent, are
+        # tried once per request for work (submit, kick, retry), not in a loop.
+        tried = probed = -1
         while True:
+            probe = False
             with self._cond:
-                if not self._queue:
+                if (
+                    self.outage is not None
+                    and self._probe is not None
+                    and probed != self._generation
+                    and (self._queue or not self._prepared)
+                    and self._solo()
+                ):
+                    probe, probed = True, self._generation
+                elif not self._prepared and tried != self._generation:
+                    self._preparing, tried = True, self._generation
+                elif not self._queue:
                     self._thread = None
                     self._cond.notify_all()
                     return
-                key = self._busy = self._queue.popleft()
+                else:
+                    key = self._busy = self._queue.popleft()
+            if probe:
+                if not self._run_probe(probed):
+                    tried = probed  # and no prepare either: the bucket is still away
+                continue
+            if self._preparing:
+                self._run_prepare()
+                continue
             error: BaseException | None = None
             try:
                 self._work(key)
@@ -229,12 +331,114 @@ class Drainer(Generic[K]):
                     f"({type(exc).__name__}: {exc}); {self.retry} tries again"
                 )
                 error.__cause__ = exc
-                log.warning("%s", error)
             with self._cond:
                 self._busy = None
                 if error is not None:
                     self._failed[key] = error
+                    self._failure(error)
+                else:
+                    self._healed()
                 self._cond.notify_all()
+
+    def _run_probe(self, generation: int) -> bool:
+        """During an outage: whether the bucket answers ``probe()`` again; while it does
+        not, the queued keys wait (failed) and nothing else is sent (INFO). A request
+        for work made while it ran (a save, ``drain()``) gets a probe of its own."""
+        assert self._probe is not None
+        try:
+            self._probe()
+        except BaseException as exc:
+            if not is_outage(exc):
+                return True  # it answers, if not this: the drains say what fails
+            with self._cond:
+                if self._generation != generation:
+                    return False  # asked again meanwhile: probed again, nothing parked
+                error = StorageError(
+                    f"the bucket {self.dst} is still unreachable ({type(exc).__name__}: "
+                    f"{exc}); {self.retry} tries again"
+                )
+                error.__cause__ = exc
+                self._failure(error)
+                self._cond.notify_all()
+            return False
+        return True
+
+    def _run_prepare(self) -> None:
+        """Run ``prepare`` (in the thread) and queue what it found before the rest."""
+        assert self._prepare is not None
+        error: BaseException | None = None
+        found: list[K] = []
+        try:
+            found = _in_order(self._prepare())
+        except BaseException as exc:
+            error = StorageError(
+                f"finding the {self.noun}s left to drain from {self.src} to {self.dst} failed "
+                f"({type(exc).__name__}: {exc}); {self.retry} tries again"
+            )
+            error.__cause__ = exc
+        with self._cond:
+            self._preparing = False
+            self.prepare_error = error
+            if error is None:
+                self._prepared = True
+                fresh = [k for k in found if k not in self._queue and k != self._busy]
+                for key in fresh:
+                    self._failed.pop(key, None)
+                self._queue.extendleft(reversed(fresh))
+                self._healed()
+            else:  # tried again at the next kick, submit or retry
+                self._failure(error)
+            self._cond.notify_all()
+
+    def _failure(self, error: BaseException) -> None:
+        """Log a failed drain (under the lock): an outage's first at WARNING with the
+        keys waiting, its later ones at INFO; with ``solo()`` the keys queued behind it
+        wait, failed, for the next retry (the bucket would fail them the same way)."""
+        cause = error.__cause__ or error
+        if not is_outage(cause):
+            log.warning("%s", error)
+            return
+        busy = [] if self._busy is None else [self._busy]
+        waiting = _in_order({*self._failed, *self._queue, *busy})
+        if self._solo():
+            for key in self._queue:
+                parked = StorageError(
+                    f"the drain of {self.noun} {key} from {self.src} to {self.dst} waits: "
+                    f"the bucket is unreachable ({type(cause).__name__}: {cause}); "
+                    f"{self.retry} tries again"
+                )
+                parked.__cause__ = cause
+                self._failed[key] = parked
+            self._queue.clear()
+        if self.outage is None:
+            self.outage = error
+            log.warning(
+                "the bucket %s is unreachable (%s: %s); %d %s(s) wait to be drained: %s, "
+                "kept in %s (saves go on there); %s tries again",
+                self.dst,
+                type(cause).__name__,
+                cause,
+                len(waiting),
+                self.noun,
+                waiting,
+                self.src,
+                self.retry,
+            )
+        else:
+            log.info("%s", error)
+
+    def _healed(self) -> None:
+        """A drain succeeded (under the lock): an outage under way is over."""
+        if self.outage is not None:
+            self.outage = None
+            left = _in_order({*self._failed, *self._queue})
+            log.info(
+                "the bucket %s answers again; %d %s(s) still to drain: %s",
+                self.dst,
+                len(left),
+                self.noun,
+                left,
+            )
 
 
 def _report_at_exit(ref: weakref.ref[Drainer[Any]]) -> None:

@@ -3,7 +3,13 @@
 Leftovers are (1) ``step-N/`` prefixes with objects but no marker and (2) multipart
 uploads under the root never completed or aborted (:func:`find_leftovers`, with their
 ages). Garbage is the leftovers older than the grace period (a save that died); a
-younger one may still be running, so gc keeps it and says so.
+younger one may still be running, so gc keeps it and says so. On the filesystem an
+upload is a temp file its writer holds locked (store/local.py): one whose lock is held
+by another live process is kept whatever its age; with ``trust_locks`` (a node-local
+directory: a local tier) so is one this process writes, and one whose lock can be
+taken is garbage whatever its age (its writer is gone). A run root on a shared
+filesystem keeps the grace period for those too: a mount without working locks lets
+every lock be taken.
 """
 
 from __future__ import annotations
@@ -125,11 +131,14 @@ def find_leftovers(
     protected: Iterable[int] = (),
     now: float | None = None,
     listing: Iterable[ObjectInfo] | None = None,
+    trust_locks: bool = False,
 ) -> list[Leftover]:
     """Uncommitted ``step-N/`` prefixes and open multipart uploads under a root, each with
     its age and whether the grace period keeps it: the plan :func:`collect_garbage` acts
     on, and what ``cloudckpt ls --all`` shows. ``listing`` is the root's listing if the
-    caller has it already."""
+    caller has it already. The steps in ``protected`` (saves in flight) are left out,
+    their prefixes and their uploads. An upload on the filesystem whose writer lives is
+    kept; with ``trust_locks`` one whose writer is gone is not (module docstring)."""
     now = time.time() if now is None else now
     prefix = root_prefix(root_key)
     protected = set(protected)
@@ -154,16 +163,17 @@ def find_leftovers(
                 bytes=sum(o.size for o in objects),
             )
         )
+    alive = getattr(store, "upload_alive", None)  # the filesystem: its writer's lock
     for upload in store.list_multipart(prefix):
         age = now - upload.initiated if upload.initiated is not None else float("inf")
+        head, sep, _ = upload.key[len(prefix) :].partition("/")
+        if sep and parse_step(head) in protected:
+            continue  # a save (or drain) in flight writes it
+        live = alive(upload, own=trust_locks) if callable(alive) else None
+        by_age = live is None or (live is False and not trust_locks)
+        kept = age < grace_seconds if by_age else bool(live)
         found.append(
-            Leftover(
-                "upload",
-                store.url(upload.key),
-                age,
-                kept=age < grace_seconds,
-                upload_id=upload.upload_id,
-            )
+            Leftover("upload", store.url(upload.key), age, kept=kept, upload_id=upload.upload_id)
         )
     return found
 
@@ -177,11 +187,18 @@ def collect_garbage(
     dry_run: bool = False,
     protected: Iterable[int] = (),
     now: float | None = None,
+    trust_locks: bool = False,
 ) -> GcReport:
     """Remove uncommitted ``step-N/`` prefixes and multipart uploads older than the grace
-    period under a root; the report lists the younger ones too, as kept."""
+    period under a root; the report lists the younger ones too, as kept. On the
+    filesystem, uploads as :func:`find_leftovers` says (``trust_locks``)."""
     leftovers = find_leftovers(
-        store, root_key, grace_seconds=grace_seconds, protected=protected, now=now
+        store,
+        root_key,
+        grace_seconds=grace_seconds,
+        protected=protected,
+        now=now,
+        trust_locks=trust_locks,
     )
     report = GcReport(dry_run=dry_run, leftovers=leftovers)
     base = store.url("")
@@ -199,4 +216,7 @@ def collect_garbage(
             if not dry_run:
                 key = item.url[len(base) :]
                 store.abort_multipart(MultipartUpload(key=key, upload_id=item.upload_id))
+                tidy = getattr(store, "remove_prefix_dir", None)  # the filesystem's folder
+                if callable(tidy) and "/" in key:
+                    tidy(key.rpartition("/")[0] + "/")
     return report

@@ -17,6 +17,9 @@ every other rank receives rank 0's answer (or error) by broadcast.
 
 With ``local_dir=`` a save commits to that local tier instead and returns; the steps due
 for the bucket are drained there in the background (manager/tiers.py, docs/tiers.md).
+Such a save sends no request to the bucket: whether the step is committed already is
+answered by the tier and by what the drainer learned, and the drainer alone talks to the
+bucket, so saves go on at local speed while the bucket is away.
 """
 
 from __future__ import annotations
@@ -177,13 +180,21 @@ class CheckpointManager:
         self._ranks_in_flight: ManagedSaveHandle | None = None
         self._tier: LocalTier | None = None
         self._drainer: Drainer | None = None
-        self._resumed = False
         self._drain_owner: bool | None = None
+        #: The steps the drainer last saw committed in the bucket (its listing, its commits).
+        self._in_bucket: set[int] = set()
         if local_dir is not None:
             self._tier = LocalTier(
                 local_dir, self.root_url, self.options, keep_local, drain_every_n_steps or 1
             )
-            self._drainer = Drainer(self._drain_step, self._tier.url, self.root_url)
+            self._drainer = Drainer(
+                self._drain_step,
+                self._tier.url,
+                self.root_url,
+                prepare=self._find_undrained,
+                probe=self._probe,
+                solo=lambda: not self._ranked_tier(),  # several ranks: collective drains
+            )
         elif keep_local is not None or drain_every_n_steps is not None or replicate_to_peer:
             raise ConfigError(
                 "keep_local=, drain_every_n_steps= and replicate_to_peer= need local_dir="
@@ -223,6 +234,7 @@ class CheckpointManager:
             found = list_checkpoints(self.store, self.root_key, self.options, cache)
         with self._lock:
             self._cache.update(cache)
+        self._learn(found)
         return found
 
     def latest(self) -> CheckpointInfo | None:
@@ -425,29 +437,44 @@ class CheckpointManager:
             previous.wait()
 
     def _refuse_committed(self, step: int) -> None:
+        """AlreadyExistsError when ``step`` is committed. With a local tier, asked of the
+        tier and of what the drainer learned of the bucket, never of the bucket: a save
+        does not wait for it (a step another process committed there that the drainer
+        has not seen yet is found by its drain, which keeps the bucket's, WARNING)."""
+        tier = self._tier
+
         def check() -> None:
-            if read_committed(self.store, marker_key(self.root_key, step)) is not None:
+            if tier is not None:
+                if tier.info(step) is not None:
+                    raise AlreadyExistsError(
+                        f"step {step} is already committed at {tier.step_url(step)}"
+                    )
+                with self._lock:
+                    there = step in self._in_bucket
+            else:
+                there = read_committed(self.store, marker_key(self.root_key, step)) is not None
+            if there:
                 raise AlreadyExistsError(
                     f"step {step} is already committed at {self.step_url(step)}; "
                     "delete it first to overwrite"
-                )
-            if self._tier is not None and self._tier.info(step) is not None:
-                raise AlreadyExistsError(
-                    f"step {step} is already committed at {self._tier.step_url(step)}"
                 )
 
         on_first(check, what=f"the check that step {step} is not committed")
 
     def _before_save(self, step: int, state: Any) -> None:
         """The checks before a save writes anything: the step is new, and a local tier
-        is this run's and has room (LocalTierFullError)."""
-        if self._tier is not None:
-            self._tier.check_ready(self.kind)
-            self._resume_drains()
+        is this run's and has room (LocalTierFullError, naming the steps that wait for
+        the bucket). With a local tier nothing here asks the bucket: crash leftovers are
+        swept from the tier (the drainer, started after the commit, finds the drains an
+        earlier process left, in its own thread)."""
+        tier = self._tier
+        if tier is not None:
+            tier.check_ready(self.kind)
+            tier.sweep()
         self._refuse_committed(step)
-        if self._tier is not None:
+        if tier is not None:
             peer = self.replicate_to_peer and self._ranked_tier()
-            self._tier.check_room(state, copies=2 if peer else 1)
+            tier.check_room(state, copies=2 if peer else 1, waiting=self._waiting)
 
     def _target(self, step: int) -> tuple[str, TransferOptions]:
         """Where a save writes ``step``'s payload: the local tier if any, else the bucket."""
@@ -484,7 +511,7 @@ class CheckpointManager:
             self._retain_quietly()
             return
         if not self._ranked_tier():  # several ranks: drain() retries, all ranks in step
-            self._drainer.retry_failed()
+            self._drainer.retry_failed()  # and, the first time, finds earlier drains
         if self._tier.due(step):
             self._drainer.submit(step)
         self._retain_local()
@@ -503,24 +530,51 @@ class CheckpointManager:
             self._drainer.wait(timeout)
             self._drain_ranks()
             return
-        self._resume_drains()
-        self._drainer.retry_failed()
+        self._drainer.retry_failed()  # and finds what an earlier process left, first
         failed = self._drainer.wait(timeout)
         if failed:
             raise failed[min(failed)]
+        if self._drainer.prepare_error is not None:
+            raise self._drainer.prepare_error
 
-    def _resume_drains(self) -> None:
-        """Once per manager: queue this run's local steps that are due and not committed
-        in the bucket (a drain an earlier process left unfinished)."""
-        if self._resumed or self._tier is None or self._drainer is None:
-            return
-        if self._ranked_tier():  # drain() on every rank drains them together
-            self._resumed = True
-            return
-        if self._tier.owned:
-            for step in self._tier.undrained(c.step for c in self._list_local()):
-                self._drainer.submit(step)
-        self._resumed = True
+    def _find_undrained(self) -> builtins.list[int]:
+        """The drainer's first work (in its thread, never a save's): list the bucket,
+        learn its committed steps, record in the tier's journals the local commits it
+        holds, and return this run's local steps that are due and not committed there
+        (drains an earlier process left unfinished)."""
+        tier = self._tier
+        if tier is None or not tier.owned or self._ranked_tier():
+            return []  # several ranks: drain() on every rank drains them together
+        remote = self._list_local()  # learns the bucket's steps too
+        local = tier.list()
+        there = {c.step: c for c in remote}
+        for c in local:
+            found = there.get(c.step)
+            if found is not None and found.time == c.time and not tier.drained(c):
+                tier.record(c.step, c, committed=True)
+        return tier.undrained(there, local)
+
+    def _probe(self) -> None:
+        """During an outage, before the drainer sends anything else: one listing request
+        to the bucket, not retried, bounded by the manager's ``deadline``."""
+        quick = self.store.with_retry(replace(self.store.retry, max_attempts=1))
+        with deadline_scope(self.options.deadline):
+            next(iter(quick.list(root_prefix(self.root_key))), None)
+
+    def _learn(self, remote: Sequence[CheckpointInfo]) -> None:
+        """Note the bucket's committed steps (a listing made by this process, or heard
+        from the first rank): what a save asks instead of the bucket."""
+        with self._lock:
+            self._in_bucket = {c.step for c in remote}
+
+    def _waiting(self) -> builtins.list[int]:
+        """The local steps due for the bucket and not drained (the tier's journals, what
+        the drainer learned and holds): kept by local retention; named when full."""
+        tier, drainer = self._tier, self._drainer
+        assert tier is not None and drainer is not None
+        with self._lock:
+            there = set(self._in_bucket)
+        return sorted(set(tier.waiting(there)) | drainer.unfinished())
 
     def _drain_step(self, step: int) -> None:
         """The drainer's work: copy ``step`` to the bucket and commit it there with the
@@ -542,27 +596,31 @@ class CheckpointManager:
         finally:
             with self._lock:
                 self._pending.discard(step)
+        with self._lock:
+            self._in_bucket.add(step)  # committed there: by this drain, or another save
         if drained:
             self._retain_quietly()
         self._retain_local()
 
-    def _retain_local(self, group: Any = None) -> None:
-        """Local retention; never a step due and not drained, being saved, or restored.
-        With several ranks, the bucket's listing is shared on ``group`` (default: the
-        checkpoint group)."""
-        assert self._tier is not None and self._drainer is not None
-        with self._lock:
-            protected = set(self._pending)
-        protected |= self._drainer.unfinished()
-        if self._ranked_tier():  # due steps wait for drain(): keep those not in the bucket
-            remote = on_first(self._list_local, group or checkpoint_group())
-            protected.update(self._tier.undrained(c.step for c in remote))
-        if self.restored_step is not None:
-            protected.add(self.restored_step)
+    def _retain_local(self) -> None:
+        """Local retention (and the sweep of crash leftovers); never a step due and not
+        drained (the tier's journals and what the drainer holds: no bucket request),
+        being saved, or restored."""
+        tier, drainer = self._tier, self._drainer
+        assert tier is not None and drainer is not None
+
+        def protected() -> set[int]:
+            with self._lock:
+                keep = set(self._pending)
+            keep.update(self._waiting())
+            if self.restored_step is not None:
+                keep.add(self.restored_step)
+            return keep
+
         try:
-            self._tier.retain(protected)
+            tier.retain(protected)
         except Exception as exc:
-            log.warning("retention in the local tier %s failed: %s", self._tier.url, exc)
+            log.warning("retention in the local tier %s failed: %s", tier.url, exc)
 
     # -- a local tier on several ranks (kind="dcp" or "megatron") --------------------------
     def _ranked_tier(self) -> bool:
@@ -623,6 +681,7 @@ class CheckpointManager:
         group = checkpoint_group()
         owner, _ = directory_owner(tier.path, group)
         remote = on_first(self._list_local, group, what="the bucket listing")
+        self._learn(remote)
         mine = tier.undrained(c.step for c in remote)
         lists = agree(value=mine, group=group).values
         common = set(lists[0]).intersection(*lists[1:])
@@ -648,12 +707,18 @@ class CheckpointManager:
             assert self._tier is not None
             self._drain_owner = directory_owner(self._tier.path, group)[0]
         remote = on_first(self._list_local, group, what="the bucket listing")
+        self._learn(remote)
         if step not in {c.step for c in remote}:
             self._drain_ranked_step(step, group, self._drain_owner)
             on_first(self._retain_quietly, group, what=f"retention under {self.root_url}")
-        self._retain_local(group)
+        self._retain_local()
 
     def _drain_ranked_step(self, step: int, group: Any, owner: bool) -> None:
+        """Drain ``step`` on every rank of ``group``: the first rank deletes what under
+        the bucket's uncommitted step is none of any directory's files; each directory's
+        first rank (``owner``) sends its files but the coordinator's, keeping only the
+        objects proven its own (LocalTier.send_payload); then the coordinator sends its
+        files, the commit markers last, and commits; each owner journals the commit."""
         tier = self._tier
         assert tier is not None
         prefix, url = self._step_prefix(step), self.step_url(step)
@@ -661,28 +726,41 @@ class CheckpointManager:
         with self._lock:
             self._pending.add(step)
         try:
+            mine = [f.name for f in local.files] if owner and local is not None else []
+            names: set[str] = set().union(*agree(value=mine, group=group).values)
             error: BaseException | None = None
-            try:
-                if local is None:
-                    raise NotFoundError(f"step {step} is not committed in {tier.url}")
+            try:  # a collective: every rank reaches it
                 on_first(
-                    lambda: tier.clear_stale(local, self.store, prefix),
+                    lambda: tier.remove_strays(self.store, prefix, names),
                     group,
                     what=f"clearing leftovers under {url}",
                 )
-                if owner:  # each directory holds the coordinator's files: sent once, last
+            except Exception as exc:
+                error = exc
+            try:
+                if error is None and local is None:
+                    raise NotFoundError(f"step {step} is not committed in {tier.url}")
+                if error is None and owner and local is not None:
+                    # each directory holds the coordinator's files: sent once, last
                     skip = (MARKER_NAME, *self.kind.coordinator_files)
-                    tier.copy_payload(step, self.store, prefix, self.options, skip)
+                    tier.send_payload(step, local, self.store, prefix, self.options, skip)
             except Exception as exc:
                 error = exc
             settle(error, f"the drain of step {step} to {url}", group=group)
 
             def commit() -> CheckpointInfo:  # every rank's files are in the bucket
                 assert local is not None  # copy_tree writes the commit markers last
-                tier.copy_payload(step, self.store, prefix, self.options, (MARKER_NAME,))
+                tier.send_payload(step, local, self.store, prefix, self.options, (MARKER_NAME,))
                 return self._commit(step, local.metrics, local.metadata, local.time)
 
             on_first(commit, group, what=f"the commit of {url}")
+            with self._lock:
+                self._in_bucket.add(step)
+            if owner and local is not None:
+                try:
+                    tier.record(step, local, committed=True)
+                except Exception as exc:  # the bucket has it; a later listing learns it
+                    log.warning("recording the drain of step %d failed: %s", step, exc)
         finally:
             with self._lock:
                 self._pending.discard(step)
@@ -925,6 +1003,8 @@ class CheckpointManager:
         doomed = to_delete(found, self.policies, protected)
         for step in doomed:
             delete_prefix(self.store, self._step_prefix(step), self.options)
+            with self._lock:
+                self._in_bucket.discard(step)
         return doomed
 
     def delete(self, step: int) -> None:
@@ -934,26 +1014,32 @@ class CheckpointManager:
 
         def remove() -> None:
             removed = delete_prefix(self.store, self._step_prefix(step), self.options)
+            with self._lock:
+                self._in_bucket.discard(step)
             tier = self._tier
             if tier is not None and tier.owned:
                 removed += delete_prefix(tier.store, tier.step_prefix(step), tier.options)
+                tier.forget(step)
             if removed == 0:
                 raise NotFoundError(f"no checkpoint for step {step} at {self.step_url(step)}")
 
         on_first(remove, what=f"deleting step {step}")
 
     def gc(self, grace_seconds: float | None = None, dry_run: bool = False) -> GcReport:
-        """Remove uncommitted ``step-N/`` leftovers and stale multipart uploads.
+        """Remove uncommitted ``step-N/`` leftovers and stale multipart uploads, in the
+        bucket and (with a local tier) in this rank's local directory too.
 
         Only what is older than the grace period (default ``gc_grace_seconds``) and not
-        being saved by this manager.
+        being saved by this manager. On the filesystem an upload is a temp file its
+        writer holds locked (store/local.py): one a live process writes stays whatever
+        its age; in the local tier one whose writer is gone goes whatever its age.
         """
         grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
         with self._lock:
             protected = set(self._pending)
         if self._drainer is not None:
             protected |= self._drainer.unfinished()
-        return on_first(
+        report = on_first(
             lambda: collect_garbage(
                 self.store,
                 self.root_key,
@@ -964,6 +1050,22 @@ class CheckpointManager:
             ),
             what=f"garbage collection under {self.root_url}",
         )
+        tier = self._tier
+        if tier is not None and tier.owned:
+            local = collect_garbage(
+                tier.store,
+                "",
+                tier.options,
+                grace_seconds=grace,
+                dry_run=dry_run,
+                protected=protected,
+                trust_locks=True,  # node-local: a temp file whose lock is free is dead
+            )
+            report.prefixes += local.prefixes
+            report.uploads += local.uploads
+            report.skipped_young += local.skipped_young
+            report.leftovers += local.leftovers
+        return report
 
     # -- restore -------------------------------------------------------------------------
     def restore(

@@ -4,13 +4,24 @@ then drained to the bucket by one background thread (docs/tiers.md).
 The local tier is a run root of its own (the same ``step-N/`` layout and marker as the
 bucket), claimed for one bucket root by its run file ``_TIER.json``, so a directory left
 by another job is never restored from. A step due for the bucket is drained by copying
-its objects as they are (``engine/copy.copy_tree``: data first, resumable, whole objects
-skipped), then the manager commits the bucket's step with its own marker, create-only.
+its objects as they are (``engine/copy.copy_tree``: data first, resumable), then the
+manager commits the bucket's step with its own marker, create-only.
+
+An object the drain finds under the bucket's uncommitted step is kept only when it is
+proven to hold this local commit's bytes: this drain's journal recorded it as written
+(``_DRAINS/step-N.json``: each object's size, ETag and time as the bucket listed them
+after the copy), or a checksum the bucket reports matches the local file
+(engine/proof.py). Anything else there is replaced, and an object that is none of the
+step's files is deleted: the same size and a recent time prove nothing (another node's
+save of the same step). The journal also records the bucket's commit, so "is this step
+drained?" is answered from the tier itself, without asking the bucket: a save never
+waits for it.
 """
 
 from __future__ import annotations
 
 import builtins
+import json
 import logging
 import os
 import shutil
@@ -21,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dist.collectives import world_size
-from ..engine.copy import copy_tree
+from ..engine.copy import PARTIAL_SUFFIX, copy_tree
 from ..engine.drain import RUN_FILE, Drainer, claim
 from ..errors import (
     ConfigError,
@@ -31,14 +42,16 @@ from ..errors import (
 )
 from ..format.commit import read_committed
 from ..options import TransferOptions
-from ..store import Store
+from ..store import ObjectInfo, Store
 from ..store.local import LocalStore
+from ..store.paths import MAX_RECORD_BYTES, read_capped
 from .gc import delete_prefix
 from .marker import (
     MARKER_NAME,
     CheckpointInfo,
     check_files,
     commit_step,
+    decode_marker,
     list_checkpoints,
     marker_key,
     read_marker,
@@ -48,6 +61,7 @@ from .payload import PayloadKind
 from .retention import KeepLast, to_delete
 
 __all__ = [
+    "JOURNAL_DIR",
     "LOCAL",
     "REMOTE",
     "RUN_FILE",
@@ -62,10 +76,21 @@ log = logging.getLogger("cloudckpt")
 
 LOCAL = "local"
 REMOTE = "remote"
-#: A bucket object under an uncommitted step older than the local commit by more than
-#: this (seconds; clocks and the bucket's whole-second times differ) is a leftover of an
-#: earlier save of the same step, not of this drain: it is sent again, never kept.
+#: NeMo's tier (nemo/tier.py), for copies committed without its drain record: a bucket
+#: object under an uncommitted name older than the local commit by more than this
+#: (seconds) is deleted before the copy. Age proves nothing the other way: what is
+#: younger is kept only if proven the same bytes (engine/proof.py via copy_tree).
 CLOCK_SLACK = 60.0
+#: The folder of the tier's drain journals: ``_DRAINS/step-N.json`` per local step.
+JOURNAL_DIR = "_DRAINS"
+JOURNAL_FORMAT = "cloudckpt.drain/1"
+
+
+def identity(o: ObjectInfo) -> str:
+    """What the bucket says of one object, as a drain journal records it: size, ETag
+    and time; any other write of that key changes at least one of them."""
+    etag = (o.etag or "").strip('"')
+    return f"{o.size}:{etag}:{'' if o.mtime is None else repr(float(o.mtime))}"
 
 
 class LocalTier:
@@ -102,6 +127,8 @@ class LocalTier:
         self._cache: dict[tuple[str, int], CheckpointInfo] = {}
         self._lock = threading.Lock()
         self._retain_lock = threading.Lock()
+        #: (step, local commit time) of the steps whose journal records the bucket's commit.
+        self._drained: set[tuple[int, float]] = set()
 
     def _claim(self) -> str:
         """Create the run file naming ``remote_url`` (create-only), or read the owner
@@ -188,13 +215,28 @@ class LocalTier:
         return {c.step: c.ranks for c in self.list() if c.ranks}
 
     # -- save ----------------------------------------------------------------------------
-    def check_room(self, state: Any, copies: int = 1) -> None:
+    def check_room(
+        self,
+        state: Any,
+        copies: int = 1,
+        waiting: Callable[[], Sequence[int]] = lambda: (),
+    ) -> None:
         """LocalTierFullError, before anything is written, when the free space is below
         the last local checkpoint's size (or the state's tensor bytes, if larger), times
-        ``copies`` (2 when the directory also keeps a peer's copy)."""
+        ``copies`` (2 when the directory also keeps a peer's copy); it names the steps
+        ``waiting()`` returns (due for the bucket, not drained: kept until they are)."""
         found = self.list()
         last = found[-1].size if found else 0
-        check_free(self.path, max(last, tensor_bytes(state)) * copies)
+        try:
+            check_free(self.path, max(last, tensor_bytes(state)) * copies)
+        except LocalTierFullError as exc:
+            steps = list(waiting())
+            if not steps:
+                raise
+            raise LocalTierFullError(
+                f"{exc}; {len(steps)} step(s) wait for the bucket and are kept until "
+                f"drained: {steps}"
+            ) from None
 
     def commit(
         self, step: int, kind: str, metrics: Mapping[str, float], metadata: Mapping[str, Any]
@@ -214,16 +256,133 @@ class LocalTier:
         )
         return replace(info, tiers=(LOCAL,))
 
-    def retain(self, protected: set[int]) -> builtins.list[int]:
-        """Delete local steps beyond the ``keep_local`` newest, never a ``protected``
-        one (due and not drained, being saved, restored); returns their steps."""
+    def retain(self, protected: Callable[[], set[int]]) -> builtins.list[int]:
+        """Delete local steps beyond the ``keep_local`` newest, never one in
+        ``protected()`` (due and not drained, being saved, restored), with their drain
+        journals; sweep the temp files crashed writers left. Returns the steps deleted."""
+        self.sweep()
         if self.keep is None:
             return []
         with self._retain_lock:  # the saving thread and the drainer both prune
-            doomed = to_delete(self.list(), [KeepLast(self.keep)], protected)
+            found = self.list()
+            if len(found) <= self.keep:
+                return []
+            doomed = to_delete(found, [KeepLast(self.keep)], protected())
             for step in doomed:
                 delete_prefix(self.store, self.step_prefix(step), self.options)
+                self.forget(step)
         return doomed
+
+    def sweep(self) -> builtins.list[str]:
+        """Remove the temp files of writers that are gone (a save, peer copy or download
+        killed mid-file: store/local.py ``sweep_temps``); never a live writer's. Returns
+        their URLs; a failure is logged, never raised (the next sweep tries again)."""
+        try:
+            removed = self.store.sweep_temps("")
+        except Exception as exc:
+            log.warning("sweeping crash leftovers in the local tier %s failed: %s", self.url, exc)
+            return []
+        if removed:
+            log.info(
+                "removed %d temp file(s) crashed writers left in the local tier %s: %s",
+                len(removed),
+                self.url,
+                ", ".join(removed),
+            )
+        return removed
+
+    # -- the drain journal ---------------------------------------------------------------
+    @staticmethod
+    def journal_key(step: int) -> str:
+        return f"{JOURNAL_DIR}/{step_dir(step)}.json"
+
+    def journal(self, step: int, local: CheckpointInfo) -> dict[str, Any] | None:
+        """The journal of the drain of ``local`` (the local commit of ``step``): the
+        objects it wrote ({name: identity}) and whether the bucket's commit is done.
+        None when there is none, or it is of another commit of the step (or unreadable:
+        a WARNING; the drain then proves nothing by it)."""
+        key = self.journal_key(step)
+        try:
+            body = json.loads(read_capped(self.store, key, MAX_RECORD_BYTES, what="drain journal"))
+            if not isinstance(body, dict) or body.get("format") != JOURNAL_FORMAT:
+                raise ValueError(f"format is not {JOURNAL_FORMAT!r}")
+            objects, committed = body["objects"], body["committed"]
+            if not isinstance(objects, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in objects.items()
+            ):
+                raise TypeError("objects must map names to strings")
+            if not isinstance(committed, bool):
+                raise TypeError("committed must be a boolean")
+            if body.get("step") != step or body.get("time") != local.time:
+                return None  # an earlier commit of this step: proves nothing of this one
+            if body.get("remote") != self.remote_url:
+                return None
+        except NotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, CorruptCheckpointError) as exc:
+            log.warning("ignoring the drain journal %s: %s", self.store.url(key), exc)
+            return None
+        return {"objects": objects, "committed": committed}
+
+    def record(
+        self,
+        step: int,
+        local: CheckpointInfo,
+        *,
+        objects: Mapping[str, str] | None = None,
+        committed: bool = False,
+    ) -> None:
+        """Write the journal of the drain of ``local``: ``objects`` this drain wrote (or
+        proved; None: those recorded already), and whether the bucket has committed it."""
+        if objects is None:
+            found = self.journal(step, local)
+            objects = found["objects"] if found else {}
+        body = {
+            "format": JOURNAL_FORMAT,
+            "step": step,
+            "time": local.time,
+            "remote": self.remote_url,
+            "objects": dict(sorted(objects.items())),
+            "committed": committed,
+        }
+        self.store.put(self.journal_key(step), json.dumps(body, sort_keys=True).encode())
+        if committed:
+            with self._lock:
+                self._drained.add((step, local.time))
+
+    def forget(self, step: int) -> None:
+        """Delete the drain journal of ``step`` (its local copy is gone, or replaced)."""
+        self.store.delete(self.journal_key(step))
+        with self._lock:
+            self._drained = {d for d in self._drained if d[0] != step}
+
+    def drained(self, info: CheckpointInfo) -> bool:
+        """Whether the journal of the local commit ``info`` records the bucket's commit."""
+        with self._lock:
+            if (info.step, info.time) in self._drained:
+                return True
+        found = self.journal(info.step, info)
+        if found is None or not found["committed"]:
+            return False
+        with self._lock:
+            self._drained.add((info.step, info.time))
+        return True
+
+    def waiting(
+        self, in_bucket: Iterable[int] = (), local: Iterable[CheckpointInfo] | None = None
+    ) -> builtins.list[int]:
+        """The local steps due for the bucket and not drained, oldest first, known from
+        the tier alone: no journal records their bucket commit and they are not among
+        ``in_bucket`` (the steps the drainer saw committed there). Asks the bucket
+        nothing: what this says waits may be there already (a drain by an earlier
+        release, or another node's), never the other way."""
+        there = set(in_bucket)
+        found = self.list() if local is None else local
+        return [
+            c.step
+            for c in found
+            if self.due(c.step) and c.step not in there and not self.drained(c)
+        ]
 
     # -- drain ---------------------------------------------------------------------------
     def drain_step(
@@ -234,27 +393,108 @@ class LocalTier:
         options: TransferOptions,
         commit: Callable[[CheckpointInfo], object],
     ) -> bool:
-        """Copy ``step``'s payload to ``remote_prefix`` (objects this drain already sent
-        whole are skipped; older leftovers are replaced), then ``commit(local_info)``
-        writes the bucket's marker. False when the bucket had the step committed already."""
+        """Copy ``step``'s payload to ``remote_prefix``, keeping only the objects there
+        proven to be this commit's (:meth:`send_payload`; the others replaced, objects
+        that are none of its files deleted), then ``commit(local_info)`` writes the
+        bucket's marker, and the journal records it. False when the bucket had the step
+        committed already: by this commit (a drain that finished: recorded now), or by
+        another save of the step (WARNING: the bucket keeps its own)."""
         local = self.info(step)
         if local is None:
             raise NotFoundError(f"step {step} is not committed in the local tier {self.url}")
-        if read_committed(remote, remote_prefix + MARKER_NAME) is not None:
+        key = remote_prefix + MARKER_NAME
+        data = read_committed(remote, key)
+        if data is not None:
+            try:
+                there: CheckpointInfo | None = decode_marker(data, remote.url(key))
+            except CorruptCheckpointError:
+                there = None
+            if there is not None and there.time == local.time:
+                self.record(step, local, committed=True)
+            else:
+                log.warning(
+                    "step %d is committed at %s by another save (not this local commit of "
+                    "%s): the bucket keeps its own; the local copy is not drained",
+                    step,
+                    remote.url(remote_prefix),
+                    self.step_url(step),
+                )
             return False
-        self.clear_stale(local, remote, remote_prefix)
+        self.remove_strays(remote, remote_prefix, {f.name for f in local.files})
         # The payload only: the bucket gets a marker of its own (its sizes and ETags).
-        self.copy_payload(step, remote, remote_prefix, options, exclude=(MARKER_NAME,))
+        self.send_payload(step, local, remote, remote_prefix, options, exclude=(MARKER_NAME,))
         commit(local)
+        self.record(step, local, committed=True)
         return True
+
+    @staticmethod
+    def remove_strays(remote: Store, remote_prefix: str, names: set[str]) -> builtins.list[str]:
+        """Delete the objects under the bucket's uncommitted ``remote_prefix`` that are
+        none of ``names`` (the files of the commit being drained): leftovers of another
+        save of the step, which the bucket's marker would otherwise list. A partial
+        download of one of ``names`` (a drain to the filesystem) is left to the copy,
+        which resumes it only when its journal names the same source."""
+        removed = []
+        for o in list(remote.list(remote_prefix)):
+            rel = o.key[len(remote_prefix) :]
+            partial = any(rel in (n + PARTIAL_SUFFIX, n + PARTIAL_SUFFIX + ".json") for n in names)
+            if rel in names or rel == MARKER_NAME or partial:
+                continue
+            remote.delete(o.key)
+            removed.append(rel)
+        return removed
 
     @staticmethod
     def clear_stale(local: CheckpointInfo, remote: Store, remote_prefix: str) -> None:
         """Delete the bucket's objects under ``remote_prefix`` older than the local
-        commit ``local``: leftovers of an earlier save of the same step."""
+        commit ``local`` (NeMo's tier, for a copy committed without its record). What is
+        younger is not trusted for it: the copy keeps it only when proven the same bytes."""
         for o in list(remote.list(remote_prefix)):
             if o.mtime is not None and o.mtime < local.time - CLOCK_SLACK:
-                remote.delete(o.key)  # same size is no proof of the same bytes
+                remote.delete(o.key)
+
+    def send_payload(
+        self,
+        step: int,
+        local: CheckpointInfo,
+        remote: Store,
+        remote_prefix: str,
+        options: TransferOptions,
+        exclude: Sequence[str],
+    ) -> None:
+        """Copy ``step``'s local files (the commit ``local``) but those named in
+        ``exclude`` to ``remote_prefix``. An object already there is kept when this
+        drain's journal recorded it as written (size, ETag and time unchanged) or a
+        checksum the bucket reports matches the local file (copy_tree's
+        ``same_object``: engine/proof.py); any other is sent again over it. Then the
+        journal records what is there of these files, before the bucket's commit."""
+        files = {f.name: f.size for f in local.files if f.name.rpartition("/")[2] not in exclude}
+        journal = self.journal(step, local)
+        mine: Mapping[str, str] = journal["objects"] if journal else {}
+        kept: set[str] = set()
+        for o in remote.list(remote_prefix):
+            rel = o.key[len(remote_prefix) :]
+            if rel in files and o.size == files[rel] and mine.get(rel) == identity(o):
+                kept.add(rel)
+        todo = [n for n in files if n not in kept]
+        if todo:
+            # copy_tree excludes by name: a kept name shared with one to send is checked.
+            sending = {n.rpartition("/")[2] for n in todo}
+            proven = {n.rpartition("/")[2] for n in kept} - sending
+            copy_tree(
+                self.store,
+                self.step_prefix(step),
+                remote,
+                remote_prefix,
+                options,
+                exclude=(*exclude, *sorted(proven)),
+            )
+        written = {
+            rel: identity(o)
+            for o in remote.list(remote_prefix)
+            if (rel := o.key[len(remote_prefix) :]) in files
+        }
+        self.record(step, local, objects={**mine, **written})
 
     def copy_payload(
         self,
@@ -265,10 +505,11 @@ class LocalTier:
         exclude: Sequence[str],
     ) -> None:
         """Copy ``step``'s local objects to ``remote_prefix`` but those named in
-        ``exclude`` (objects already there whole are skipped)."""
-        copy_tree(
-            self.store, self.step_prefix(step), remote, remote_prefix, options, exclude=exclude
-        )
+        ``exclude``, keeping only what is proven this commit's (:meth:`send_payload`)."""
+        local = self.info(step)
+        if local is None:
+            raise NotFoundError(f"step {step} is not committed in the local tier {self.url}")
+        self.send_payload(step, local, remote, remote_prefix, options, exclude)
 
     def whole_steps(self) -> builtins.list[int]:
         """This run's local steps whose every file is there at its marker's size."""

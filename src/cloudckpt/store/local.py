@@ -4,6 +4,13 @@ A multipart upload is a hidden temp file beside the target (``.NAME.cloudckpt-ID
 that parts are written into at their offsets; completing it fsyncs the file, renames
 it into place and fsyncs the directory, so a reader sees the whole object or none.
 
+Every temp file is locked by its writer (``flock(LOCK_EX)`` on the descriptor it writes
+through, from its creation until it is renamed into place or removed): a process that
+dies, even by ``kill -9``, releases the lock with its descriptors. So whether a temp file
+still has a writer is one non-blocking ``flock`` away, on this host and across processes:
+:meth:`LocalStore.sweep_temps` removes those whose lock it can take (their writer is
+gone) and never one held by a live process (docs/tiers.md, "Leftovers of a crash").
+
 No write goes through a symbolic link inside the root (docs/security.md, "Links and
 sizes"): every directory between the root and a file written, made or removed is opened
 component by component with ``O_DIRECTORY | O_NOFOLLOW`` relative to the one above it
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -66,6 +74,8 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _DIR_NOFOLLOW = _DIR | os.O_NOFOLLOW
 #: A new temp file: exclusive, never through a link.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: A temp file opened to try its writer's lock: never through a link, never blocking.
+_PROBE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class LocalStore(Store):
@@ -257,13 +267,18 @@ class LocalStore(Store):
             dfd, name = self.open_parent(key, create=True)
             tmp = f".{name}{_TMP_MARK}{uuid.uuid4().hex}{_TMP_SUFFIX}"
             try:
-                return dfd, tmp, os.open(tmp, _CREATE, 0o644, dir_fd=dfd)
+                fd = os.open(tmp, _CREATE, 0o644, dir_fd=dfd)
             except OSError as exc:
                 os.close(dfd)
                 if isinstance(exc, FileNotFoundError) and attempt < 2:
                     continue  # the directory went away since it was opened: make it again
                 raise self._oserror(exc, key) from None
-        raise AssertionError("unreachable")
+            if _hold(fd):
+                return dfd, tmp, fd
+            # A sweep took it between its creation and our lock (it holds no writer yet).
+            os.close(fd)
+            os.close(dfd)
+        raise StorageError(f"cannot make a temp file for {self.url(key)}: removed three times")
 
     def _publish(self, dfd: int, tmp: str, key: str, if_none_match: bool) -> None:
         """Move a fully written, fsynced temp file of the directory ``dfd`` into place
@@ -297,10 +312,10 @@ class LocalStore(Store):
         dfd, tmp, fd = self._create_temp(key)
         try:
             try:
-                with os.fdopen(fd, "wb") as f:
+                with os.fdopen(fd, "wb", closefd=False) as f:
                     f.write(data)
                     f.flush()
-                    os.fsync(f.fileno())
+                os.fsync(fd)
             except OSError as exc:
                 _unlink_quietly(dfd, tmp)
                 raise self._oserror(exc, key) from None
@@ -309,6 +324,7 @@ class LocalStore(Store):
                 raise
             self._publish(dfd, tmp, key, if_none_match)
         finally:
+            _release(fd)  # the writer's lock goes with it: after the temp file is gone
             os.close(dfd)
 
     def _delete(self, key: str) -> None:
@@ -388,21 +404,25 @@ class LocalStore(Store):
         except OSError as exc:
             self._abort_multipart(upload)
             raise self._oserror(exc, upload.key) from None
-        self._close_fd(upload)
-        try:
-            dfd, _ = self.open_parent(upload.key, create=False)
-        except BaseException:
-            self._remove_temp(upload.key, tmp)
-            raise
-        try:
-            self._publish(dfd, tmp, upload.key, if_none_match=False)
+        try:  # the file stays open (and locked) until it is in place or removed
+            try:
+                dfd, _ = self.open_parent(upload.key, create=False)
+            except BaseException:
+                self._remove_temp(upload.key, tmp)
+                raise
+            try:
+                self._publish(dfd, tmp, upload.key, if_none_match=False)
+            finally:
+                os.close(dfd)
         finally:
-            os.close(dfd)
+            self._close_fd(upload)
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
         if upload.backend is not None:
-            self._close_fd(upload)
-            self._remove_temp(upload.key, upload.backend[1])
+            try:  # removed while still locked by this writer, then closed
+                self._remove_temp(upload.key, upload.backend[1])
+            finally:
+                self._close_fd(upload)
         else:  # found by list_multipart
             self._remove_temp(upload.key, upload.upload_id)
 
@@ -429,7 +449,70 @@ class LocalStore(Store):
             fd = upload.backend[0]
             if fd is not None:
                 upload.backend[0] = None
-                os.close(fd)
+                _release(fd)
+
+    # -- crash leftovers --------------------------------------------------------------
+    def upload_alive(self, upload: MultipartUpload, *, own: bool = False) -> bool | None:
+        """Whether the temp file of ``upload`` (one :meth:`list_multipart` found) has a
+        live writer: True when its lock is held by another process (or by this one, with
+        ``own``), False when the lock can be taken (its writer is gone), None when that
+        cannot be told (no such file, no locks here) or, without ``own``, its writer is
+        this process (whose caller knows whether it still writes it)."""
+        tmp = upload.upload_id
+        if "/" in tmp or not _is_temp(tmp):
+            return None
+        try:
+            dfd, _ = self.open_parent(upload.key, create=False)
+        except CloudCkptError:
+            return None
+        try:
+            fd = os.open(tmp, _PROBE, dir_fd=dfd)
+        except OSError:
+            return None
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+            with _HELD_LOCK:
+                if (st.st_dev, st.st_ino) in _HELD:
+                    return True if own else None
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # and with it the lock, if taken
+        return False
+
+    def sweep_temps(self, prefix: str = "") -> list[str]:
+        """Remove the temp files under the directory of the key prefix ``prefix`` (``""``:
+        the whole root) whose writer is gone: a save, upload or download killed before it
+        published its file (``kill -9``, a lost node). A temp file whose writer lives
+        holds its lock and is left alone; so is one whose lock cannot be tried. Nothing is
+        followed through a link. Directories left empty by a removal are removed too.
+        Returns the URLs of the files removed."""
+        parts = _dir_parts(prefix)
+        try:
+            top = self._open_dir(parts, create=False)
+        except (OSError, CloudCkptError):
+            return []  # no such directory (or reached through a link): nothing of ours
+        removed: list[str] = []
+        emptied: list[str] = []
+        try:
+            for dirpath, _dirs, files, dfd in os.fwalk(".", dir_fd=top):
+                gone = [n for n in files if _is_temp(n) and _remove_if_dead(dfd, n)]
+                rel = os.path.normpath(dirpath)
+                base = "/".join(parts + ([] if rel == "." else rel.split(os.sep)))
+                removed += [self.url(f"{base}/{n}" if base else n) for n in gone]
+                if gone and rel != ".":
+                    emptied.append(rel)
+            for rel in sorted(emptied, key=len, reverse=True):
+                with contextlib.suppress(OSError):  # not empty: other files live there
+                    os.rmdir(rel, dir_fd=top)
+        finally:
+            os.close(top)
+        return removed
 
     def _list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
         base_dir = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
@@ -461,6 +544,73 @@ def _is_dir(dfd: int, name: str) -> bool:
         return stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+def _is_temp(name: str) -> bool:
+    """Whether ``name`` is the name of one of this store's temp files."""
+    return name.startswith(".") and _TMP_MARK in name and name.endswith(_TMP_SUFFIX)
+
+
+#: The temp files this process writes (device, inode), each locked by its writer.
+_HELD: set[tuple[int, int]] = set()
+_HELD_LOCK = threading.Lock()
+
+
+def _hold(fd: int) -> bool:
+    """Lock the new temp file ``fd`` for its writer (kept until the descriptor is
+    closed, by the process or by its death); False when a sweep removed it first (it
+    held the lock for that instant, then unlinked it). A filesystem without locks
+    leaves it unlocked: a sweep there can take no lock either, so it keeps the file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        return True
+    st = os.fstat(fd)
+    if st.st_nlink == 0:
+        return False
+    with _HELD_LOCK:
+        _HELD.add((st.st_dev, st.st_ino))
+    return True
+
+
+def _release(fd: int) -> None:
+    """Close a temp file's descriptor (its writer's lock goes with it)."""
+    try:
+        st = os.fstat(fd)
+        with _HELD_LOCK:
+            _HELD.discard((st.st_dev, st.st_ino))
+    finally:
+        os.close(fd)
+
+
+def _remove_if_dead(dfd: int, name: str) -> bool:
+    """Remove the temp file ``name`` of the directory ``dfd`` if its writer is gone
+    (its lock can be taken); True when removed. Never through a link, never a file
+    that is not the one whose lock was taken."""
+    try:
+        fd = os.open(name, _PROBE, dir_fd=dfd)
+    except OSError:
+        return False  # gone, a link, or not ours to open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held by a live writer, or no locks on this filesystem
+        try:
+            now = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            return False
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        os.unlink(name, dir_fd=dfd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(dfd: int, name: str) -> None:

@@ -31,6 +31,10 @@ any stalled request was answered, however busy the machine.
 
 Request loops are bounded: the proxy serves at most ``max_requests`` requests and stops
 with the context manager.
+
+``port`` chooses the port to listen on (default: any free one): a client made for a
+port where nothing listens yet sees its connections refused until a proxy starts there
+(a bucket away, then back).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class FaultProxy:
         prefix_rate: float | None = None,
         prefix_burst: float | None = None,
         prefix_of: Callable[[str], str] | None = None,
+        port: int = 0,
     ) -> None:
         unknown = set(kinds) - set(KINDS) | set((schedule or {}).values()) - set(KINDS)
         if unknown:
@@ -98,6 +103,7 @@ class FaultProxy:
         self.stall_ends: list[float] = []
         self._buckets: dict[str, tuple[float, float]] = {}  # prefix -> (tokens, stamp)
         self._server: socketserver.ThreadingTCPServer | None = None
+        self._port = port
         self._stop = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -109,7 +115,7 @@ class FaultProxy:
                 proxy._serve(self.request)
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", self._port), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
