@@ -31,6 +31,7 @@ from .._runtime.gcpause import paused_gc
 from ..dist.collectives import agree, group_rank, on_first, settle
 from ..dist.share import broadcast_views, report, share_group, split_even
 from ..errors import (
+    CloudCkptError,
     ConfigError,
     CorruptCheckpointError,
     DistributedLoadError,
@@ -43,6 +44,7 @@ from ..format.torch.storages import fixed_storage
 from ..format.torch.tensors import referenced_storages
 from ..format.torch.unpickle import (
     StorageRef,
+    byte_order,
     load_torch_bytes,
     parse_persistent_id,
     rebuilds_mapped,
@@ -171,15 +173,19 @@ def _structure(
     keys: Sequence[str] | None,
     placed: PlacedRecords | MappedRecords | None,
     map_location: Any = _NOT_YET,
+    settle: Callable[[], None] | None = None,
 ) -> _Fetched:
     """Unpickle ``data.pkl``, each storage it names taken from ``placed`` (else allocated,
     to be read after); with ``keys``, only the storages they reference are kept.
     ``small`` holds the records :func:`_small_records` read. With ``map_location``, the
     storages' bytes are in: each is put in the host's byte order and placed by it as
-    the pickle names it (the result is final)."""
+    the pickle names it (the result is final). ``settle``: while they are still being
+    read, what makes them all in and checked; the unpickler calls it before anything
+    that reads or writes tensor memory (a device copy, a quantized or sparse rebuild,
+    torch's own unpickler)."""
     data_pkl = small[plan.prefix + "data.pkl"]
     byteorder = plan.prefix + "byteorder"
-    order = bytes(small[byteorder]).decode() if byteorder in small else "little"
+    order = byte_order(small.get(byteorder), plan.url)
     refs: dict[str, StorageRef] = {}
     storages: dict[str, torch.UntypedStorage] = {}
     typed: dict[str, torch.storage.TypedStorage] = {}
@@ -229,6 +235,7 @@ def _structure(
         spares=spares,
         sparse=sparse,
         map_location=map_location if final else None,
+        settle=settle,
     )
     if keys is not None:
         result = _select(result, keys, plan.url)
@@ -281,10 +288,19 @@ def _fetch(
         if keys is None:
             placed = PlacedRecords(reader, plan.key, plan.url, plan.records.values())
             reader.start()
-            fetched = _structure(plan, small, weights_only, None, placed)
+
+            def settle() -> None:
+                reader.run()
+                placed.check_arrived()
+
+            fetched = _structure(plan, small, weights_only, None, placed, settle=settle)
             placed.check_arrived()
         else:
-            fetched = _structure(plan, small, weights_only, keys, None)
+            try:  # the structure first: its storages are read after
+                fetched = _structure(plan, small, weights_only, keys, None, settle=_no_bytes)
+            except _NeedsBytes:
+                reader.cancel()
+                return _read_first(plan, small, options, weights_only, keys, advance, map_location)
             records = RecordReads(reader, plan.key, plan.url)
             for k in sorted(fetched.storages, key=lambda k: plan.records[k].header_offset):
                 storage = fetched.storages[k]
@@ -314,7 +330,11 @@ def _fetch_shared(
         if _moves(small, plan):  # every rank reads it all (the same on every rank)
             fetched = _read_first(plan, small, options, weights_only, keys, advance, map_location)
             raise _ReadAlone
-        fetched = _structure(plan, small, weights_only, keys, None)
+        try:  # the structure first: its storages are read after
+            fetched = _structure(plan, small, weights_only, keys, None, settle=_no_bytes)
+        except _NeedsBytes:  # (the same on every rank: the same bytes, checked)
+            fetched = _read_first(plan, small, options, weights_only, keys, advance, map_location)
+            raise _ReadAlone from None
         found = sorted(
             ((plan.records[k], fetched.storages[k]) for k in fetched.storages),
             key=lambda es: es[0].header_offset,
@@ -370,6 +390,16 @@ _DEVICE_REBUILD = b"_rebuild_device_tensor_from"
 
 class _ReadAlone(Exception):
     """A shared load whose ranks each read the object whole (:func:`_read_first`)."""
+
+
+class _NeedsBytes(CloudCkptError):
+    """The structure, unpickled before its storages are read (``keys=``, a shared load),
+    calls something that reads tensor memory: it is read whole first instead (a
+    CloudCkptError so that the unpickler lets it through; never raised to a caller)."""
+
+
+def _no_bytes() -> None:
+    raise _NeedsBytes
 
 
 def _select(result: Any, keys: Sequence[str], url: str) -> dict[str, Any]:
@@ -469,8 +499,17 @@ def _load_mapped(
         with rebuilds_mapped(map_location):
             fetched = _structure(plan, small, weights_only, keys, mapped, map_location)
     else:
-        fetched = _structure(plan, small, weights_only, keys, mapped)
-        mapped.check((plan.records[k] for k in fetched.storages), where.options.read_concurrency)
+        checked: list[bool] = []
+
+        def settle() -> None:  # the bytes are there: check them all before they are used
+            mapped.check(plan.records.values(), where.options.read_concurrency)
+            checked.append(True)
+
+        fetched = _structure(plan, small, weights_only, keys, mapped, settle=settle)
+        if not checked:
+            mapped.check(
+                (plan.records[k] for k in fetched.storages), where.options.read_concurrency
+            )
     validate_sparse(fetched.sparse, plan.url)
     return _restore(fetched, map_location, weights_only, plan.url, keys)
 

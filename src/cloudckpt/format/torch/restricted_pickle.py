@@ -11,8 +11,9 @@ the manner of torch's ``torch/_weights_only_unpickler.py``) that runs under a
   arguments, never with a plain integer size for a tensor, storage or ``bytearray``
   (the legacy size constructors that allocate what the file asks);
 * ``BUILD``, ``APPEND(S)``, ``SETITEM(S)`` and ``ADDITEMS`` only on objects this load
-  built, tracked by identity (:attr:`RestrictedUnpickler._own`: the containers its
-  opcodes made, and what a call known to make a new object returned), of the kinds
+  built, tracked by identity (:attr:`RestrictedUnpickler._own`: the ids of the
+  containers its opcodes made and of what a call known to make a new object returned;
+  every other object reaching the stack takes its id out), of the kinds
   torch allows (lists, dicts, sets, tensors, parameters, instances of allowed classes):
   never on a global the pickle named, a storage ``persistent_load`` supplied, or an
   object an allowed call returned that may be shared (an enum member, a cached value);
@@ -33,10 +34,12 @@ how ``tests/security`` proves it against torch's own unpickler.
 
 from __future__ import annotations
 
+import codecs
 import math
 import pickle
 import pickletools
 import struct
+import types
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
@@ -56,6 +59,7 @@ __all__ = [
     "as_text",
     "check_extent",
     "check_materialised",
+    "check_tensor_state",
     "contiguous_strides",
     "run_restricted",
     "short",
@@ -195,14 +199,23 @@ class RestrictedUnpickler:
         persistent_load: Callable[[Any], Any] | None = None,
         *,
         encoding: str = "utf-8",
+        settle: Callable[[], None] | None = None,
     ) -> None:
         self.data = bytes(data) if not isinstance(data, bytes) else data
         self.policy = policy
         self.persistent_load = persistent_load
         self.encoding = encoding
-        #: The objects this load built, by id (held, so ids stay unique): the only
-        #: objects a mutator (BUILD, APPEND(S), SETITEM(S), ADDITEMS) may change.
-        self._own: dict[int, Any] = {}
+        #: Called once before the first call that may read or write tensor memory (see
+        #: :data:`_TOUCH_FREE`): the storages' bytes are still being read until then.
+        self._settle = settle
+        #: The ids of the objects this load built: the only objects a mutator (BUILD,
+        #: APPEND(S), SETITEM(S), ADDITEMS) may change. Ids, not the objects: holding
+        #: them would keep what the pickle dropped (a set made and dropped a million
+        #: times). An id outlives its object, so every object that reaches the stack
+        #: from anywhere else (a global, a storage, a call that may return a shared
+        #: object) has its id taken out: a live object's id is its own, so an entry
+        #: left by a dead object at the same address is gone before any mutator looks.
+        self._own: set[int] = set()
         self._callables = {id(v) for v in policy.globals.values() if callable(v)}
         #: Allowed callables whose every call makes a new object (:func:`_makes_new`).
         self._fresh = {id(v) for v in policy.globals.values() if _makes_new(v)}
@@ -247,18 +260,24 @@ class RestrictedUnpickler:
         if type(args) is not tuple:
             raise Refused(f"{op} of {_describe(func)} with {type(args).__name__} arguments")
         _check_constructor(func, args, op)
+        if self._settle is not None and id(func) not in _TOUCH_FREE_IDS:
+            self._settled()
         if func is _rebuild_from_type_v2:
             return self._from_type_v2(*args)
         if func in _DEVICE_REBUILDS:  # (data, dtype, device, requires_grad)
             data = args[0] if args else None
-            if self._own.get(id(data)) is not data:
+            if id(data) not in self._own:
                 raise Refused(f"{_describe(func)} of {_describe(data)}, not one this load built")
             check_materialised(data, args[1] if len(args) > 1 else None)
+        elif func is _rebuild_parameter_with_state and len(args) == 4:
+            check_tensor_state(torch.nn.Parameter, args[3])
         result = self._runs[id(func)](*args)
         if func in _SPARSE_CLASSES:  # validated after the load, as torch does
             sparse_queue().append(result)
         if id(func) in self._fresh:
-            self._own[id(result)] = result
+            self._own.add(id(result))
+        else:
+            self._own.discard(id(result))
         return result
 
     def _from_type_v2(
@@ -272,16 +291,19 @@ class RestrictedUnpickler:
         ret = self._call(func, args, "_rebuild_from_type_v2")
         if type(ret) is not new_type:
             ret = ret.as_subclass(new_type)  # a new tensor object (torch refuses others)
-            self._own[id(ret)] = ret
+            self._own.add(id(ret))
         custom = getattr(type(ret), "__setstate__", _tensor_setstate) is not _tensor_setstate
-        if (state or custom) and self._own.get(id(ret)) is not ret:
+        if (state or custom) and id(ret) not in self._own:
             raise Refused(
                 f"_rebuild_from_type_v2 sets the state of {_describe(ret)}, which this load "
                 "did not build"
             )
         if custom:
+            self._settled()  # a __setstate__ of its own may read the tensor
             ret.__setstate__(state)
             return ret
+        if isinstance(ret, torch.Tensor):
+            check_tensor_state(type(ret), state)
         return torch._utils._set_obj_state(ret, state)
 
     def _newobj(self, cls: Any, args: Any) -> Any:
@@ -289,23 +311,33 @@ class RestrictedUnpickler:
             if type(args) is not tuple:
                 raise Refused(f"NEWOBJ of Parameter with {type(args).__name__} arguments")
             result = torch.nn.Parameter(*args)
-            self._own[id(result)] = result
+            self._own.add(id(result))
             return result
         if id(cls) not in self._classes:
             raise Refused(f"NEWOBJ of {_describe(cls)}, which is not an allowed class")
         if type(args) is not tuple:
             raise Refused(f"NEWOBJ of {_describe(cls)} with {type(args).__name__} arguments")
         _check_constructor(cls, args, "NEWOBJ")
+        if self._settle is not None and id(cls) not in _TOUCH_FREE_IDS:
+            self._settled()
         result = cls.__new__(cls, *args)
         if cls in _SPARSE_CLASSES:
             sparse_queue().append(result)
         if _new_makes_new(cls):
-            self._own[id(result)] = result
+            self._own.add(id(result))
+        else:
+            self._own.discard(id(result))
         return result
+
+    def _settled(self) -> None:
+        """Wait, once, until every storage's bytes are in and checked."""
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            settle()
 
     def _is_own(self, value: Any) -> bool:
         """Whether ``value`` is an object this load built (the mutators' targets)."""
-        return self._own.get(id(value)) is value
+        return id(value) in self._own
 
     def _build(self, inst: Any, state: Any) -> None:
         """BUILD as torch's unpickler does it, only on an object the pickle built."""
@@ -329,6 +361,7 @@ class RestrictedUnpickler:
         elif id(kind) in self._classes:
             setstate = getattr(inst, "__setstate__", None)
             if setstate is not None:
+                self._settled()  # it may read a tensor it is given
                 setstate(state)
                 return
             slotstate = None
@@ -350,7 +383,7 @@ class RestrictedUnpickler:
             )
 
     def _check_target(self, target: Any, kinds: tuple[type, ...], op: str) -> None:
-        if type(target) not in kinds or self._own.get(id(target)) is not target:
+        if type(target) not in kinds or id(target) not in self._own:
             raise Refused(f"{op} into {_describe(target)}, which this load did not build")
 
     def _persistent(self, pid: Any) -> Any:
@@ -360,7 +393,9 @@ class RestrictedUnpickler:
             raise Refused("a persistent id that does not name a storage")
         if self.persistent_load is None:
             raise Refused("a persistent id in a pickle that holds no storages")
-        return self.persistent_load(pid)
+        found = self.persistent_load(pid)
+        self._own.discard(id(found))
+        return found
 
     def load(self) -> Any:
         """The object the pickle describes. Opcodes are tested most frequent first (as
@@ -370,11 +405,17 @@ class RestrictedUnpickler:
         end = len(data)
         extended = self.policy.opcodes
         runs = self._runs
-        plain_calls = {i: runs[i] for i in self._callables - _SPECIAL_CALLABLE_IDS}
+        # while bytes are still being read, only calls that touch no tensor memory run
+        # inline; the others go through _call, which settles first
+        inline = self._callables - _SPECIAL_CALLABLE_IDS
+        if self._settle is not None:
+            inline &= _TOUCH_FREE_IDS
+        plain_calls = {i: runs[i] for i in inline}
         plain_call = plain_calls.get
         fresh = self._fresh
         own = self._own
-        owned = own.get
+        mine = own.add
+        not_mine = own.discard
         #: Classes NEWOBJ makes and BUILD fills without further checks: allowed, each
         #: call a new object, no __setstate__ (DCP's metadata dataclasses).
         plain_new = self._plain_new
@@ -434,13 +475,17 @@ class RestrictedUnpickler:
                 if run is not None and type(args) is tuple:
                     stack[-1] = result = run(*args)
                     if fid in fresh:
-                        own[id(result)] = result
+                        mine(id(result))
+                    else:
+                        not_mine(id(result))
                 else:
                     stack[-1] = self._call(func, args, "REDUCE")
             elif op == 0x51:  # BINPERSID
                 pid = stack.pop()
                 if type(pid) is tuple and pid and pid[0] == "storage" and load_storage:
-                    append(load_storage(pid))  # what _persistent does, inlined
+                    found = load_storage(pid)  # what _persistent does, inlined
+                    not_mine(id(found))
+                    append(found)
                 else:
                     append(persistent(pid))
             elif op == 0x89:  # NEWFALSE
@@ -460,7 +505,7 @@ class RestrictedUnpickler:
                 stack = marks.pop()
                 append = stack.append
                 target = stack[-1]
-                if type(target) not in setitem_types or owned(id(target)) is not target:
+                if type(target) not in setitem_types or id(target) not in own:
                     self._check_target(target, setitem_types, "SETITEMS")  # raises
                 if len(items) % 2:
                     raise ValueError("SETITEMS with an odd number of items")
@@ -470,7 +515,7 @@ class RestrictedUnpickler:
                 value = stack.pop()
                 key = stack.pop()
                 target = stack[-1]
-                if type(target) not in setitem_types or owned(id(target)) is not target:
+                if type(target) not in setitem_types or id(target) not in own:
                     self._check_target(target, setitem_types, "SETITEM")  # raises
                 target[key] = value
             elif op == 0x4A:  # BININT
@@ -494,14 +539,16 @@ class RestrictedUnpickler:
                 module = data[pos:stop].decode("utf-8")
                 name = data[stop + 1 : middle].decode("utf-8")
                 pos = middle + 1
-                append(self.find_class(module, name))
+                found = self.find_class(module, name)
+                not_mine(id(found))
+                append(found)
             elif op == 0x7D:  # EMPTY_DICT
                 new_dict: dict[Any, Any] = {}
-                own[id(new_dict)] = new_dict
+                mine(id(new_dict))
                 append(new_dict)
             elif op == 0x5D:  # EMPTY_LIST
                 new_list: list[Any] = []
-                own[id(new_list)] = new_list
+                mine(id(new_list))
                 append(new_list)
             elif op == 0x65:  # APPENDS
                 items = stack
@@ -512,7 +559,7 @@ class RestrictedUnpickler:
             elif op == 0x61:  # APPEND
                 item = stack.pop()
                 target = stack[-1]
-                if type(target) is not list or owned(id(target)) is not target:
+                if type(target) is not list or id(target) not in own:
                     self._check_target(target, (list,), "APPEND")  # raises
                 target.append(item)
             elif op == 0x81:  # NEWOBJ
@@ -520,17 +567,13 @@ class RestrictedUnpickler:
                 cls = stack[-1]
                 if id(cls) in plain_new and type(args) is tuple:
                     stack[-1] = new = cls.__new__(cls, *args)
-                    own[id(new)] = new
+                    mine(id(new))
                 else:
                     stack[-1] = self._newobj(cls, args)
             elif op == 0x62:  # BUILD
                 state = stack.pop()
                 inst = stack[-1]
-                if (
-                    type(state) is dict
-                    and owned(id(inst)) is inst
-                    and id(type(inst)) in plain_build
-                ):
+                if type(state) is dict and id(inst) in own and id(type(inst)) in plain_build:
                     inst.__dict__.update(state)
                 else:
                     self._build(inst, state)
@@ -554,7 +597,7 @@ class RestrictedUnpickler:
                 pos += n
             elif op == 0x8F:  # EMPTY_SET
                 new_set: set[Any] = set()
-                own[id(new_set)] = new_set
+                mine(id(new_set))
                 append(new_set)
             elif op == 0x80:  # PROTO
                 if data[pos] > pickle.HIGHEST_PROTOCOL:
@@ -587,7 +630,9 @@ class RestrictedUnpickler:
                 module = stack.pop()
                 if type(name) is not str or type(module) is not str:
                     raise Refused("STACK_GLOBAL with names that are not strings")
-                append(self.find_class(module, name))
+                found = self.find_class(module, name)
+                not_mine(id(found))
+                append(found)
             elif op == 0x90:  # ADDITEMS
                 items = stack
                 stack = marks.pop()
@@ -658,8 +703,39 @@ _DEVICE_REBUILDS = frozenset(
 )
 _SPARSE_CLASSES = frozenset(c for c in torch._tensor_classes if "sparse" in c.__module__)
 #: Callables REDUCE checks further (RestrictedUnpickler._call): never on the fast path.
+_rebuild_parameter_with_state = getattr(torch._utils, "_rebuild_parameter_with_state", None)
+
+
+def _touch_free() -> frozenset[int]:
+    """Ids of the allowed callables that neither read nor write a tensor's memory: a
+    pickle may call them while the reader threads still fill the storages. Any other
+    call (a device copy, a quantized or sparse or nested rebuild, which read tensors
+    they are given; a class of the user's) waits for the bytes first."""
+    names = (
+        "_rebuild_tensor",
+        "_rebuild_tensor_v2",
+        "_rebuild_tensor_v3",
+        "_rebuild_parameter",
+        "_rebuild_meta_tensor_no_storage",
+        "_rebuild_wrapper_subclass",
+    )
+    free: set[Any] = {getattr(torch._utils, n, None) for n in names}
+    free |= {_rebuild_from_type_v2, torch.nn.Parameter, torch.Size, torch.device, OrderedDict}
+    free |= {set, frozenset, complex, bytearray, codecs.encode}
+    free |= _TENSOR_CLASSES - _SPARSE_CLASSES  # legacy classes: no arguments at all
+    return frozenset(id(f) for f in free if f is not None)
+
+
+_TOUCH_FREE_IDS = _touch_free()
 _SPECIAL_CALLABLE_IDS = frozenset(
-    id(c) for c in (*_INT_SIZED_CLASSES, *_SPARSE_CLASSES, *_DEVICE_REBUILDS, _rebuild_from_type_v2)
+    id(c)
+    for c in (
+        *_INT_SIZED_CLASSES,
+        *_SPARSE_CLASSES,
+        *_DEVICE_REBUILDS,
+        _rebuild_from_type_v2,
+        _rebuild_parameter_with_state,
+    )
 )
 
 
@@ -670,15 +746,18 @@ def run_restricted(
     url: str,
     what: str = "data.pkl",
     sparse: list[Any] | None = None,
+    settle: Callable[[], None] | None = None,
 ) -> Any:
     """Unpickle ``data`` under ``policy``: the result, or a typed error naming ``url``.
+    ``settle``: while storages are still being read, what waits until their bytes are
+    in; called before the first call that may touch tensor memory.
 
     Refused content raises :class:`UnsafeCheckpointError`; damage (any other failure,
     whatever its type) :class:`CorruptCheckpointError`; cloudckpt's own errors raised
     by ``persistent_load`` pass through. Sparse tensors the load built are checked
     (:func:`validate_sparse`) before this returns; or, where ``sparse`` is a list
     (their storages are still being read), moved into it for the caller to check."""
-    machine = RestrictedUnpickler(data, policy, persistent_load)
+    machine = RestrictedUnpickler(data, policy, persistent_load, settle=settle)
     try:
         result = machine.load()  # the caller's entry point pauses the collector
     except BaseException as exc:
@@ -764,6 +843,50 @@ def check_materialised(data: Any, dtype: Any, size: Any = None) -> None:
             f"a rebuild would copy {count} elements of {itemsize} bytes out of {held} bytes "
             "(a view that repeats its elements); torch.save never writes one"
         )
+
+
+def check_tensor_state(kind: type, state: Any) -> None:
+    """Refuse a tensor's state (``(dict, slots)`` or a dict, as ``torch.save`` writes a
+    tensor's ``__dict__`` and its subclass's slots) that names anything but plain
+    attributes: ``real``, ``imag``, ``data``, ``grad``, ``__class__``... are setters of
+    the tensor itself (``t.real = 0`` writes into the storage the reader threads are
+    still filling; torch would write after its reads). A ``__dict__`` never holds such
+    a name, and a slot is a member of a class below ``torch.Tensor``."""
+    if isinstance(state, tuple) and len(state) == 2:
+        attrs, slots = state
+    else:
+        attrs, slots = state, None
+    for names, slot in ((attrs, False), (slots, True)):
+        if not names:
+            continue
+        if type(names) is not dict:
+            raise Refused(f"a tensor's state of {type(names).__name__}, not a dict")
+        for name in names:
+            found = _class_attribute(kind, name) if type(name) is str else None
+            if slot:
+                owner = getattr(found, "__objclass__", None)
+                plain = (
+                    isinstance(found, types.MemberDescriptorType)
+                    and isinstance(owner, type)
+                    and issubclass(owner, torch.Tensor)
+                    and owner is not torch.Tensor
+                )
+            else:
+                plain = type(name) is str and not hasattr(type(found), "__set__")
+            if not plain:
+                raise Refused(f"a tensor's state sets {name!r}, which is not an attribute")
+
+
+def _class_attribute(kind: type, name: str) -> Any:
+    """What ``name`` is on ``kind`` or a class above it (without running anything)."""
+    for cls in kind.__mro__:
+        found = cls.__dict__.get(name, _MISSING)
+        if found is not _MISSING:
+            return found
+    return None
+
+
+_MISSING = object()
 
 
 def _check_constructor(func: Any, args: tuple[Any, ...], op: str) -> None:

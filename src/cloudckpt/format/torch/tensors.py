@@ -94,7 +94,12 @@ class _StorageScan(pickle.Pickler):
 
 
 def referenced_storages(obj: Any, storages: dict[int, str]) -> set[str]:
-    """Which of ``storages`` (``_cdata`` -> record key) ``obj`` references, as pickle sees it."""
+    """Which of ``storages`` (``_cdata`` -> record key) ``obj`` references, as pickle sees
+    it; all of them where ``obj`` nests too deep for pickle to walk (a load may build
+    what pickle cannot write back)."""
     scan = _StorageScan(storages)
-    scan.dump(obj)
+    try:
+        scan.dump(obj)
+    except RecursionError:
+        return set(storages.values())
     return scan.found

@@ -54,6 +54,7 @@ from .storages import fixed_storage
 __all__ = [
     "StorageRef",
     "StorageStandIn",
+    "byte_order",
     "load_torch_bytes",
     "parse_persistent_id",
     "rebuilds_mapped",
@@ -433,6 +434,7 @@ def unpickle(
     spares: dict[int, torch.Tensor] | None = None,
     sparse: list[Any] | None = None,
     map_location: Any = None,
+    settle: Callable[[], None] | None = None,
 ) -> Any:
     """Unpickle a torch archive's ``data.pkl``, ``persistent_load`` supplying storages
     (it must return the same object when asked for a storage again).
@@ -445,7 +447,7 @@ def unpickle(
     ``map_location``: the load's, for torch's rebuilds that place a tensor on a device
     themselves (``torch.load`` hands it to them the same way, in its thread state)."""
     with rebuilds_mapped(map_location):
-        return _unpickle(data, persistent_load, weights_only, url, spares, sparse)
+        return _unpickle(data, persistent_load, weights_only, url, spares, sparse, settle)
 
 
 @contextlib.contextmanager
@@ -472,12 +474,15 @@ def _unpickle(
     url: str,
     spares: dict[int, torch.Tensor] | None,
     sparse: list[Any] | None,
+    settle: Callable[[], None] | None,
 ) -> Any:
     policy = None
     if weights_only and unpickler_choice() == "cloudckpt":
         policy = weights_only_policy(spares)
     if policy is not None:
-        return run_restricted(data, policy, persistent_load, url, sparse=sparse)
+        return run_restricted(data, policy, persistent_load, url, sparse=sparse, settle=settle)
+    if settle is not None:  # torch's unpickler, or full pickle, may touch any tensor
+        settle()
     queue = sparse_queue()
     try:
         if weights_only:
@@ -521,8 +526,7 @@ def load_torch_bytes(
         stored = view[entry.data_offset : entry.end]
         return stored if entry.method == 0 else memoryview(inflate(stored, entry.size))
 
-    order = record(prefix + "byteorder")
-    swap = order is not None and bytes(order) != sys.byteorder.encode()
+    swap = byte_order(record(prefix + "byteorder"), url) != sys.byteorder
     restore = torch.serialization._get_restore_location(map_location)
     loaded: dict[str, Any] = {}
 
@@ -552,6 +556,20 @@ def load_torch_bytes(
     return unpickle(
         pkl, persistent_load, weights_only=weights_only, url=url, map_location=map_location
     )
+
+
+def byte_order(record: bytes | bytearray | memoryview | None, url: str) -> str:
+    """The byte order a ``byteorder`` record names (``"little"`` where there is none, as
+    torch reads archives written before it); anything but ``little`` or ``big`` is
+    damage, as ``torch.load`` refuses it ("Unknown endianness type")."""
+    if record is None:
+        return "little"
+    found = bytes(record)
+    if found not in (b"little", b"big"):
+        raise CorruptCheckpointError(
+            f"{url}: its byteorder record says {found[:32]!r}, neither 'little' nor 'big'"
+        )
+    return found.decode()
 
 
 def restore_location(
