@@ -136,6 +136,7 @@ _POLICY = Policy(
     refuse_global=_refuse,
     map_python2_names=False,
     advice="",
+    encoding="ascii",  # pickle.load's, as DCP's own reader decodes .metadata
 )
 
 

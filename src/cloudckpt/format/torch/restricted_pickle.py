@@ -153,7 +153,8 @@ class Policy:
     ``advice``: what a refusal's message ends with. ``calls``: what runs when the pickle
     calls one of ``globals`` (by the global's ``id``), where that is not the global
     itself (a checked or faster version of it); the pickle still gets the global
-    itself wherever it names it as a value."""
+    itself wherever it names it as a value. ``encoding``: how a Python 2 string is
+    decoded (``torch.load``'s utf-8, or ``pickle.load``'s ascii)."""
 
     globals: Mapping[str, Any]
     opcodes: frozenset[int] = TORCH_OPCODES
@@ -166,6 +167,9 @@ class Policy:
     )
 
     calls: Mapping[int, Callable[..., Any]] = field(default_factory=dict)
+    #: How a Python 2 ``str`` (``SHORT_BINSTRING``) is decoded: as ``torch.load`` decodes
+    #: it (utf-8), or as ``pickle.load`` does (ascii: what DCP's own reader runs).
+    encoding: str = "utf-8"
 
     def __post_init__(self) -> None:
         if not self.opcodes >= TORCH_OPCODES:
@@ -198,13 +202,13 @@ class RestrictedUnpickler:
         policy: Policy,
         persistent_load: Callable[[Any], Any] | None = None,
         *,
-        encoding: str = "utf-8",
+        encoding: str | None = None,
         settle: Callable[[], None] | None = None,
     ) -> None:
         self.data = bytes(data) if not isinstance(data, bytes) else data
         self.policy = policy
         self.persistent_load = persistent_load
-        self.encoding = encoding
+        self.encoding = policy.encoding if encoding is None else encoding
         #: Called once before the first call that may read or write tensor memory (see
         #: :data:`_TOUCH_FREE`): the storages' bytes are still being read until then.
         self._settle = settle
