@@ -51,6 +51,9 @@ SLACK = 64 * MiB
 
 
 def _child_main(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    # A forked child cannot use the OpenMP threads of a parent that ran parallel torch
+    # ops (in a whole test session it has): one thread, so no op waits for them.
+    torch.set_num_threads(1)
     try:
         result = ("ok", fn(*args))
     except BaseException as exc:  # reported to the parent, whatever it is
