@@ -29,8 +29,6 @@ from pathlib import Path
 
 import pytest
 
-# StoreTarget and unique_bucket_name live in servers.py (import them from there: a
-# nested conftest.py can shadow this module's name); re-exported here for old imports.
 from servers import (
     Emulator,
     S3Server,
@@ -40,6 +38,10 @@ from servers import (
     stop,
     unique_bucket_name,
 )
+
+# StoreTarget and unique_bucket_name live in servers.py (import them from there: a
+# nested conftest.py can shadow this module's name); re-exported here for old imports.
+from silent import SilentServer
 
 __all__ = ["StoreTarget", "unique_bucket_name"]
 
@@ -205,3 +207,11 @@ def make_target(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> It
     # Free memory (moto, emulators) / disk (rclone) between tests; never fail a test over it.
     with contextlib.suppress(Exception):
         server.remove_bucket(bucket)
+
+
+@pytest.fixture
+def silent() -> Iterator[SilentServer]:
+    """A server that accepts connections and never answers (tests/silent.py)."""
+    server = SilentServer()
+    yield server
+    server.close()

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import pytest
 
 from cloudckpt.testing.fault_proxy import FaultProxy
 from servers import S3Server, unique_bucket_name
+from silent import SilentServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = str(ROOT / "src")
@@ -154,52 +154,6 @@ def test_the_readme_block_stops_when_the_server_cannot_start(tmp_path: Path) -> 
 
 
 # -- 3. a silent endpoint --------------------------------------------------------------------
-
-
-class SilentServer:
-    """Accepts TCP connections on 127.0.0.1, reads what comes, answers nothing."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self._conns: list[socket.socket] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self.requests += 1
-            self._conns.append(conn)
-            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _drain(conn: socket.socket) -> None:
-        try:
-            while conn.recv(65536):
-                pass
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._sock.close()
-        for conn in self._conns:
-            conn.close()
-
-
-@pytest.fixture
-def silent() -> Iterator[SilentServer]:
-    server = SilentServer()
-    yield server
-    server.close()
 
 
 def _keys(endpoint: str) -> dict[str, str]:

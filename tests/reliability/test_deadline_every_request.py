@@ -12,10 +12,9 @@ generous (a busy machine); what it separates is seconds from minutes.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,101 +29,12 @@ from cloudckpt.options import MiB, TransferOptions
 from cloudckpt.store.deadline import CLEANUP_GRACE, Deadline, deadline_scope, within
 from cloudckpt.store.memory import MemoryStore
 from faults import FaultyStore
+from silent import CREDS, SilentServer
 
 DEADLINE = 3.0
 #: Past the deadline: starting the store's client and the scheduler's cancel grace.
 SLACK = 4.0
 BOUND = DEADLINE + SLACK
-CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
-
-
-class SilentServer:
-    """Accepts TCP connections on 127.0.0.1 and reads requests; answers none of them,
-    except, with ``answer_uploads``, a CreateMultipartUpload (``POST ...?uploads``: a
-    store that starts an upload and then goes silent, so the save's abort meets it) and,
-    with ``answer_heads``, a HEAD (an object of that many bytes: the load's next request,
-    a range read, meets the silence)."""
-
-    def __init__(self, answer_uploads: bool = False, answer_heads: int | None = None) -> None:
-        self.answer_uploads = answer_uploads
-        self.answer_heads = answer_heads
-        self.requests: list[str] = []  # request lines, in arrival order
-        self._sock = socket.create_server(("127.0.0.1", 0), backlog=128)
-        self._conns: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"endpoint_url": self.url, **CREDS}
-
-    def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        data = b""
-        try:
-            while not self._stopped.is_set():
-                head, sep, rest = data.partition(b"\r\n\r\n")
-                if not sep:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                    continue
-                line = head.split(b"\r\n", 1)[0].decode("latin-1")
-                with self._lock:
-                    self.requests.append(line)
-                method, target = line.split(" ")[:2]
-                if self.answer_heads is not None and method == "HEAD":
-                    conn.sendall(
-                        b'HTTP/1.1 200 OK\r\nETag: "e"\r\n'
-                        + f"Content-Length: {self.answer_heads}\r\n\r\n".encode()
-                    )
-                elif self.answer_uploads and method == "POST" and target.endswith("?uploads"):
-                    key = target.split("?")[0].split("/", 2)[-1]
-                    body = (
-                        '<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult>'
-                        f"<Bucket>b</Bucket><Key>{key}</Key><UploadId>up-1</UploadId>"
-                        "</InitiateMultipartUploadResult>"
-                    ).encode()
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
-                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                        + body
-                    )
-                else:
-                    while conn.recv(65536):  # drain the body, never answer
-                        pass
-                    return
-                data = rest
-        except OSError:
-            return
-
-    def close(self) -> None:
-        self._stopped.set()
-        self._sock.close()
-        with self._lock:
-            for conn in self._conns:
-                conn.close()
-
-
-@pytest.fixture
-def silent() -> Iterator[SilentServer]:
-    server = SilentServer()
-    yield server
-    server.close()
 
 
 def _bounded(fn: Callable[[], Any], bound: float = BOUND) -> tuple[BaseException | None, float]:
