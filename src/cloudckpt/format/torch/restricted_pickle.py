@@ -225,8 +225,8 @@ class RestrictedUnpickler:
         self._fresh = {id(v) for v in policy.globals.values() if _makes_new(v)}
         #: Allowed classes NEWOBJ may make and BUILD fill with a dict inline: new objects
         #: (``object.__new__``), no ``__setstate__``, none of the kinds checked further.
-        plain = {
-            v
+        self._plain = {
+            id(v)
             for v in policy.globals.values()
             if _new_makes_new(v)
             and v not in _INT_SIZED_CLASSES
@@ -234,8 +234,6 @@ class RestrictedUnpickler:
             and v not in _SETITEM_TYPES
             and getattr(v, "__setstate__", None) is None
         }
-        self._plain_new = {id(v) for v in plain}
-        self._plain_build = self._plain_new
         #: What a call of each allowed callable runs (its override, else itself).
         self._runs = {id(v): policy.calls.get(id(v), v) for v in policy.globals.values()}
         self._classes = {id(v) for v in policy.globals.values() if isinstance(v, type)}
@@ -420,10 +418,7 @@ class RestrictedUnpickler:
         own = self._own
         mine = own.add
         not_mine = own.discard
-        #: Classes NEWOBJ makes and BUILD fills without further checks: allowed, each
-        #: call a new object, no __setstate__ (DCP's metadata dataclasses).
-        plain_new = self._plain_new
-        plain_build = self._plain_build
+        plain = self._plain  # (DCP's metadata dataclasses)
         setitem_types = _SETITEM_TYPES
         p4 = 0x94 in extended  # the policy admits protocol 4 (MEMOIZE and the rest)
         persistent = self._persistent
@@ -569,7 +564,7 @@ class RestrictedUnpickler:
             elif op == 0x81:  # NEWOBJ
                 args = stack.pop()
                 cls = stack[-1]
-                if id(cls) in plain_new and type(args) is tuple:
+                if id(cls) in plain and type(args) is tuple:
                     stack[-1] = new = cls.__new__(cls, *args)
                     mine(id(new))
                 else:
@@ -577,7 +572,7 @@ class RestrictedUnpickler:
             elif op == 0x62:  # BUILD
                 state = stack.pop()
                 inst = stack[-1]
-                if type(state) is dict and id(inst) in own and id(type(inst)) in plain_build:
+                if type(state) is dict and id(inst) in own and id(type(inst)) in plain:
                     inst.__dict__.update(state)
                 else:
                     self._build(inst, state)
