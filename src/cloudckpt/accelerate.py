@@ -31,8 +31,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .dist.collectives import agree, is_distributed, on_first, rank, settle, world_size
-from .dist.groups import checkpoint_group, drain_group
 from .engine.copy import copy_tree
 from .engine.handle import SaveHandle, in_flight
 from .errors import (
@@ -46,6 +44,8 @@ from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
 from .manager.gc import delete_prefix
 from .manager.marker import check_files, commit_step, marker_key, root_prefix, step_dir
 from .options import TransferOptions
+from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
+from .ranks.groups import checkpoint_group, drain_group
 from .store.local import LocalStore
 
 __all__ = ["AccelerateSaveHandle", "load_state", "save_state"]

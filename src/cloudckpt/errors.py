@@ -200,7 +200,7 @@ class CollectiveError(CloudCkptError, RuntimeError):
 
     ``failures`` maps each failed rank (its global rank) to its error as text; the
     message names each of them and the step. Raised on the ranks that did not fail
-    (cloudckpt.dist.collectives); a failed rank raises its own error.
+    (cloudckpt.ranks.collectives); a failed rank raises its own error.
     """
 
     #: What a failure of this kind leaves behind, appended to the message.

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 import cloudckpt.dcp.reader as reader_module
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.dcp.reader import SharedRead
-from cloudckpt.dist import groups
 from cloudckpt.errors import CorruptCheckpointError, DistributedLoadError
+from cloudckpt.ranks import groups
 from cloudckpt.testing.fault_proxy import FaultProxy
 from ranks import run_ranks
 from servers import unique_bucket_name

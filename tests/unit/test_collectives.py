@@ -1,4 +1,4 @@
-"""The collectives (cloudckpt.dist.collectives) on real gloo ranks, and alone.
+"""The collectives (cloudckpt.ranks.collectives) on real gloo ranks, and alone.
 
 Each multi-rank test forks 2 or 3 ranks (tests/ranks.py) and checks, on every rank,
 what that rank got: the first rank's result, the first rank's error, or the error
@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from cloudckpt.dist.collectives import (
+from cloudckpt.errors import (
+    CollectiveError,
+    DistributedLoadError,
+    DistributedSaveError,
+    NotFoundError,
+    StorageError,
+)
+from cloudckpt.ranks.collectives import (
     agree,
     barrier,
     first_rank,
@@ -22,13 +29,6 @@ from cloudckpt.dist.collectives import (
     rank,
     settle,
     world_size,
-)
-from cloudckpt.errors import (
-    CollectiveError,
-    DistributedLoadError,
-    DistributedSaveError,
-    NotFoundError,
-    StorageError,
 )
 from ranks import run_ranks
 
@@ -194,7 +194,7 @@ def test_collective_errors_keep_their_failures_across_pickling() -> None:
 def _runs_on_cloudckpt_s_groups(me: int, world: int) -> None:
     import threading
 
-    from cloudckpt.dist import groups
+    from cloudckpt.ranks import groups
 
     used: list[Any] = []
     calls = {

@@ -40,9 +40,6 @@ from torch.futures import Future
 
 from .._runtime.gcpause import paused_gc
 from .._runtime.memview import tensor_view
-from ..dist.collectives import group_rank, settle
-from ..dist.groups import group_ranks
-from ..dist.share import broadcast_views, part_group, report, share_group_size, split_even
 from ..errors import CorruptCheckpointError, DistributedLoadError, UnsupportedFormatError
 from ..format.dcp.archive import parse_archive
 from ..format.dcp.index import LayoutIndex, parse_index, save_id_of
@@ -50,6 +47,9 @@ from ..format.dcp.layout import layout_name
 from ..format.dcp.metadata import ChunkIndex
 from ..format.dcp.sharing import share_in_load_plan
 from ..options import TransferOptions
+from ..ranks.collectives import group_rank, settle
+from ..ranks.groups import group_ranks
+from ..ranks.share import broadcast_views, part_group, report, share_group_size, split_even
 from ..store.deadline import Deadline, start_deadline, within
 from .commit_read import adopt, layout_document, read_commit
 from .destinations import Destinations
@@ -72,7 +72,7 @@ class SharedRead:
     replicas of one model-parallel shard; the whole world in a DDP resume) and read them
     once between them; a part of one rank reads alone. Every rank's plan carries the
     whole partition, not only its own part, because every rank makes every part's group
-    (:func:`cloudckpt.dist.groups.partition_group`): ``new_group`` is a collective on
+    (:func:`cloudckpt.ranks.groups.partition_group`): ``new_group`` is a collective on
     the world. A few bytes a rank in each plan sent (3 to 5 KiB a plan at 1,024 ranks).
     """
 

@@ -40,7 +40,6 @@ from torch.futures import Future
 
 from .._runtime.gcpause import paused_gc
 from .._runtime.memview import storage_view, tensor_view
-from ..dist.collectives import world_size
 from ..errors import ConfigError
 from ..format.checksum import crc32
 from ..format.commit import commit_marker
@@ -63,6 +62,7 @@ from ..format.dcp.tensor_archive import TensorArchive, archive_builder_on, tenso
 from ..io.scheduler import Cancelled
 from ..io.sink import BORROW_MIN, BorrowingSink, BorrowingWriter
 from ..options import TransferOptions
+from ..ranks.collectives import world_size
 from ..store import byte_view
 from ..store.deadline import Deadline, start_deadline, within
 from .location import CheckpointLocation, LocatedCheckpoint

@@ -21,8 +21,6 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from ..dist.collectives import agree, group_rank, on_first, settle
-from ..dist.groups import runs_collectives
 from ..errors import (
     AlreadyExistsError,
     CorruptCheckpointError,
@@ -32,6 +30,8 @@ from ..errors import (
     TransientError,
 )
 from ..format.commit import commit_marker, read_committed
+from ..ranks.collectives import agree, group_rank, on_first, settle
+from ..ranks.groups import runs_collectives
 from ..store import Store
 
 __all__ = [

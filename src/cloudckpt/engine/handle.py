@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from ..dist.groups import runs_collectives
+from ..ranks.groups import runs_collectives
 
 __all__ = ["InFlight", "SaveHandle", "in_flight", "wait_all"]
 

@@ -28,8 +28,6 @@ from typing import Any
 import torch
 
 from .._runtime.gcpause import paused_gc
-from ..dist.collectives import agree, group_rank, on_first, settle
-from ..dist.share import broadcast_views, report, share_group, split_even
 from ..errors import (
     CloudCkptError,
     ConfigError,
@@ -56,6 +54,8 @@ from ..format.torch.zipdir import Entry
 from ..io.progress import progress_bar
 from ..io.ranges import RangeReader
 from ..options import TransferOptions
+from ..ranks.collectives import agree, group_rank, on_first, settle
+from ..ranks.share import broadcast_views, report, share_group, split_even
 from ..store import Store, Target, object_url, open_target
 from ..store.deadline import deadline_scope
 from ..store.local import LocalStore

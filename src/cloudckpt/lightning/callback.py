@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..dist.collectives import on_first
 from ..format.commit import DCP_MARKER
 from ..options import TransferOptions
+from ..ranks.collectives import on_first
 from ._compat import ModelCheckpoint
 from .fs import (
     CloudFileSystem,

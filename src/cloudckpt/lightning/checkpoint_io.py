@@ -24,7 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..dist.collectives import rank
 from ..engine.async_save import SaveHandle, async_save
 from ..engine.copy import copy_object
 from ..engine.drain import RUN_FILE, Drainer, claim, read_owner
@@ -32,6 +31,7 @@ from ..engine.load import load
 from ..engine.save import save
 from ..errors import CorruptCheckpointError, NotFoundError, UnsupportedFormatError
 from ..options import TransferOptions
+from ..ranks.collectives import rank
 from ..store import ObjectInfo, Settings, Target
 from ..store.local import LocalStore
 from ..store.paths import MAX_RECORD_BYTES, exists, is_prefix, read_capped

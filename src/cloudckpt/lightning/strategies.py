@@ -35,13 +35,13 @@ import os
 from typing import Any, Literal
 
 from ..dcp import CloudStorageReader, CloudStorageWriter
-from ..dist.collectives import on_first
 from ..engine.load import load
 from ..engine.save import save
 from ..errors import ConfigError, DistributedLoadError, DistributedSaveError, NotFoundError
 from ..format.commit import DCP_MARKER
 from ..io.bulk import delete_prefix
 from ..options import TransferOptions
+from ..ranks.collectives import on_first
 from ..store import Settings, Target, join_key
 from ..store.paths import classify, dir_prefix
 from .fs import is_remote, settings_for, unwrap

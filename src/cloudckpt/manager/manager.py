@@ -35,16 +35,6 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from ..dist.collectives import (
-    agree,
-    barrier,
-    is_distributed,
-    on_first,
-    rank,
-    settle,
-    world_size,
-)
-from ..dist.groups import checkpoint_group, drain_group
 from ..engine.drain import complete_directories, directory_owner
 from ..engine.handle import SaveHandle, in_flight
 from ..errors import (
@@ -57,6 +47,16 @@ from ..errors import (
 )
 from ..format.commit import read_committed
 from ..options import TransferOptions
+from ..ranks.collectives import (
+    agree,
+    barrier,
+    is_distributed,
+    on_first,
+    rank,
+    settle,
+    world_size,
+)
+from ..ranks.groups import checkpoint_group, drain_group
 from ..store import Store, Target, open_target
 from ..store.deadline import deadline_scope
 from ..store.local import LocalStore

@@ -19,9 +19,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._runtime.gcpause import paused_gc
-from ..dist.collectives import on_first, rank
 from ..errors import ConfigError, DistributedLoadError
 from ..options import TransferOptions
+from ..ranks.collectives import on_first, rank
 from ..store import Target
 
 if TYPE_CHECKING:  # imports torch and megatron-core: only when a save runs

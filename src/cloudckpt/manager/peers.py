@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..dist.collectives import agree, group_rank, settle
-from ..dist.groups import group_ranks
 from ..errors import CorruptCheckpointError, NotFoundError
+from ..ranks.collectives import agree, group_rank, settle
+from ..ranks.groups import group_ranks
 from ..store import Store
 from ..store.base import MultipartUpload, UploadedPart
 from ..store.paths import MAX_RECORD_BYTES, read_capped
@@ -174,7 +174,7 @@ def _send(
     index, prefix), each with the sender's marker, written after every file is whole
     and every rank succeeded. Raises on every rank when any rank failed; returns the
     marker this rank wrote (None when it received nothing)."""
-    from ..dist.peers import pass_files  # torch: only when copies move
+    from ..ranks.peers import pass_files  # torch: only when copies move
 
     outgoing: list[tuple[str, int]] = []
     marker: bytes | None = None

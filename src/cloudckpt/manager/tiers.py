@@ -31,7 +31,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..dist.collectives import world_size
 from ..engine.copy import PARTIAL_SUFFIX, copy_tree
 from ..engine.drain import RUN_FILE, Drainer, claim
 from ..errors import (
@@ -42,6 +41,7 @@ from ..errors import (
 )
 from ..format.commit import read_committed
 from ..options import TransferOptions
+from ..ranks.collectives import world_size
 from ..store import ObjectInfo, Store
 from ..store.local import LocalStore
 from ..store.paths import MAX_RECORD_BYTES, read_capped

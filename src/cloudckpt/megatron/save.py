@@ -35,14 +35,14 @@ import torch.distributed.checkpoint as dcp
 from .._runtime.gcpause import paused_gc
 from ..dcp.location import CheckpointLocation
 from ..dcp.writer import CloudStorageWriter
-from ..dist.collectives import first_rank, on_first, rank, settle
-from ..dist.groups import checkpoint_group, group_ranks, runs_collectives
 from ..engine.handle import SaveHandle, in_flight
 from ..engine.staging import StagedTensors, stage_tensors
 from ..errors import CloudCkptError, DistributedSaveError
 from ..format.commit import commit_marker
 from ..format.torch.picklability import raise_if_unpicklable
 from ..options import TransferOptions
+from ..ranks.collectives import first_rank, on_first, rank, settle
+from ..ranks.groups import checkpoint_group, group_ranks, runs_collectives
 from ..store.deadline import deadline_scope
 from . import mcore
 from .layout import COMMON_NAME, CONFIG_NAME, encode_config

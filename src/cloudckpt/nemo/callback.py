@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..dist.collectives import barrier, on_first
 from ..lightning.fs import CloudFileSystem, is_remote, remote_dirpath, setup_remote_dirpath
 from ..options import TransferOptions
+from ..ranks.collectives import barrier, on_first
 from ._compat import ModelCheckpoint, WrappingCheckpointIO, is_global_rank_zero
 from .checkpoint_io import CloudMegatronCheckpointIO
 from .paths import (

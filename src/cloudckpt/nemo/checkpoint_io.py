@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from .. import megatron as cm
-from ..dist.collectives import agree
-from ..dist.groups import checkpoint_group
 from ..errors import ConfigError, NotFoundError
 from ..lightning.fs import register_settings
 from ..options import TransferOptions
+from ..ranks.collectives import agree
+from ..ranks.groups import checkpoint_group
 from ..store import Resolved, Settings, Target
 from ._compat import (
     AsyncCompatibleCheckpointIO,

@@ -21,12 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..dist.collectives import on_first
 from ..errors import NotFoundError
 from ..lightning.callback import is_remote
 from ..lightning.fs import register_options
 from ..megatron.layout import CONFIG_NAME
 from ..options import TransferOptions
+from ..ranks.collectives import on_first
 from ..redact import dataclass_repr
 from ._compat import AppState, AutoResume
 from .paths import (

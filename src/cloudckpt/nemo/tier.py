@@ -33,8 +33,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..dist.collectives import agree, on_first, settle, world_size
-from ..dist.groups import checkpoint_group, drain_group
 from ..engine.copy import copy_tree
 from ..engine.drain import Drainer, claim, complete_directories, directory_owner, read_owner
 from ..errors import ConfigError, CorruptCheckpointError, LocalTierFullError, NotFoundError
@@ -44,6 +42,8 @@ from ..manager.marker import MARKER_NAME, CheckpointInfo, check_files, commit_st
 from ..manager.payload import MegatronPayload
 from ..manager.tiers import CLOCK_SLACK, LocalTier, check_free, tensor_bytes
 from ..options import TransferOptions
+from ..ranks.collectives import agree, on_first, settle, world_size
+from ..ranks.groups import checkpoint_group, drain_group
 from ..store import Target
 from ..store.local import LocalStore
 from ..store.overlay import OverlayStore

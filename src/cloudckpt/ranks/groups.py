@@ -63,6 +63,7 @@ def torch_distributed() -> Any:
 
     return torch.distributed
 
+
 #: How long a checkpoint collective waits for a peer before failing that save.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
