@@ -51,6 +51,7 @@ import torch
 from ...errors import CloudCkptError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [
+    "MAX_TUPLE_DEPTH",
     "PROTOCOL4_OPCODES",
     "TORCH_OPCODES",
     "Policy",
@@ -71,6 +72,11 @@ __all__ = [
 def as_text(value: Any) -> str:
     """A pickle's text field, which Python 2 pickles wrote as bytes."""
     return value.decode("ascii") if isinstance(value, bytes) else str(value)
+
+
+#: How deep tuples may nest in a pickle (torch.save's nest a few levels; CPython crashes
+#: hashing one nested about 150,000 deep on an 8 MiB stack).
+MAX_TUPLE_DEPTH = 1000
 
 
 class Refused(UnsafeCheckpointError):
@@ -220,6 +226,9 @@ class RestrictedUnpickler:
         #: object) has its id taken out: a live object's id is its own, so an entry
         #: left by a dead object at the same address is gone before any mutator looks.
         self._own: set[int] = set()
+        #: How deep each tuple the tuple opcodes built from tuples nests (by id, as
+        #: ``_own``: an entry a dead tuple left can only overstate a new one's depth).
+        self._depths: dict[int, int] = {}
         self._callables = {id(v) for v in policy.globals.values() if callable(v)}
         #: Allowed callables whose every call makes a new object (:func:`_makes_new`).
         self._fresh = {id(v) for v in policy.globals.values() if _makes_new(v)}
@@ -399,6 +408,21 @@ class RestrictedUnpickler:
         self._own.discard(id(found))
         return found
 
+    def _nest(self, made: tuple[Any, ...]) -> None:
+        """Record how deep ``made`` (a tuple holding tuples) nests; Refused past
+        :data:`MAX_TUPLE_DEPTH`. CPython hashes a tuple by recursing into it with no
+        depth check, so a dict key or set element nested a few hundred thousand deep
+        overflows the C stack (``pickle.load`` and torch's unpickler crash on one); every
+        tuple here comes from these opcodes, so bounding them bounds every hash."""
+        depths = self._depths
+        depth = 1 + max(depths.get(id(item), 1) for item in made if type(item) is tuple)
+        if depth > MAX_TUPLE_DEPTH:
+            raise Refused(
+                f"tuples nested more than {MAX_TUPLE_DEPTH} deep (no checkpoint nests "
+                "them; hashing one would overflow the interpreter's stack)"
+            )
+        depths[id(made)] = depth
+
     def load(self) -> Any:
         """The object the pickle describes. Opcodes are tested most frequent first (as
         ``torch.save`` writes them); the checks every policy shares are inlined for the
@@ -427,6 +451,8 @@ class RestrictedUnpickler:
         append = stack.append
         marks: list[list[Any]] = []
         memo: dict[int, Any] = {}
+        depths = self._depths
+        depth_of = depths.get
         pos = 0
         while True:
             op = data[pos]  # IndexError past the end: damage
@@ -463,9 +489,17 @@ class RestrictedUnpickler:
                 items = stack
                 stack = marks.pop()
                 append = stack.append
-                append(tuple(items))
+                made = tuple(items)
+                append(made)
+                if tuple in map(type, made):  # how deep it nests (_nest), inline
+                    depth = 1 + max([depth_of(id(i), 1) for i in made if type(i) is tuple])
+                    if depth > MAX_TUPLE_DEPTH:
+                        self._nest(made)  # raises
+                    depths[id(made)] = depth
             elif op == 0x85:  # TUPLE1
-                stack[-1] = (stack[-1],)
+                stack[-1] = made = (stack[-1],)
+                if type(made[0]) is tuple:
+                    self._nest(made)
             elif op == 0x52:  # REDUCE
                 args = stack.pop()
                 func = stack[-1]
@@ -492,9 +526,15 @@ class RestrictedUnpickler:
             elif op == 0x29:  # EMPTY_TUPLE
                 append(())
             elif op == 0x86:  # TUPLE2
-                stack[-2:] = [(stack[-2], stack[-1])]
+                made = (stack[-2], stack[-1])
+                stack[-2:] = [made]
+                if type(made[0]) is tuple or type(made[1]) is tuple:
+                    self._nest(made)
             elif op == 0x87:  # TUPLE3
-                stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
+                made = (stack[-3], stack[-2], stack[-1])
+                stack[-3:] = [made]
+                if tuple in map(type, made):
+                    self._nest(made)
             elif op == 0x88:  # NEWTRUE
                 append(True)
             elif op == 0x4E:  # NONE
