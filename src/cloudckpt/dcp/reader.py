@@ -10,7 +10,7 @@ DCP calls it in this order (from ``dcp.load``)::
     4) coordinator  prepare_global_plan(plans)
     5) all ranks    read_data(plan, planner)      a plan marked SharedRead: first every
                                                   rank makes the gloo groups of the
-                                                  partition (dist/groups.py), then each
+                                                  partition (ranks/groups.py), then each
                                                   part reads once and shares
 
 ``read_data`` reads only the bytes this rank needs, in two rounds of coalesced,
@@ -284,7 +284,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         """Each of the N ranks of ``group`` reads the tensor items of about 1/N of the
         data (whole archives, contiguous in the checkpoint), byte items all; every rank
         of the group raises if any rank's reads failed (``settle``); then every tensor
-        goes from the rank that read and checked it to the others (dist/share.py).
+        goes from the rank that read and checked it to the others (ranks/share.py).
         Ranks outside the group take no part: they read their own items, and DCP's
         gather of every rank's outcome after read_data fails the load everywhere."""
         me, ranks = group_rank(group)
