@@ -4,7 +4,7 @@ Every "one rank acts, every rank learns the outcome" in cloudckpt goes through h
 over the ranks of the group the caller passes (None: the world). Each runs on one of
 cloudckpt's own gloo groups over those ranks (:func:`~cloudckpt.ranks.groups.dedicated`),
 never on the program's: its collectives never interleave with the training loop's,
-need no device, and their groups are cloudckpt's to destroy at exit (dist/groups.py
+need no device, and their groups are cloudckpt's to destroy at exit (ranks/groups.py
 says why that matters). Without an initialized process group, or in a group of one,
 each is a plain local call.
 

@@ -1,14 +1,14 @@
 """The gloo process groups checkpoint collectives run on.
 
 Every collective of cloudckpt's runs on a group of its own, never on the program's
-(:func:`dedicated`, which dist/collectives.py applies to each call): a collective in the
+(:func:`dedicated`, which ranks/collectives.py applies to each call): a collective in the
 caller's thread over the whole world on the "caller" group, a background commit's on
 :func:`checkpoint_group`, a drain's on :func:`drain_group`, a shared load's on its
 part's group. A group of the program's that holds only some ranks is the exception: it
 is used as given (see :func:`dedicated`).
 
 A Megatron save's planning, its "every rank's data is durable" gather and its commit
-broadcast, and a shared load's agreement and broadcasts (dist/share.py), run on a
+broadcast, and a shared load's agreement and broadcasts (ranks/share.py), run on a
 group created for checkpointing alone, never on the training group: an asynchronous
 upload then can't interleave its collectives with the training loop's (which hangs or
 corrupts both), and CPU tensors and objects never need a device (gloo works whatever
