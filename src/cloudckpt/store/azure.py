@@ -15,12 +15,15 @@ See docs/stores.md.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import (
+    AccessDeniedError,
     AlreadyExistsError,
     BucketNotFoundError,
     CloudCkptError,
@@ -44,6 +47,7 @@ from .base import (
 )
 from .body import body_skip
 from .endpoints import check_endpoint
+from .environment import Held
 from .status import error_for
 
 __all__ = ["ACCESS_TIERS", "AZURE_OPTIONS", "AzureStore"]
@@ -174,6 +178,24 @@ class AzureStore(Store):
         }
         if opts.get("account_url"):
             check_endpoint(opts["account_url"], "the Azure account_url (storage option)")
+        self._opts = opts
+        self._account = account
+        self._connection = (connect_timeout, read_timeout, max_connections)
+        # Azure answers some credential failures with 403 AuthorizationFailure (Azurite
+        # every bad signature, a SAS without the permission): a refusal too.
+        self._held: Held[_Clients] = Held(
+            "az",
+            self._connect,
+            lambda c: c.identity,
+            refused=(CredentialsError, AccessDeniedError),
+        )
+
+    def _connect(self) -> _Clients:
+        """Clients from the storage options and, beneath them, the environment as it is
+        now (``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_ACCOUNT``, ``_KEY``,
+        ``_SAS_TOKEN``): made again when those change or after a credentials failure
+        (store/environment.py ``Held``)."""
+        connect_timeout, read_timeout, max_connections = self._connection
         session = requests.Session()
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=max_connections, max_retries=0)
         session.mount("https://", adapter)
@@ -192,17 +214,19 @@ class AzureStore(Store):
             "max_chunk_get_size": 64 * 1024 * 1024,
         }
         try:
-            self._service = self._client(opts, account, kwargs)
+            service, identity = self._client(self._opts, self._account, kwargs)
         except ValueError as exc:  # malformed connection string, key or URL
             raise ConfigError(
                 f"invalid Azure settings for {self.root_url}: {redact_text(str(exc))}"
             ) from None
-        self._container = self._service.get_container_client(container)
+        return _Clients(service, service.get_container_client(self.container), identity)
 
     def _client(
         self, opts: Mapping[str, Any], account: str | None, kwargs: dict[str, Any]
-    ) -> BlobServiceClient:
-        """A service client from storage options, else the standard environment variables."""
+    ) -> tuple[BlobServiceClient, tuple[Any, ...]]:
+        """A service client from storage options, else the standard environment
+        variables, and who it acts as (the account URL and the kind of credential with a
+        digest of a static one; never the secret itself)."""
         env = os.environ
         conn = opts.get("connection_string")
         explicit = any(
@@ -211,7 +235,8 @@ class AzureStore(Store):
         if conn is None and not explicit and "credential" not in opts:
             conn = env.get("AZURE_STORAGE_CONNECTION_STRING")
         if conn:
-            return BlobServiceClient.from_connection_string(conn, **kwargs)
+            client = BlobServiceClient.from_connection_string(conn, **kwargs)
+            return client, ("connection_string", _digest(conn))
         name = (
             opts.get("account_name")
             or account
@@ -228,19 +253,22 @@ class AzureStore(Store):
         key = opts.get("account_key") or env.get("AZURE_STORAGE_KEY")
         sas = opts.get("sas_token") or env.get("AZURE_STORAGE_SAS_TOKEN")
         credential: Any
+        source: tuple[Any, ...]
         if opts.get("anonymous"):
-            credential = None
+            credential, source = None, ("anonymous",)
         elif opts.get("credential") is not None:
-            credential = opts["credential"]
+            credential, source = opts["credential"], ("storage_options",)
         elif opts.get("account_key") or (key and not opts.get("sas_token")):
             if not name:
                 raise ConfigError(f"an Azure account key needs account_name ({self.root_url})")
             credential = {"account_name": name, "account_key": key}
+            source = ("account_key", name, _digest(str(key)))
         elif sas:
-            credential = str(sas)
-        else:
-            credential = _default_credential()
-        return BlobServiceClient(account_url=str(url), credential=credential, **kwargs)
+            credential, source = str(sas), ("sas_token", _digest(str(sas)))
+        else:  # refreshes itself
+            credential, source = _default_credential(), ("default",)
+        client = BlobServiceClient(account_url=str(url), credential=credential, **kwargs)
+        return client, (str(url), *source)
 
     # -- error mapping ---------------------------------------------------------------------
     def _map_error(self, exc: Exception, key: str | None, op: str) -> Exception:
@@ -269,7 +297,8 @@ class AzureStore(Store):
             return StorageError(f"{op} {where} failed: {type(exc).__name__}")
         return exc
 
-    def _call(self, op: str, key: str | None, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _mapped(self, op: str, key: str | None, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``; failures come back as typed errors naming the URL."""
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
@@ -278,55 +307,75 @@ class AzureStore(Store):
                 raise
             raise mapped from None
 
-    def _blob(self, key: str) -> Any:
-        return self._container.get_blob_client(key)
+    def _call(self, op: str, key: str | None, action: Callable[[Any], Any]) -> Any:
+        """``action(container client)``, its failures typed. After a credentials failure
+        the clients are made again from the environment; when they now act as someone
+        else (a corrected key, another account or endpoint) the action runs once more
+        with them."""
+        return self._held.call(lambda made: self._mapped(op, key, action, made.container))
 
     # -- reads -----------------------------------------------------------------------------
     def _head(self, key: str) -> ObjectInfo:
-        props = self._call("head", key, self._blob(key).get_blob_properties, **self._quick)
+        props = self._call(
+            "head", key, lambda c: c.get_blob_client(key).get_blob_properties(**self._quick)
+        )
         return _info(key, props)
 
     def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
         length = sum(len(v) for v in buffers)
-        blob = self._blob(key)
         stream = self._call(
-            "read", key, blob.download_blob, offset=start, length=length, max_concurrency=1
+            "read",
+            key,
+            lambda c: c.get_blob_client(key).download_blob(
+                offset=start, length=length, max_concurrency=1
+            ),
         )
         total = getattr(getattr(stream, "properties", None), "size", None)
         if body_skip(self.url(key), start, length, stream.size, total):
             raise TransientError(f"reading {self.url(key)}: the range was not honoured")
         sink = _ScatterWriter(buffers)
-        self._call("read", key, stream.readinto, sink)
+        self._mapped("read", key, stream.readinto, sink)  # the body of the answer above
         if not sink.full:
             raise TransientError(f"reading {self.url(key)}: connection closed mid-body")
 
     def _list_page(self, prefix: str, token: Any) -> Page:
-        listing = self._container.list_blobs(name_starts_with=prefix, **self._quick)
-        pages = listing.by_page(continuation_token=token)
-        page = self._call("list", prefix, next, pages, None)
-        if page is None:
-            return [], None
-        items = [_info(p.name, p) for p in self._call("list", prefix, list, page)]
-        return items, getattr(pages, "continuation_token", None) or None
+        def page(container: Any) -> Page:
+            listing = container.list_blobs(name_starts_with=prefix, **self._quick)
+            pages = listing.by_page(continuation_token=token)
+            found = next(pages, None)
+            if found is None:
+                return [], None
+            items = [_info(p.name, p) for p in found]
+            return items, getattr(pages, "continuation_token", None) or None
+
+        result: Page = self._call("list", prefix, page)
+        return result
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, key: str, view: memoryview, if_none_match: bool) -> None:
+        body = _body(view)
         self._call(
             "put",
             key,
-            self._blob(key).upload_blob,
-            _body(view),
-            length=view.nbytes,
-            overwrite=not if_none_match,
-            validate_content=self._validate or None,
-            max_concurrency=1,
-            **self._creating,
+            lambda c: c.get_blob_client(key).upload_blob(
+                body,
+                length=view.nbytes,
+                overwrite=not if_none_match,
+                validate_content=self._validate or None,
+                max_concurrency=1,
+                **self._creating,
+            ),
         )
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
-            blob = self._blob(key)
-            self._call("delete", key, blob.delete_blob, delete_snapshots="include", **self._quick)
+            self._call(
+                "delete",
+                key,
+                lambda c: c.get_blob_client(key).delete_blob(
+                    delete_snapshots="include", **self._quick
+                ),
+            )
 
     def _create_multipart(self, key: str) -> MultipartUpload:
         # Nothing to create server-side: the id lives in the block ids.
@@ -341,15 +390,17 @@ class AzureStore(Store):
                 f"({self.url(upload.key)}): lower part_size"
             )
         block_id = _block_id(upload.upload_id, number)
+        body = _body(view)
         self._call(
             "upload part",
             upload.key,
-            self._blob(upload.key).stage_block,
-            block_id,
-            _body(view),
-            length=view.nbytes,
-            validate_content=self._validate or None,
-            **self._scope,
+            lambda c: c.get_blob_client(upload.key).stage_block(
+                block_id,
+                body,
+                length=view.nbytes,
+                validate_content=self._validate or None,
+                **self._scope,
+            ),
         )
         return UploadedPart(number=number, etag=block_id, size=view.nbytes)
 
@@ -358,9 +409,7 @@ class AzureStore(Store):
         self._call(
             "complete",
             upload.key,
-            self._blob(upload.key).commit_block_list,
-            blocks,
-            **self._creating,
+            lambda c: c.get_blob_client(upload.key).commit_block_list(blocks, **self._creating),
         )
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
@@ -371,45 +420,45 @@ class AzureStore(Store):
         (only if unchanged) drops them now; otherwise the service drops them at the
         blob's next commit or after seven days.
         """
-        blob = self._blob(upload.key)
+        key = upload.key
         try:
             self._call(
                 "abort",
-                upload.key,
-                blob.commit_block_list,
-                [],
-                if_none_match="*",
-                **self._scope,
+                key,
+                lambda c: c.get_blob_client(key).commit_block_list(
+                    [], if_none_match="*", **self._scope
+                ),
             )
         except (AlreadyExistsError, StorageError):
             return  # a committed blob is there: leave it alone
         with contextlib.suppress(NotFoundError, AlreadyExistsError, StorageError):
-            props = self._call("abort", upload.key, blob.get_blob_properties)
+            props = self._call("abort", key, lambda c: c.get_blob_client(key).get_blob_properties())
             if props.size == 0:
                 self._call(
                     "abort",
-                    upload.key,
-                    blob.delete_blob,
-                    etag=props.etag,
-                    match_condition=_if_match(),
+                    key,
+                    lambda c: c.get_blob_client(key).delete_blob(
+                        etag=props.etag, match_condition=_if_match()
+                    ),
                 )
 
     def _list_multipart(self, prefix: str) -> Iterator[MultipartUpload]:
         """Uploads staged to keys that have no committed blob yet (the service lists those)."""
         committed = {info.key for info in self._list_all(prefix)}
-        pages = self._call(
+        names = self._call(
             "list uploads",
             prefix,
-            self._container.list_blobs,
-            name_starts_with=prefix,
-            include=["uncommittedblobs"],
+            lambda c: [
+                p.name for p in c.list_blobs(name_starts_with=prefix, include=["uncommittedblobs"])
+            ],
         )
-        candidates = [p.name for p in pages if p.name not in committed]
-        for key in candidates:
+        for key in [n for n in names if n not in committed]:
+
+            def block_list(container: Any, key: str = key) -> Any:
+                return container.get_blob_client(key).get_block_list("uncommitted")
+
             try:
-                _, uncommitted = self._call(
-                    "list uploads", key, self._blob(key).get_block_list, "uncommitted"
-                )
+                _, uncommitted = self._call("list uploads", key, block_list)
             except NotFoundError:
                 continue
             ids = {_upload_of(b.id) for b in uncommitted}
@@ -417,10 +466,25 @@ class AzureStore(Store):
                 yield MultipartUpload(key=key, upload_id=upload_id)
 
     def close(self) -> None:
-        self._service.close()
+        self._held.made.service.close()
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class _Clients:
+    """What one set of settings made: the service and container clients and who they
+    act as (the account URL, the kind of credential, a digest of a static one)."""
+
+    service: Any
+    container: Any
+    identity: tuple[Any, ...]
+
+
+def _digest(secret: str) -> str:
+    """A digest standing for a secret in an identity (the secret itself is never kept)."""
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 class _ScatterWriter:

@@ -1,13 +1,24 @@
-"""Which environment variables each built-in store reads its settings from, and a
-digest of them: a store made under another digest was made from other settings
-(docs/configuration.md, "When settings are read")."""
+"""Which environment variables each built-in store reads its settings from, a digest of
+them, and :class:`Held`: what a store made from them, made again when they change or
+after a credentials failure (docs/configuration.md, "When settings are read").
+
+A store made under another digest was made from other settings: ``open_url`` makes a new
+store then, and a store already held (a manager's, a Lightning plugin's) makes its
+clients again through its :class:`Held`.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
-__all__ = ["ENVIRONMENT_PREFIXES", "environment"]
+from ..errors import CredentialsError
+
+__all__ = ["CHECK_SECONDS", "ENVIRONMENT_PREFIXES", "Held", "environment"]
 
 
 #: The environment variables each built-in store reads its settings from (names
@@ -18,6 +29,12 @@ ENVIRONMENT_PREFIXES: dict[str, tuple[str, ...]] = {
     "az": ("AZURE_",),
     "abfs": ("AZURE_",),
 }
+
+#: Seconds between two looks at the environment from a held store's request path.
+CHECK_SECONDS = 1.0
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def environment(scheme: str) -> str | None:
@@ -31,3 +48,67 @@ def environment(scheme: str) -> str | None:
     if not found:
         return None
     return hashlib.sha256(repr(found).encode()).hexdigest()
+
+
+class Held(Generic[T]):
+    """What one store made from its settings and the environment (its clients, its
+    session), shared by the store's copies (``with_retry``).
+
+    ``make`` is called again when the variables of ``scheme`` change (looked at from
+    the request path at most every :data:`CHECK_SECONDS`, so a store held for long
+    follows them) and by :meth:`call` after a credentials failure (the SDK's files read
+    again too). ``identity`` says who a made object acts as (endpoint, where the
+    credentials came from, a digest of static ones; never a secret): after a
+    credentials failure the request is sent once more only when the object made again
+    acts as someone else. Objects already handed to a request are left to it.
+    """
+
+    def __init__(
+        self,
+        scheme: str,
+        make: Callable[[], T],
+        identity: Callable[[T], Hashable],
+        *,
+        refused: tuple[type[Exception], ...] = (CredentialsError,),
+    ) -> None:
+        self._scheme = scheme
+        self._make = make
+        self._identity = identity
+        self._refused = refused
+        self._lock = threading.Lock()
+        self._env = environment(scheme)
+        self.made = make()
+        self._checked = time.monotonic()
+
+    def get(self) -> T:
+        """The object made from the settings as the environment has them now."""
+        made = self.made
+        now = time.monotonic()
+        if now - self._checked < CHECK_SECONDS:
+            return made
+        self._checked = now
+        return made if self._env == environment(self._scheme) else self.renew(made)
+
+    def renew(self, seen: T) -> T:
+        """The object made again, unless another thread did since ``seen`` was current."""
+        with self._lock:
+            if self.made is seen:
+                env = environment(self._scheme)  # before make: a change during it shows
+                self.made = self._make()
+                self._env = env
+            return self.made
+
+    def call(self, send: Callable[[T], R]) -> R:
+        """``send(made)``; after a credentials failure (``refused``: a
+        :class:`CredentialsError` unless the store says otherwise) the object is made
+        again and, when it now acts as someone else (a corrected secret, rotated keys,
+        another endpoint), ``send`` runs once more with it. With the same identity the
+        error stands."""
+        made = self.get()
+        try:
+            return send(made)
+        except self._refused:
+            renewed = self.renew(made)
+            if self._identity(renewed) == self._identity(made):
+                raise
+            return send(renewed)

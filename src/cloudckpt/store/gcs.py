@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import re
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from urllib.parse import quote
@@ -51,6 +53,7 @@ from .base import (
 )
 from .body import body_skip, content_range_total, read_body_into
 from .endpoints import check_endpoint
+from .environment import Held
 from .status import error_for
 
 __all__ = ["GCS_OPTIONS", "UPLOADS_PREFIX", "GCSStore"]
@@ -148,31 +151,43 @@ class GCSStore(Store):
         self._timeout = (connect_timeout, read_timeout)
         # Requests with a small answer (metadata, listings, deletes) wait less for it.
         self._quick = (connect_timeout, min(metadata_timeout or read_timeout, read_timeout))
-        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
-        if emulator and "://" not in emulator:  # the Google libraries' convention: host:port
-            emulator = f"http://{emulator}"
         if opts.get("endpoint_url"):
             check_endpoint(
                 opts["endpoint_url"], "the GCS endpoint_url (storage option, --endpoint-url)"
             )
+        self._opts = opts
+        self._max_connections = max_connections
+        # Paths under the endpoint, which the environment may change (_connect).
+        b = quote(bucket, safe="")
+        self._bucket_api = f"/storage/v1/b/{b}"
+        self._upload_api = f"/upload/storage/v1/b/{b}/o"
+        self._download_api = f"/download/storage/v1/b/{b}/o"
+        self._bucket_seen = False
+        self._held: Held[_Connection] = Held("gs", self._connect, lambda c: c.identity)
+
+    def _connect(self) -> _Connection:
+        """A session from the storage options and, beneath them, the environment as it
+        is now (``STORAGE_EMULATOR_HOST``, ``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's
+        application-default file): made again when those change or after a credentials
+        failure (store/environment.py ``Held``)."""
+        opts = self._opts
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if emulator and "://" not in emulator:  # the Google libraries' convention: host:port
+            emulator = f"http://{emulator}"
         endpoint = (opts.get("endpoint_url") or emulator or _DEFAULT_ENDPOINT).rstrip("/")
         # An emulator takes no credentials; so does a public bucket read anonymously.
         anonymous = bool(opts.get("anonymous")) or (
             bool(emulator) and not opts.get("endpoint_url") and "credentials_file" not in opts
         )
-        self._endpoint = endpoint
-        self._session = AuthorizedSession(self._credentials(opts, anonymous))
-        self._session.headers["Accept-Encoding"] = "identity"
+        session = AuthorizedSession(self._credentials(opts, anonymous))
+        session.headers["Accept-Encoding"] = "identity"
         if opts.get("verify") is not None:
-            self._session.verify = opts["verify"]
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=max_connections, max_retries=0)
-        self._session.mount("https://", adapter)
-        self._session.mount("http://", adapter)
-        b = quote(bucket, safe="")
-        self._bucket_api = f"{endpoint}/storage/v1/b/{b}"
-        self._upload_api = f"{endpoint}/upload/storage/v1/b/{b}/o"
-        self._download_api = f"{endpoint}/download/storage/v1/b/{b}/o"
-        self._bucket_seen = False
+            session.verify = opts["verify"]
+        pool = self._max_connections
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool, max_retries=0)
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        return _Connection(session, endpoint, (endpoint, *_credentials_source(opts, anonymous)))
 
     def _credentials(self, opts: Mapping[str, Any], anonymous: bool) -> Any:
         """Credentials from storage options, else google-auth's standard search."""
@@ -196,29 +211,36 @@ class GCSStore(Store):
         return creds
 
     # -- requests and error mapping ---------------------------------------------------------
-    def _object_url(self, key: str) -> str:
+    def _object_path(self, key: str) -> str:
         return f"{self._bucket_api}/o/{quote(key, safe='')}"
 
     def _request(
-        self, method: str, url: str, key: str | None, op: str, **kwargs: Any
+        self, method: str, path: str, key: str | None, op: str, **kwargs: Any
     ) -> requests.Response:
-        """One HTTP request; failures come back as typed errors naming the URL."""
+        """One HTTP request to ``path`` under the endpoint; failures come back as typed
+        errors naming the URL. After a credentials failure the session is made again
+        from the environment and the credentials file; when it now acts as someone else
+        (a rotated key file, another endpoint) the request is sent once more with it."""
         kwargs.setdefault("timeout", self._timeout)
         where = self.url(key) if key is not None else self.root_url
-        try:
-            resp = self._session.request(method, url, **kwargs)
-        except (requests.ConnectionError, requests.Timeout, TransportError) as exc:
-            raise TransientError(f"{op} {where}: {type(exc).__name__}") from None
-        except GoogleAuthError as exc:
-            raise CredentialsError(
-                f"Google credentials failed for {where}: {redact_text(str(exc))}"
-            ) from None
-        except requests.RequestException as exc:
-            detail = redact_text(str(exc))
-            raise StorageError(f"{op} {where} failed: {type(exc).__name__}: {detail}") from None
-        if resp.status_code < 300:
-            return resp
-        raise self._status_error(resp, key, op)
+
+        def send(conn: _Connection) -> requests.Response:
+            try:
+                resp = conn.session.request(method, conn.endpoint + path, **kwargs)
+            except (requests.ConnectionError, requests.Timeout, TransportError) as exc:
+                raise TransientError(f"{op} {where}: {type(exc).__name__}") from None
+            except GoogleAuthError as exc:
+                raise CredentialsError(
+                    f"Google credentials failed for {where}: {redact_text(str(exc))}"
+                ) from None
+            except requests.RequestException as exc:
+                detail = redact_text(str(exc))
+                raise StorageError(f"{op} {where} failed: {type(exc).__name__}: {detail}") from None
+            if resp.status_code < 300:
+                return resp
+            raise self._status_error(resp, key, op)
+
+        return self._held.call(send)
 
     def _status_error(self, resp: requests.Response, key: str | None, op: str) -> Exception:
         status = resp.status_code
@@ -240,8 +262,9 @@ class GCSStore(Store):
         """Tell a missing bucket from a missing object (asked only after a 404)."""
         if self._bucket_seen:
             return True
+        conn = self._held.get()
         try:
-            resp = self._session.get(self._bucket_api, timeout=self._quick)
+            resp = conn.session.get(conn.endpoint + self._bucket_api, timeout=self._quick)
         except requests.RequestException:
             return True  # cannot tell: report the object as missing
         resp.close()
@@ -250,14 +273,14 @@ class GCSStore(Store):
 
     # -- reads ----------------------------------------------------------------------------
     def _head(self, key: str) -> ObjectInfo:
-        meta = self._request("GET", self._object_url(key), key, "head", timeout=self._quick).json()
+        meta = self._request("GET", self._object_path(key), key, "head", timeout=self._quick).json()
         return _info(meta)
 
     def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
         length = sum(b.nbytes for b in buffers)
-        url = f"{self._download_api}/{quote(key, safe='')}?alt=media"
+        path = f"{self._download_api}/{quote(key, safe='')}?alt=media"
         headers = {"Range": f"bytes={start}-{start + length - 1}"}
-        resp = self._request("GET", url, key, "read", headers=headers, stream=True)
+        resp = self._request("GET", path, key, "read", headers=headers, stream=True)
         try:
             got = int(resp.headers.get("Content-Length", -1))
             total = content_range_total(resp.headers.get("Content-Range"))
@@ -333,8 +356,8 @@ class GCSStore(Store):
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
-            url = self._object_url(key)
-            self._request("DELETE", url, key, "delete", timeout=self._quick).close()
+            path = self._object_path(key)
+            self._request("DELETE", path, key, "delete", timeout=self._quick).close()
 
     def _create_multipart(self, key: str) -> MultipartUpload:
         upload_id = uuid.uuid4().hex
@@ -387,7 +410,7 @@ class GCSStore(Store):
         try:
             resp = self._request(
                 "POST",
-                self._object_url(dest) + "/compose",
+                self._object_path(dest) + "/compose",
                 key,
                 "complete",
                 json=body,
@@ -427,10 +450,41 @@ class GCSStore(Store):
             yield MultipartUpload(key=key, upload_id=upload_id, initiated=initiated)
 
     def close(self) -> None:
-        self._session.close()
+        self._held.made.session.close()
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class _Connection:
+    """What one set of settings made: the authorized session, the endpoint its requests
+    go to, and who they act as (the endpoint and where the credentials came from with a
+    digest of that file; never a secret)."""
+
+    session: Any
+    endpoint: str
+    identity: tuple[Any, ...]
+
+
+def _credentials_source(opts: Mapping[str, Any], anonymous: bool) -> tuple[Any, ...]:
+    """Where the credentials come from, with a digest of that file: the storage
+    option's file, else ``GOOGLE_APPLICATION_CREDENTIALS``, else gcloud's
+    application-default file (metadata-server credentials refresh themselves)."""
+    if anonymous:
+        return ("anonymous",)
+    path = opts.get("credentials_file") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if not path:
+        config = os.environ.get("CLOUDSDK_CONFIG") or os.path.join(
+            os.path.expanduser("~"), ".config", "gcloud"
+        )
+        path = os.path.join(config, "application_default_credentials.json")
+    try:
+        with open(os.fspath(path), "rb") as f:
+            digest: str | None = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        digest = None
+    return (os.fspath(path), digest)
 
 
 def _credentials_from_file(path: str) -> Any:

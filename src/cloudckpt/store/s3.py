@@ -15,9 +15,7 @@ import copy
 import hashlib
 import os
 import re
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -66,7 +64,7 @@ from .base import (
 )
 from .body import body_skip, content_range_total, read_body_into
 from .endpoints import check_endpoint
-from .environment import environment
+from .environment import Held
 from .s3_signed_reads import SignedReads
 from .status import error_for
 
@@ -178,51 +176,19 @@ _QUICK_OPS = frozenset(
         "abort_multipart_upload",
     }
 )
-#: Seconds between two looks at the environment from the request path (an open makes
-#: a new store when it changed: cloudckpt.store.open_url).
-_ENV_CHECK_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
 class _Clients:
-    """What one set of settings made: the data and metadata clients, the fast reads, the
-    environment they were made from and who they act as (endpoint, region, the source
-    and a digest of the credentials; never the credentials themselves)."""
+    """What one set of settings made: the data and metadata clients, the fast reads and
+    who they act as (endpoint, region, the source and a digest of the credentials; never
+    the credentials themselves). Held by the store (store/environment.py ``Held``): made
+    again when the AWS variables change and after a credentials failure."""
 
     data: Any
     quick: Any
     fast: SignedReads
-    env: str | None
     identity: tuple[Any, ...]
-
-
-class _ClientHolder:
-    """A store's clients, shared by its copies (``with_retry``), made again from the
-    storage options and the environment when the AWS variables change (looked at, from
-    the request path, once a second: a store held for long, a manager's, follows them)
-    and after a credentials failure (the shared credentials and config files read
-    again). Clients already handed to a request are left to it."""
-
-    def __init__(self, make: Callable[[], _Clients]) -> None:
-        self._make = make
-        self._lock = threading.Lock()
-        self.made = make()
-        self._checked = time.monotonic()
-
-    def get(self) -> _Clients:
-        made = self.made
-        now = time.monotonic()
-        if now - self._checked < _ENV_CHECK_SECONDS:
-            return made
-        self._checked = now
-        return made if made.env == environment("s3") else self.renew(made)
-
-    def renew(self, seen: _Clients) -> _Clients:
-        """Clients made again, unless another thread did since ``seen`` was current."""
-        with self._lock:
-            if self.made is seen:
-                self.made = self._make()
-            return self.made
 
 
 class S3Store(Store):
@@ -246,10 +212,12 @@ class S3Store(Store):
         self._params = _request_params(opts)
         self._sse_c = "sse_customer_key" in opts
         timeouts = (connect_timeout, read_timeout, metadata_timeout or read_timeout)
-        self._holder = _ClientHolder(
+        self._holder: Held[_Clients] = Held(
+            "s3",
             lambda: _make_clients(
                 bucket, opts, self.root_url, timeouts, max_connections, self._params
-            )
+            ),
+            lambda made: made.identity,
         )
 
     @property
@@ -306,14 +274,7 @@ class S3Store(Store):
         the clients again from the environment and the shared files; when they then act
         as someone else (rotated keys, a corrected secret, another endpoint), the call
         is made once more with them."""
-        made = self._holder.get()
-        try:
-            return self._send(made, op, key, quick, kwargs)
-        except CredentialsError:
-            renewed = self._holder.renew(made)
-            if renewed.identity == made.identity:
-                raise
-            return self._send(renewed, op, key, quick, kwargs)
+        return self._holder.call(lambda made: self._send(made, op, key, quick, kwargs))
 
     def _send(
         self, made: _Clients, op: str, key: str | None, quick: bool | None, kwargs: dict[str, Any]
@@ -559,7 +520,6 @@ def _make_clients(
     """Clients from the storage options and, beneath them, the environment as it is now.
 
     ``timeouts``: connect, data read, metadata read (docs/configuration.md)."""
-    env = environment("s3")
     endpoint = _endpoint(opts)
     connect_timeout, read_timeout, quick_timeout = timeouts
     try:
@@ -609,7 +569,7 @@ def _make_clients(
     except ValueError as exc:  # botocore's "Invalid endpoint", a bad region name...
         raise ConfigError(f"invalid S3 settings for {root_url}: {redact_text(str(exc))}") from None
     fast = SignedReads(data, bucket, _read_headers(params))
-    return _Clients(data, quick, fast, env, _identity(session, opts, endpoint, region))
+    return _Clients(data, quick, fast, _identity(session, opts, endpoint, region))
 
 
 def _identity(
