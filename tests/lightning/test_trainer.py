@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -10,6 +12,7 @@ from tiny import Tiny
 import cloudckpt
 from cloudckpt import errors
 from cloudckpt.lightning import CloudCheckpointIO, CloudModelCheckpoint
+from cloudckpt.testing import unique_bucket_name
 
 
 def trainer(s3, dirpath, epochs, *, async_save, top_k=2, io=None):
@@ -80,6 +83,22 @@ def test_no_last_checkpoint_starts_fresh(s3_server):
     with pytest.warns(UserWarning, match="no last checkpoint"):
         t.fit(model, ckpt_path="last")
     assert model.started_at_epoch == 0
+
+
+def test_the_logs_name_the_url_as_given(moto_server, caplog):
+    """Lightning's resume messages show ``s3://...``, not the ``cloudckpt://s3://...``
+    path its fsspec lookup needs (issue 41)."""
+    dirpath = f"s3://{moto_server.make_bucket(unique_bucket_name('lt-logs'))}/run"
+    t, _ = trainer(moto_server, dirpath, 1, async_save=False)
+    t.fit(Tiny())
+    caplog.set_level(logging.INFO)
+    t2, _ = trainer(moto_server, dirpath, 2, async_save=False)
+    t2.fit(Tiny(), ckpt_path="last")
+    said = [r.getMessage() for r in caplog.records]
+    assert f"Restoring states from the checkpoint path at {dirpath}/last.ckpt" in said, said
+    assert f"Restored all states from the checkpoint at {dirpath}/last.ckpt" in said, said
+    assert not [m for m in said if "cloudckpt://" in m]
+    assert f"{t2.ckpt_path}" == f"{dirpath}/last.ckpt"
 
 
 def test_a_failing_background_save_fails_the_run(moto_server):

@@ -121,9 +121,29 @@ def setup_remote_dirpath(callback: Any, trainer: Any) -> None:
     callback._fs = CloudFileSystem()
 
 
+class _WrappedPath(str):
+    """A wrapped path (``cloudckpt://s3://b/k``) that messages show as the URL the user
+    wrote (``s3://b/k``).
+
+    Lightning passes the paths a ``ModelCheckpoint`` finds for ``ckpt_path="last"`` to
+    fsspec through ``str(path)``, so their value must be the wrapped one; it then logs
+    the chosen one ("Restoring states from the checkpoint path at ...") with an
+    f-string. Formatting and ``repr`` give the user's URL; ``str()``, comparisons and
+    hashing keep the wrapped value (every cloudckpt entry point unwraps it)."""
+
+    __slots__ = ()
+
+    def __format__(self, spec: str) -> str:
+        return format(unwrap(self), spec)
+
+    def __repr__(self) -> str:
+        return repr(unwrap(self))
+
+
 def wrap(url: str) -> str:
-    """``s3://b/k`` -> ``cloudckpt://s3://b/k`` (a path fsspec resolves to this filesystem)."""
-    return url if url.startswith(_PREFIX) else _PREFIX + url
+    """``s3://b/k`` -> ``cloudckpt://s3://b/k`` (a path fsspec resolves to this
+    filesystem, shown in messages as ``s3://b/k``)."""
+    return _WrappedPath(url if url.startswith(_PREFIX) else _PREFIX + url)
 
 
 def unwrap(path: Any) -> str:
