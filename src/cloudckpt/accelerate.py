@@ -26,13 +26,14 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .engine.background import SaveLine
 from .engine.copy import copy_tree
 from .engine.handle import SaveHandle, in_flight
+from .engine.remove import remove_checkpoint
 from .errors import (
     AlreadyExistsError,
     ConfigError,
@@ -41,7 +42,6 @@ from .errors import (
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
-from .manager.gc import delete_prefix
 from .manager.marker import check_files, commit_step, marker_key, root_prefix, step_dir
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
@@ -55,9 +55,8 @@ log = logging.getLogger("cloudckpt")
 #: The ``kind`` recorded in the marker of an Accelerate checkpoint.
 KIND = "accelerate"
 
-_lock = threading.Lock()
-#: The background save still running, per run URL: the next save of that run waits.
-_running: dict[str, AccelerateSaveHandle] = {}
+#: The background saves, a line per run URL: the next save of a run waits (engine/background.py).
+_line = SaveLine()
 
 
 class AccelerateSaveHandle(SaveHandle[CheckpointInfo]):
@@ -149,10 +148,7 @@ def save_state(
         )
     in_flight.raise_unreported()
     manager = _open_run(url, options, storage_options, keep_last)
-    with _lock:
-        previous = _running.get(manager.root_url)
-    if previous is not None:
-        previous.wait()
+    _line.make_room(manager.root_url)
     group = _group()
     if step is None:
         newest = manager.latest()
@@ -198,26 +194,14 @@ def save_state(
     background = drain_group() if is_distributed() else None
     handle = AccelerateSaveHandle(chosen, url_of_step)
 
-    def run() -> None:
-        result: CheckpointInfo | None = None
-        failure: BaseException | None = None
+    def run() -> CheckpointInfo:
         try:
-            result = _upload_and_commit(manager, chosen, folder, metadata, background)
-        except BaseException as exc:
-            failure = exc
+            return _upload_and_commit(manager, chosen, folder, metadata, background)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-            with _lock:
-                if _running.get(manager.root_url) is handle:
-                    del _running[manager.root_url]
-        handle.finish(result, failure)
 
-    with _lock:
-        _running[manager.root_url] = handle
-    in_flight.add(handle)
-    worker = threading.Thread(target=run, name=f"cloudckpt-accelerate-{chosen}", daemon=True)
-    in_flight.add_worker(worker)  # joined at exit (engine/handle.py)
-    worker.start()
+    _line.add(handle, manager.root_url)
+    _line.start(handle, run, name=f"cloudckpt-accelerate-{chosen}")
     return handle
 
 
@@ -250,7 +234,7 @@ def _upload_and_commit(
             owner.setdefault(name, index)
     mine = [n for n in names if owner[n] == me]
     on_first(
-        lambda: delete_prefix(store, prefix, options),
+        lambda: remove_checkpoint(store, prefix, options),
         group,
         what=f"clearing leftovers under {url}",
         error_type=DistributedSaveError,
@@ -304,10 +288,7 @@ def load_state(
     from accelerate.utils import RNG_STATE_NAME
 
     manager = _open_run(url, options, storage_options)
-    with _lock:
-        previous = _running.get(manager.root_url)
-    if previous is not None:
-        previous.wait()  # this process's background save of the run commits first
+    _line.make_room(manager.root_url)  # this process's background save of the run commits first
     group = _group()
     info = manager.latest() if step is None else manager.info(_checked_step(step))
     if info is None:

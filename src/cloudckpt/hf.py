@@ -17,7 +17,19 @@ rotation may delete the folder meanwhile) and returns; one background thread upl
 (``engine/copy.copy_tree``) and commits (``manager/marker.commit_step``), then applies
 the Trainer's ``save_total_limit`` in the bucket, never deleting the best checkpoint
 (``best_model_checkpoint``) nor the newest committed one. ``on_train_end`` waits and
-raises the first failed upload's error. One process only (``world_size`` 1). See
+raises the first failed upload's error.
+
+On several processes (``torchrun``, ``accelerate launch``: DDP, FSDP, DeepSpeed) every
+rank runs the callback: ``on_save`` waits until every rank wrote its part of
+``checkpoint-N``, the ranks agree on who uploads which file (the rank a file's name
+names: ``rng_state_R.pth``, DeepSpeed's ``zero_pp_rank_R_*``, DCP's ``__R_*.distcp``;
+any other file the lowest rank that sees it, the Trainer's main process), and each
+rank links its own files into ``output_dir/.cloudckpt-upload/rank-R/``. Each rank's
+upload thread then uploads them, the ranks settle (one failed rank fails the step on
+every rank, a ``DistributedSaveError`` naming it) and rank 0 writes the marker once
+every rank's upload succeeded, on cloudckpt's own gloo group (never the training
+group). ``fetch_latest`` is a collective there: rank 0 chooses the step, the first
+process of each local directory (host and path) downloads it, the others wait. See
 docs/integrations.md (Hugging Face Trainer).
 """
 
@@ -34,19 +46,23 @@ from typing import Any
 
 from ._lazy import lazy_attributes
 from .engine.copy import copy_tree
-from .engine.drain import Drainer
+from .engine.drain import Drainer, directory_owner
+from .engine.remove import remove_checkpoint
 from .errors import (
     AlreadyExistsError,
     ConfigError,
     CorruptCheckpointError,
+    DistributedLoadError,
+    DistributedSaveError,
     NotFoundError,
     UnsafePathError,
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
-from .manager.gc import delete_prefix
 from .manager.marker import commit_step, root_prefix, step_dir
 from .options import TransferOptions
+from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
+from .ranks.groups import drain_group
 from .store.local import LocalStore
 
 __all__ = ["CloudCheckpointCallback", "fetch_latest"]
@@ -65,6 +81,10 @@ STAGING = ".cloudckpt-upload"
 _FOLDER = re.compile(r"^checkpoint-(\d+)$")
 #: File suffixes of torch archives, whose every record's CRC-32 ``fetch_latest`` checks.
 _ARCHIVES = (".pt", ".pth", ".bin")
+#: A file one rank writes, known by the rank its name carries: the Trainer's
+#: ``rng_state_R.pth``, DeepSpeed's ZeRO files (``[bf16_]zero_pp_rank_R_*``) and DCP's
+#: data files (``__R_0.distcp``: FSDP's sharded state).
+_RANK_FILE = re.compile(r"(?:^|/)(?:rng_state_|(?:[^/]*_)?zero_pp_rank_|__)(\d+)[_.][^/]*$")
 
 
 def _folder_step(path: str | os.PathLike[str] | None) -> int | None:
@@ -123,11 +143,52 @@ def _link_tree(src: Path, dst: Path) -> None:
         rel = Path(here).relative_to(src)
         (dst / rel).mkdir(parents=True, exist_ok=True)
         for name in files:
-            try:
-                os.link(Path(here) / name, dst / rel / name)
-            except OSError:
-                shutil.copy2(Path(here) / name, dst / rel / name)
+            _link(Path(here) / name, dst / rel / name)
         dirs.sort()
+
+
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link to ``src`` (a real copy where links are refused)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file under ``folder``, as sorted ``/``-separated relative paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def file_owners(listings: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Which rank uploads each file of a ``checkpoint-N`` written by several ranks:
+    ``listings[r]`` is what rank ``r`` sees in its folder (one folder shared by a node's
+    ranks, or one per rank). A file goes to the rank its name names (``rng_state_R``,
+    ``zero_pp_rank_R``, ``__R_*.distcp``: the rank that wrote it) when that rank sees
+    it, else to the lowest rank that sees it (the Trainer's main process writes the
+    rest). Each file is uploaded once."""
+    seen: dict[str, list[int]] = {}
+    for index, names in enumerate(listings):
+        for name in names:
+            seen.setdefault(name, []).append(index)
+    owners: dict[str, int] = {}
+    for name, ranks in seen.items():
+        found = _RANK_FILE.search(name)
+        named = int(found.group(1)) if found else None
+        owners[name] = named if named in ranks else ranks[0]
+    return owners
+
+
+def _check_launched(what: str) -> None:
+    """ConfigError when the launcher started several processes (``WORLD_SIZE``) and
+    torch.distributed is not initialized yet: each would act alone."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1 and world_size() == 1:
+        raise ConfigError(
+            f"{what} runs in one of {launched} processes (WORLD_SIZE) before "
+            "torch.distributed is initialized; create the Trainer first (its "
+            "TrainingArguments start the process group), then call it on every process"
+        )
 
 
 class CallbackBase:
@@ -158,6 +219,16 @@ class CallbackBase:
         self._lock = threading.Lock()
         self._committed: set[int] = set()
         self._cleared: set[int] = set()
+        # Several processes (set by on_train_begin): this rank, the ranks, whether this
+        # rank is the first of those sharing its output_dir, the upload thread's group.
+        self._rank, self._world = 0, 1
+        self._dir_owner = True
+        self._group: Any = None
+        #: Per step saved by several ranks: this rank's staging error, every file name.
+        self._stage_errors: dict[int, BaseException] = {}
+        self._expected: dict[int, set[str]] = {}
+        #: Steps whose upload failed on every rank (a collective failure), to retry.
+        self._failed: set[int] = set()
 
     # -- naming --------------------------------------------------------------------------
     def step_prefix(self, step: int) -> str:
@@ -165,46 +236,76 @@ class CallbackBase:
         return f"{root_prefix(self.manager.root_key)}{step_dir(step)}/"
 
     def _staging(self) -> Path:
+        """Where this rank links the folders it uploads (one process: STAGING itself)."""
         assert self.output_dir is not None
-        return self.output_dir / STAGING
+        root = self.output_dir / STAGING
+        return root if self._world == 1 else root / f"rank-{self._rank}"
 
     # -- the Trainer's events ------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Check the setup before the first step: one process, and the bucket answers
-        (a missing bucket or rejected credentials raise here, typed)."""
-        if getattr(args, "world_size", 1) > 1:
+        """Check the setup before the first step: the bucket answers (a missing bucket
+        or rejected credentials raise here, typed, on every rank); with several
+        processes, torch.distributed is initialized over all of them."""
+        world = int(getattr(args, "world_size", 1) or 1)
+        if world > 1 and world_size() != world:
             raise ConfigError(
-                f"CloudCheckpointCallback ({self.url}) supports a single-process Trainer; "
-                f"this one runs {args.world_size} processes"
+                f"CloudCheckpointCallback ({self.url}): the Trainer runs {world} processes "
+                f"and torch.distributed's process group holds {world_size()}; launch them "
+                "with torchrun or accelerate launch"
             )
+        self._world = world
+        self._rank = rank() if world > 1 else 0
         self.output_dir = Path(args.output_dir)
         self.policy.limit = args.save_total_limit
         self.policy.best = _folder_step(state.best_model_checkpoint)
-        self.manager.list()
+        self.manager.list()  # several processes: rank 0 lists, every rank learns the outcome
         if self._drainer is not None:  # an earlier train() of this callback that raised
-            for error in self._drainer.wait(self.timeout).values():
-                log.warning("%s; dropped: this run saves its checkpoints again", error)
-        staging = self._staging()
-        if staging.exists():
-            # Folders a killed process was uploading: the resumed run saves them again.
-            log.warning("removing %s, left by an earlier run's unfinished uploads", staging)
-            shutil.rmtree(staging)
+            for dropped in self._drainer.wait(self.timeout).values():
+                log.warning("%s; dropped: this run saves its checkpoints again", dropped)
+        self._stage_errors.clear()
+        self._expected.clear()
+        self._failed.clear()
+        staging = self.output_dir / STAGING
+        if world == 1:
+            self._dir_owner = True
+            if staging.exists():
+                # Folders a killed process was uploading: the resumed run saves them again.
+                log.warning("removing %s, left by an earlier run's unfinished uploads", staging)
+                shutil.rmtree(staging)
+        else:
+            self._group = drain_group()  # made by every rank, in step (then reused)
+            self._dir_owner, _ = directory_owner(self.output_dir, None)
+            error: BaseException | None = None
+            if self._dir_owner and staging.exists():
+                log.warning("removing %s, left by an earlier run's unfinished uploads", staging)
+                try:
+                    shutil.rmtree(staging)
+                except Exception as exc:
+                    error = exc
+            settle(error, f"removing {staging}, left by an earlier run")
         self._drainer = Drainer(
-            self._upload,
+            self._upload if world == 1 else self._upload_ranks,
             str(self.output_dir),
             self.url,
             noun="checkpoint",
             at_exit="the resumed run saves those checkpoints again",
             retry="the next save or on_train_end",
+            merge=world == 1,  # several ranks: every rank's thread runs the same steps
         )
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Hand ``checkpoint-{global_step}`` to the upload thread and return."""
+        """Hand ``checkpoint-{global_step}`` to the upload thread and return (several
+        processes: once every rank wrote its part and the ranks agreed who uploads what)."""
         if self._drainer is None:
             self.on_train_begin(args, state, control)
         assert self._drainer is not None and self.output_dir is not None
         step = int(state.global_step)
         folder = self.output_dir / f"checkpoint-{step}"
+        if self._world > 1:
+            self.policy.best = _folder_step(state.best_model_checkpoint)
+            self._stage_ranks(step, folder)
+            self._prune_local()
+            return
         if not folder.is_dir():
             raise NotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
         if step in self._drainer.unfinished():
@@ -231,13 +332,77 @@ class CallbackBase:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the uploads (TimeoutError after ``timeout`` s, default the
-        callback's); raise the error of the oldest one that failed again."""
+        callback's); raise the error of the oldest one that failed again. With several
+        processes, a collective: every rank calls it (``on_train_end`` does)."""
         if self._drainer is None:
             return
-        self._drainer.retry_failed()
-        failed = self._drainer.wait(self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        if self._world > 1:
+            # Once every rank's thread is idle, each knows the same failed steps (each
+            # step's outcome is agreed); retry those every rank lists, in one order.
+            self._drainer.wait(limit)
+            with self._lock:
+                mine = sorted(self._failed)
+            for step in _failed_everywhere(agree(None, mine).values):
+                self._drainer.submit(step)
+        else:
+            self._drainer.retry_failed()
+        failed = self._drainer.wait(limit)
         if failed:
             raise failed[min(failed)]
+
+    # -- several processes ---------------------------------------------------------------
+    def _stage_ranks(self, step: int, folder: Path) -> None:
+        """``on_save`` on several processes (every rank, in the training thread): once
+        every rank wrote its part of ``folder``, agree who uploads which file, link this
+        rank's into its staging folder and queue the step (after the steps that failed
+        on every rank, tried again) for the upload thread."""
+        assert self._drainer is not None
+        if step in self._drainer.unfinished():
+            self._drainer.wait(self.timeout)  # the same step saved again: after that one
+        missing = None
+        if not folder.is_dir():
+            missing = NotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
+        # A barrier too: every rank's files of this step are written once all got here.
+        settle(
+            missing, f"the Trainer's {folder.name} on every rank", error_type=DistributedSaveError
+        )
+        error: BaseException | None = None
+        names: list[str] = []
+        try:
+            names = _files_under(folder)
+        except Exception as exc:
+            error = exc
+        with self._lock:
+            failed = sorted(self._failed - {step})
+        agreement = agree(error, (names, failed))
+        if error is not None:
+            raise error
+        agreement.raise_failures(f"the listing of each rank's {folder.name}", DistributedSaveError)
+        owners = file_owners([listed for listed, _ in agreement.values])
+        staged = self._staging() / folder.name
+        partial = staged.with_name(staged.name + ".partial")
+        staging_error: BaseException | None = None
+        try:
+            for old in (staged, partial):
+                if old.exists():
+                    shutil.rmtree(old)
+            partial.mkdir(parents=True)
+            for name in names:
+                if owners[name] == self._rank:
+                    (partial / name).parent.mkdir(parents=True, exist_ok=True)
+                    _link(folder / name, partial / name)
+            partial.rename(staged)
+        except Exception as exc:  # raised by the upload, where every rank learns it
+            staging_error = exc
+        with self._lock:
+            self._expected[step] = set(owners)
+            self._stage_errors.pop(step, None)
+            if staging_error is not None:
+                self._stage_errors[step] = staging_error
+        for again in _failed_everywhere([f for _, f in agreement.values]):
+            self._drainer.submit(again)
+        self._drainer.submit(step)
 
     # -- the upload thread ---------------------------------------------------------------
     def _upload(self, step: int) -> None:
@@ -252,7 +417,7 @@ class CallbackBase:
                 f"{store.url(prefix)}; resume from the latest committed checkpoint"
             )
         if step not in self._cleared:  # a killed run's leftovers: never taken as ours
-            delete_prefix(store, prefix, options)
+            remove_checkpoint(store, prefix, options)
             self._cleared.add(step)
         copy_tree(LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,))
         commit_step(store, prefix, step, KIND, {}, {"folder": staged.name})
@@ -266,11 +431,87 @@ class CallbackBase:
                 "retention under %s failed (the checkpoint is committed): %s", self.url, exc
             )
 
+    def _upload_ranks(self, step: int) -> None:
+        """The upload thread on several processes (every rank, the same steps in the
+        same order, collectives on the upload group): rank 0 checks the step is not
+        committed and clears leftovers; each rank uploads its staged files; once every
+        rank's upload succeeded rank 0 commits and applies retention. A failure on any
+        rank fails the step on every rank (DistributedSaveError naming it)."""
+        try:
+            self._upload_ranks_once(step)
+        except BaseException:
+            with self._lock:
+                self._failed.add(step)
+            raise
+        with self._lock:
+            self._failed.discard(step)
+            self._committed.add(step)
+            self._expected.pop(step, None)
+            self._stage_errors.pop(step, None)
+        shutil.rmtree(self._staging() / f"checkpoint-{step}", ignore_errors=True)
+
+    def _upload_ranks_once(self, step: int) -> None:
+        staged = self._staging() / f"checkpoint-{step}"
+        store, options = self.manager.store, self.manager.options
+        prefix = self.step_prefix(step)
+        url = store.url(prefix)
+        group = self._group
+
+        def clear() -> None:  # the first rank
+            if read_committed(store, prefix + MARKER_NAME) is not None:
+                raise AlreadyExistsError(
+                    f"{staged.name} of {self.output_dir} is already committed at {url}; "
+                    "resume from the latest committed checkpoint"
+                )
+            if step not in self._cleared:  # a killed run's leftovers: never taken as ours
+                remove_checkpoint(store, prefix, options)
+                self._cleared.add(step)
+
+        on_first(
+            clear,
+            group,
+            what=f"the check that {url} is not committed",
+            error_type=DistributedSaveError,
+        )
+        with self._lock:
+            error = self._stage_errors.get(step)
+            expected = set(self._expected.get(step, ()))
+        if error is None:
+            try:
+                if not staged.is_dir():
+                    raise NotFoundError(f"the staged copy {staged} of {staged.name} is missing")
+                copy_tree(LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,))
+            except Exception as exc:
+                error = exc
+        settle(
+            error,
+            f"the upload of each rank's files to {url}",
+            group=group,
+            error_type=DistributedSaveError,
+        )
+
+        def commit() -> None:  # the first rank, once every rank's files are in the bucket
+            there = {o.key[len(prefix) :] for o in store.list(prefix)}
+            lost = sorted(expected - there)
+            if lost:
+                raise NotFoundError(f"{url} lacks {lost[:5]} after every rank's upload")
+            metadata = {"folder": staged.name, "world_size": self._world}
+            commit_step(store, prefix, step, KIND, {}, metadata)
+            try:
+                self.manager.apply_retention()
+            except Exception as exc:
+                log.warning(
+                    "retention under %s failed (the checkpoint is committed): %s", self.url, exc
+                )
+
+        on_first(commit, group, what=f"the commit of {url}", error_type=DistributedSaveError)
+
     def _prune_local(self) -> None:
         """With ``keep_local``: delete local ``checkpoint-N`` folders committed in the
         bucket beyond the ``keep_local`` newest, never the best one (training thread
-        only, so never beside the Trainer's own rotation)."""
-        if self.keep_local is None or self.output_dir is None:
+        only, so never beside the Trainer's own rotation; with several processes, the
+        first rank of each output_dir)."""
+        if self.keep_local is None or self.output_dir is None or not self._dir_owner:
             return
         folders = sorted(
             (step, path)
@@ -282,6 +523,14 @@ class CallbackBase:
         for step, path in folders[: -self.keep_local]:
             if step in committed and step != self.policy.best:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _failed_everywhere(lists: Sequence[Sequence[int]]) -> list[int]:
+    """The steps every rank's list holds, ascending."""
+    common = set(lists[0]) if lists else set()
+    for steps in lists[1:]:
+        common &= set(steps)
+    return sorted(common)
 
 
 def _define() -> Any:
@@ -323,13 +572,42 @@ def fetch_latest(
     (:class:`~cloudckpt.errors.AlreadyExistsError`). ``local_dir`` may be a link; nothing
     inside it is followed: a ``checkpoint-N``, its hidden folder or a folder below them
     that is a symbolic link is refused (:class:`~cloudckpt.errors.UnsafePathError`).
+
+    On several processes (torch.distributed initialized, as after the Trainer is made)
+    it is a collective, called by every process: rank 0 reads which step is the newest
+    and every process gets that step; the first process of each local directory (host
+    and resolved path) downloads it and the others wait, then every process returns
+    the same path. A failure raises on every process (the failed one its own error, the
+    others :class:`~cloudckpt.errors.DistributedLoadError` naming it). Called before
+    the process group exists while the launcher started several processes
+    (``WORLD_SIZE``), it raises :class:`~cloudckpt.errors.ConfigError`.
     """
+    _check_launched("fetch_latest")
     manager = _open_run(url, options, storage_options)
-    info = manager.latest()
+    info = manager.latest()  # several processes: rank 0 lists, every rank gets the answer
     if info is None:
         return None
-    name = f"checkpoint-{info.step}"
     local = Path(local_dir).expanduser()
+    if not is_distributed():
+        return _fetch(manager, info, local)
+    first, _ = directory_owner(local, None)
+    error: BaseException | None = None
+    if first:
+        try:
+            _fetch(manager, info, local)
+        except Exception as exc:
+            error = exc
+    settle(
+        error,
+        f"the fetch of {info.url} into each process's local_dir",
+        error_type=DistributedLoadError,
+    )
+    return str(local / f"checkpoint-{info.step}")
+
+
+def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str:
+    """Download ``info`` into ``local/checkpoint-N`` (one process; see fetch_latest)."""
+    name = f"checkpoint-{info.step}"
     target = local / name
     if target.is_symlink():  # neither returned nor written through
         link = os.readlink(target)

@@ -454,3 +454,20 @@ def test_the_testing_command_help_is_plain_text() -> None:
     assert done.returncode == 0
     assert "``" not in done.stdout and ":class:" not in done.stdout, done.stdout
     assert "--bucket" in done.stdout
+
+
+def test_a_local_dir_of_another_run_is_named_once(tmp_path: Path) -> None:
+    """``ls --local`` / ``verify --local`` with another run's tier: one line saying so,
+    not a WARNING and then the error repeating it."""
+    import torch
+
+    from cloudckpt.manager import CheckpointManager
+
+    tier = tmp_path / "tier"
+    CheckpointManager(tmp_path / "runA", local_dir=tier).save(1, {"w": torch.ones(2)})
+    for command in ("ls", "verify"):
+        done = _cli(command, "--local", str(tier), str(tmp_path / "runB"))
+        assert done.returncode == 2, done.stderr
+        lines = [x for x in done.stderr.splitlines() if "holds the local tier of" in x]
+        assert len(lines) == 1, done.stderr
+        assert lines[0].startswith(f"cloudckpt {command}: ") and "runA" in lines[0]

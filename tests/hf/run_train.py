@@ -1,18 +1,28 @@
 """Train a tiny GPT-2 with the Hugging Face Trainer and ``CloudCheckpointCallback``,
-in a process of its own (the tests also import its builders).
+in a process of its own, or as one of several DDP processes on gloo when the launcher's
+variables are set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...; the tests also
+import its builders).
 
     python run_train.py URL OUTPUT_DIR STORAGE_OPTIONS_JSON --max-steps N
-        [--resume] [--block-at N] [--report FILE]
+        [--resume] [--block-at N] [--kill-in-upload RANK:STEP]
+        [--fail-upload RANK:STEP] [--output-per-rank] [--report FILE]
 
 ``--resume`` fetches the newest committed checkpoint and resumes from it;
 ``--block-at N`` stops the training thread forever at the end of step N (the uploads
-go on), for the test to kill the process; ``--report`` writes the logged losses.
+go on), for the test to kill the process; ``--kill-in-upload`` SIGKILLs rank RANK once
+its files of step STEP are uploaded (before the commit); ``--fail-upload`` makes that
+rank's upload of that step fail; ``--output-per-rank`` gives each rank an
+``OUTPUT_DIR/rank-R`` of its own (as one node each); ``--report`` writes the logged
+losses (with several processes to FILE.RANK), or the error ``train()`` raised (exit
+code 3).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +37,8 @@ from transformers import (
     set_seed,
 )
 
+import cloudckpt.hf
+from cloudckpt.errors import CloudCkptError, StorageError
 from cloudckpt.hf import CloudCheckpointCallback, fetch_latest
 
 SEED = 7
@@ -122,18 +134,54 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, required=True)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--block-at", type=int, default=0)
+    p.add_argument("--kill-in-upload", default="")
+    p.add_argument("--fail-upload", default="")
+    p.add_argument("--output-per-rank", action="store_true")
     p.add_argument("--report", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    me = int(os.environ.get("RANK", "0"))
+    report = args.report if world == 1 else f"{args.report}.{me}"
+    if args.output_per_rank:
+        args.output_dir = f"{args.output_dir}/rank-{me}"
+    if args.kill_in_upload or args.fail_upload:
+        bad_rank, bad_step = (int(v) for v in (args.kill_in_upload or args.fail_upload).split(":"))
+        real_copy = cloudckpt.hf.copy_tree
+
+        def copy_then_die(src, src_prefix, dst, dst_prefix, *rest, **kw):  # type: ignore[no-untyped-def]
+            mine = me == bad_rank and f"step-{bad_step:09d}/" in dst_prefix
+            if mine and args.fail_upload:
+                raise StorageError(f"refused upload to {dst_prefix}")
+            real_copy(src, src_prefix, dst, dst_prefix, *rest, **kw)
+            if mine:
+                os.kill(os.getpid(), signal.SIGKILL)  # kill -9 mid-save: no commit yet
+
+        cloudckpt.hf.copy_tree = copy_then_die  # type: ignore[assignment]
     opts = json.loads(args.storage_options)
     callbacks: list[Any] = [CloudCheckpointCallback(args.url, storage_options=opts)]
     if args.block_at:
         callbacks.append(BlockAt(args.block_at))
-    trainer = tiny_trainer(args.output_dir, args.max_steps, callbacks)
+    changes = {"ddp_backend": "gloo"} if world > 1 else {}
+    trainer = tiny_trainer(args.output_dir, args.max_steps, callbacks, **changes)
+    # After the Trainer is made: with several processes, fetch_latest is a collective.
     resume = fetch_latest(args.url, args.output_dir, storage_options=opts) if args.resume else None
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except CloudCkptError as exc:  # the report says which error each rank raised
+        cause = exc.__cause__
+        with open(report, "w") as f:
+            json.dump(
+                {
+                    "error": type(exc).__name__,
+                    "message": str(exc),
+                    "cause": type(cause).__name__ if cause else None,
+                },
+                f,
+            )
+        raise SystemExit(3) from exc
     if args.report:
-        with open(args.report, "w") as f:
+        with open(report, "w") as f:
             json.dump({"resumed_from": resume, "losses": losses(trainer)}, f)
 
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine.bench import run_bench
 from ..engine.copy import CopyState, TreeCopyResult, copy_object, copy_tree
+from ..engine.drain import read_owner
+from ..engine.remove import removal_rounds, remove_checkpoint
 from ..errors import (
     BucketNotFoundError,
     CloudCkptError,
@@ -24,7 +26,7 @@ from ..errors import (
     DeadlineExceededError,
     NotFoundError,
 )
-from ..manager.gc import Leftover, collect_garbage, delete_prefix, delete_tree, find_leftovers
+from ..manager.gc import Leftover, collect_garbage, find_leftovers
 from ..manager.marker import (
     MARKER_NAME,
     CheckpointInfo,
@@ -251,14 +253,17 @@ def _open_tier(local: str, root_url: str, settings: Settings, every: int = 1) ->
             f"{opened.store.url(root_prefix(key))} is not a local tier: it has no {RUN_FILE} "
             "(a CheckpointManager with local_dir= writes one)"
         )
-    # The run file exists: opening the tier reads it and writes nothing.
-    tier = LocalTier(opened.store.root / key, root_url, opened.options, None, every)
-    if not tier.owned:
+    path = opened.store.root / key
+    # Checked before the tier is opened: opening another run's tier logs a WARNING that
+    # would say the same as this error, a second time.
+    owner = read_owner(LocalStore(path))
+    if owner != root_url:
         raise ConfigError(
-            f"{tier.url} holds the local tier of {tier.owner}, not of {root_url}; name the "
-            "run root it belongs to"
+            f"{opened.store.url(root_prefix(key))} holds the local tier of {owner}, not of "
+            f"{root_url}; name the run root it belongs to"
         )
-    return tier
+    # The run file exists and names this run: opening the tier reads it, writes nothing.
+    return LocalTier(path, root_url, opened.options, None, every)
 
 
 def _tier_text(tiers: tuple[str, ...]) -> str:
@@ -606,18 +611,11 @@ def _is_corrupt(exc: BaseException) -> bool:
 
 
 def _rm_plan(t: Target) -> list[ObjectInfo]:
-    """What ``rm`` deletes, in its order: each checkpoint's marker before its files (so
-    none looks committed while they go), then everything else."""
+    """What ``rm`` deletes, in its order: the commit markers before the files (so no
+    checkpoint looks committed while they go), then everything else (engine/remove.py)."""
     if t.kind == "object":
         return [t.store.head(t.key)]
-    if t.kind == "checkpoint" or parse_step(posixpath.basename(t.key)) is not None:
-        prefixes = [root_prefix(t.key)]
-    else:
-        base = t.store.url("")
-        prefixes = [c.url[len(base) :] for c in t.checkpoints]
-    first = {prefix + MARKER_NAME for prefix in prefixes}
-    markers = [o for o in t.objects if o.key in first]
-    return markers + [o for o in t.objects if o.key not in first]
+    return [o for round_ in removal_rounds(t.objects) for o in round_]
 
 
 def cmd_rm(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
@@ -631,8 +629,7 @@ def cmd_rm(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
         t.store.delete(t.key)
         removed.append(t.url)
     elif t.kind == "checkpoint" or parse_step(posixpath.basename(t.key)) is not None:
-        prefix = root_prefix(t.key)
-        delete_prefix(t.store, prefix, t.options, t.objects)
+        remove_checkpoint(t.store, root_prefix(t.key), t.options, t.objects)
         removed += [t.store.url(o.key) for o in t.objects]
     else:
         if not args.recursive:
@@ -641,8 +638,7 @@ def cmd_rm(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
                 "pass --recursive (-r) to delete all of them"
             )
         # Markers first, so no checkpoint looks committed while its files go.
-        base = t.store.url("")
-        delete_tree(t.store, t.objects, t.options, [c.url[len(base) :] for c in t.checkpoints])
+        remove_checkpoint(t.store, dir_prefix(t.key), t.options, t.objects)
         removed += [t.store.url(o.key) for o in t.objects]
     if p.json_mode:
         p.json({"removed": removed})

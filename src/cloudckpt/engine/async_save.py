@@ -22,6 +22,7 @@ from .._runtime.gcpause import paused_gc
 from ..format.torch.picklability import PICKLE_ERRORS, raise_if_unpicklable
 from ..options import TransferOptions
 from ..store import object_url, open_target
+from .background import SaveLine
 from .handle import SaveHandle, in_flight, wait_all
 from .save import SaveResult, write_object
 from .staging import get_pool, snapshot
@@ -30,10 +31,18 @@ __all__ = ["SaveHandle", "async_save", "pending_saves", "wait_all"]
 
 log = logging.getLogger("cloudckpt")
 
+#: The process's one line of object saves (engine/background.py).
+_line = SaveLine()
+
+
+class _NoSnapshot(Exception):
+    """The snapshot failed on the caller's thread, which raises the error: the save's
+    thread ends without writing."""
+
 
 def pending_saves() -> list[SaveHandle[SaveResult]]:
     """Saves started by :func:`async_save` and not yet done, oldest first."""
-    return in_flight.pending(SaveHandle)
+    return _line.pending()
 
 
 def async_save(
@@ -59,12 +68,7 @@ def async_save(
     where = open_target(object_url(url), options, **overrides)
     store, key, opts = where.store, where.key, where.options
     target = store.url(key)
-    # Room for this save: wait for the oldest ones beyond max_in_flight.
-    while True:
-        running = pending_saves()
-        if len(running) < max_in_flight:
-            break
-        running[0].wait()
+    _line.make_room(limit=max_in_flight)  # wait for the oldest ones beyond it
     in_flight.raise_unreported()
 
     pool = get_pool()
@@ -75,26 +79,17 @@ def async_save(
     # The thread is started before the snapshot and waits for it: started after, it
     # would take the GIL from the caller (materializing at once) while the caller still
     # has to return, and that wait would count in the stall (docs/async.md).
-    def run() -> None:
+    def run() -> SaveResult:
         go.wait()
         if not staged:
-            return
+            raise _NoSnapshot
         snap = staged[0]
         try:
-            staged_obj = snap.materialize()
-            result = write_object(staged_obj, store, key, opts, size_hint=snap.nbytes)
-        except BaseException as exc:
+            return write_object(snap.materialize(), store, key, opts, size_hint=snap.nbytes)
+        finally:
             snap.release(pool)
-            handle.finish(None, exc)
-            return
-        snap.release(pool)
-        handle.finish(result, None)
 
-    worker = threading.Thread(
-        target=run, name=f"cloudckpt-save-{key.rsplit('/', 1)[-1]}", daemon=True
-    )
-    in_flight.add_worker(worker)  # joined at exit (engine/handle.py)
-    worker.start()
+    _line.start(handle, run, name=f"cloudckpt-save-{key.rsplit('/', 1)[-1]}")
     try:
         with paused_gc(kept=True):  # the staging's per-tensor objects (_runtime/gcpause.py)
             staged.append(snapshot(obj, pool))
@@ -105,7 +100,7 @@ def async_save(
         if not staged:
             go.set()  # no snapshot: the thread ends
     handle.mark_staged()
-    in_flight.add(handle)
+    _line.add(handle)
     handle.stall_seconds = time.perf_counter() - started
     go.set()
     return handle

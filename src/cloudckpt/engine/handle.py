@@ -134,7 +134,7 @@ class InFlight:
         its handle is finished (dropping the snapshot's tensors), and an interpreter
         torn down under it aborts the process ("terminate called without an active
         exception"). Its collectives, if any, run on cloudckpt's groups, which the
-        groups' own exit hook then leaves alone while it lives (dist/groups.py)."""
+        groups' own exit hook then leaves alone while it lives (ranks/groups.py)."""
         with self._lock:
             self._workers.add(thread)
         runs_collectives(thread)

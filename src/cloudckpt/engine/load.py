@@ -320,7 +320,7 @@ def _fetch_shared(
     map_location: Any,
 ) -> _Fetched:
     """:func:`_fetch` with every rank of ``group``: each reads and checks about 1/N of
-    the records (contiguous in the object), then they exchange them (dist/share.py)."""
+    the records (contiguous in the object), then they exchange them (ranks/share.py)."""
     me, ranks = group_rank(group)
     error: BaseException | None = None
     fetched: _Fetched | None = None
@@ -440,7 +440,7 @@ def load(
     ``share=True``: every rank of ``process_group`` (default: the world) calls ``load``
     at once, as a DDP resume does, and the object's bytes are read once in all: each
     rank reads and checks a share of the records and the ranks exchange them over a
-    gloo group (dist/share.py). Ranks naming different objects each load their own;
+    gloo group (ranks/share.py). Ranks naming different objects each load their own;
     a rank that fails makes every rank raise. Without an initialized process group, or
     alone in it, it is a plain load.
 

@@ -28,16 +28,16 @@ from ..engine.async_save import SaveHandle, async_save
 from ..engine.copy import copy_object
 from ..engine.drain import RUN_FILE, Drainer, claim, read_owner
 from ..engine.load import load
+from ..engine.remove import remove_checkpoint
 from ..engine.save import save
 from ..errors import CorruptCheckpointError, NotFoundError, UnsupportedFormatError
 from ..options import TransferOptions
 from ..ranks.collectives import rank
 from ..store import ObjectInfo, Settings, Target
 from ..store.local import LocalStore
-from ..store.paths import MAX_RECORD_BYTES, exists, is_prefix, read_capped
+from ..store.paths import MAX_RECORD_BYTES, dir_prefix, exists, is_prefix, read_capped
 from ._compat import CheckpointIO
 from .fs import is_remote, register_settings, unwrap
-from .strategies import delete_tree
 
 __all__ = ["CloudCheckpointIO"]
 
@@ -435,7 +435,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             found[0].remove(found[1])
         target = self._settings.open(url)
         if is_prefix(target.store, target.key.rstrip("/")):  # a sharded checkpoint's folder
-            delete_tree(target)
+            remove_checkpoint(target.store, dir_prefix(target.key), target.options)
         else:
             target.store.delete(target.key)  # absent already is fine
 

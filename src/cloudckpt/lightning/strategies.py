@@ -36,10 +36,9 @@ from typing import Any, Literal
 
 from ..dcp import CloudStorageReader, CloudStorageWriter
 from ..engine.load import load
+from ..engine.remove import remove_checkpoint
 from ..engine.save import save
 from ..errors import ConfigError, DistributedLoadError, DistributedSaveError, NotFoundError
-from ..format.commit import DCP_MARKER
-from ..io.bulk import delete_prefix
 from ..options import TransferOptions
 from ..ranks.collectives import on_first
 from ..store import Settings, Target, join_key
@@ -58,7 +57,6 @@ __all__ = [
     "META_NAME",
     "CloudFSDPStrategy",
     "CloudModelParallelStrategy",
-    "delete_tree",
     "kind_of",
     "open_checkpoint",
     "path_text",
@@ -103,7 +101,7 @@ def save_sharded(target: Target, shards: dict[str, Any], meta: dict[str, Any]) -
         if kind == "object":  # a full checkpoint of the same name
             target.store.delete(target.key)
         elif kind == "prefix":
-            delete_tree(target)
+            remove_checkpoint(target.store, dir_prefix(target.key), target.options)
         save(meta, _child(target, META_NAME))
 
     on_first(
@@ -171,12 +169,6 @@ def restore_sharded(
         _child(target, META_NAME), map_location="cpu", weights_only=weights_only, share=True
     )
     return meta
-
-
-def delete_tree(target: Target) -> None:
-    """Delete the sharded checkpoint at ``target``: its ``.metadata`` first (it is no
-    longer committed), then everything else under it, then a local folder's remains."""
-    delete_prefix(target.store, dir_prefix(target.key.rstrip("/")), target.options, (DCP_MARKER,))
 
 
 class _ShardedCheckpoints:
@@ -252,7 +244,7 @@ class _ShardedCheckpoints:
         if kind == "object":
             self.checkpoint_io.remove_checkpoint(filepath)
         elif kind == "prefix":
-            delete_tree(target)
+            remove_checkpoint(target.store, dir_prefix(target.key), target.options)
 
 
 class FSDPSettings:

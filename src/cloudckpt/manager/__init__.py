@@ -1,9 +1,10 @@
 """Find, resume, prune and clean up checkpoints: :class:`CheckpointManager` and its parts.
 
 ``marker`` (layout and the commit marker), ``retention`` (keep policies), ``gc``
-(deletes and garbage collection), ``payload`` (single object or DCP directory),
-``tiers`` (a local tier drained to the bucket), ``distributed`` (rank 0 lists, everyone
-gets the answer).
+(garbage collection; removing a checkpoint is ``engine/remove.py``), ``payload``
+(single object or DCP directory), ``tiers`` (a local tier drained to the bucket),
+``choose`` (the step a restore on several ranks loads, a pure function), ``peers``
+(each local directory's copy on the next node).
 """
 
 from __future__ import annotations

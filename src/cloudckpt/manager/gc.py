@@ -1,4 +1,4 @@
-"""Deleting checkpoints (marker first) and collecting what failed saves left behind.
+"""Collecting what failed saves left behind (removing one: ``engine/remove.py``).
 
 Leftovers are (1) ``step-N/`` prefixes with objects but no marker and (2) multipart
 uploads under the root never completed or aborted (:func:`find_leftovers`, with their
@@ -18,8 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..io.bulk import delete_keys
-from ..io.bulk import delete_prefix as bulk_delete_prefix
+from ..engine.remove import remove_checkpoint
 from ..options import TransferOptions
 from ..store import MultipartUpload, ObjectInfo, Store
 from .marker import MARKER_NAME, parse_step, root_prefix
@@ -28,44 +27,11 @@ __all__ = [
     "GcReport",
     "Leftover",
     "collect_garbage",
-    "delete_prefix",
-    "delete_tree",
     "find_leftovers",
 ]
 
 #: Default grace period: a save that has not touched its prefix for an hour is dead.
 DEFAULT_GRACE_SECONDS = 3600.0
-
-
-def delete_prefix(
-    store: Store,
-    prefix: str,
-    options: TransferOptions,
-    objects: Iterable[ObjectInfo] | None = None,
-) -> int:
-    """Delete every object under a checkpoint's ``prefix`` (ending in ``/``), the marker
-    first (``io/bulk.delete_prefix``): once it is gone the checkpoint no longer counts
-    as committed, so an interrupted delete leaves garbage for :func:`collect_garbage`,
-    never a checkpoint with missing files. Returns the number of objects deleted."""
-    return bulk_delete_prefix(store, prefix, options, (MARKER_NAME,), objects)
-
-
-def delete_tree(
-    store: Store,
-    objects: list[ObjectInfo],
-    options: TransferOptions,
-    checkpoints: Iterable[str] = (),
-) -> None:
-    """Delete ``objects``: each committed checkpoint's prefix (in ``checkpoints``, keys
-    ending in ``/``) marker first, so none looks committed while its files go; then
-    the rest."""
-    done = list(checkpoints)
-    for step_prefix in done:
-        delete_prefix(
-            store, step_prefix, options, [o for o in objects if o.key.startswith(step_prefix)]
-        )
-    rest = [o.key for o in objects if not any(o.key.startswith(d) for d in done)]
-    delete_keys(store, rest, options)
 
 
 @dataclass(frozen=True)
@@ -208,7 +174,7 @@ def collect_garbage(
         elif item.kind == "prefix":
             report.prefixes.append((item.url, item.objects, item.bytes))
             if not dry_run:
-                delete_prefix(store, item.url[len(base) :], options)
+                remove_checkpoint(store, item.url[len(base) :], options)
     for item in leftovers:
         if item.kind == "upload" and not item.kept:
             assert item.upload_id is not None

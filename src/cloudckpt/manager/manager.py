@@ -3,7 +3,7 @@
 Two lines to resume::
 
     manager = cloudckpt.CheckpointManager("s3://bucket/run1", keep_last=3)
-    state = manager.restore()  # the newest committed checkpoint
+    state = manager.restore()  # the newest committed checkpoint; None on a fresh run
 
 Order of one save (each step after the previous one succeeded):
 
@@ -35,8 +35,10 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
+from ..engine.background import SaveLine
 from ..engine.drain import complete_directories, directory_owner
 from ..engine.handle import SaveHandle, in_flight
+from ..engine.remove import remove_checkpoint
 from ..errors import (
     AlreadyExistsError,
     ConfigError,
@@ -62,7 +64,8 @@ from ..store.deadline import deadline_scope
 from ..store.local import LocalStore
 from ..store.overlay import OverlayStore
 from . import peers
-from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage, delete_prefix
+from .choose import RankHolds, choose_step
+from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage
 from .marker import (
     MARKER_NAME,
     CheckpointInfo,
@@ -177,7 +180,8 @@ class CheckpointManager:
         self._cache: dict[tuple[str, int], CheckpointInfo] = {}
         self._pending: set[int] = set()
         self._lock = threading.Lock()
-        self._ranks_in_flight: ManagedSaveHandle | None = None
+        #: This manager's DCP and Megatron saves in flight (engine/background.py).
+        self._ranked_saves = SaveLine()
         self._tier: LocalTier | None = None
         self._drainer: Drainer | None = None
         self._drain_owner: bool | None = None
@@ -394,9 +398,8 @@ class CheckpointManager:
                 self._pending.discard(step)
             raise
         handle = ManagedSaveHandle(step, prefix_url, time.perf_counter() - started)
-        in_flight.add(handle)
+        self._ranked_saves.add(handle)
         self._commit_when_done(handle, pending, group, metrics, metadata)
-        self._ranks_in_flight = handle
         return handle
 
     def _commit_when_done(
@@ -432,9 +435,7 @@ class CheckpointManager:
         """Wait for this manager's DCP or Megatron save in flight, whose commit (in its
         saving thread) runs collectives on the checkpoint group a new save or restore
         would use too."""
-        previous = self._ranks_in_flight
-        if previous is not None:
-            previous.wait()
+        self._ranked_saves.make_room()
 
     def _refuse_committed(self, step: int) -> None:
         """AlreadyExistsError when ``step`` is committed. With a local tier, asked of the
@@ -540,8 +541,10 @@ class CheckpointManager:
     def _find_undrained(self) -> builtins.list[int]:
         """The drainer's first work (in its thread, never a save's): list the bucket,
         learn its committed steps, record in the tier's journals the local commits it
-        holds, and return this run's local steps that are due and not committed there
-        (drains an earlier process left unfinished)."""
+        holds, and return this run's local steps that are due, not committed there and
+        not drained before (drains an earlier process left unfinished; a step whose
+        journal records its bucket commit was removed there since, by retention or a
+        delete, and is not sent again)."""
         tier = self._tier
         if tier is None or not tier.owned or self._ranked_tier():
             return []  # several ranks: drain() on every rank drains them together
@@ -552,7 +555,7 @@ class CheckpointManager:
             found = there.get(c.step)
             if found is not None and found.time == c.time and not tier.drained(c):
                 tier.record(c.step, c, committed=True)
-        return tier.undrained(there, local)
+        return tier.waiting(there, local)
 
     def _probe(self) -> None:
         """During an outage, before the drainer sends anything else: one listing request
@@ -682,7 +685,7 @@ class CheckpointManager:
         owner, _ = directory_owner(tier.path, group)
         remote = on_first(self._list_local, group, what="the bucket listing")
         self._learn(remote)
-        mine = tier.undrained(c.step for c in remote)
+        mine = tier.waiting(c.step for c in remote)  # not one retention removed since
         lists = agree(value=mine, group=group).values
         common = set(lists[0]).intersection(*lists[1:])
         for r, steps in enumerate(lists):
@@ -700,7 +703,7 @@ class CheckpointManager:
     def _drain_ranked_queued(self, step: int) -> None:
         """The drainer's work with several ranks (after an ``async_save``): every rank's
         drainer takes the same steps in the same order and drains each together, on a
-        group of their own (dist/groups.drain_group); a step ``drain()`` already sent is
+        group of their own (ranks/groups.drain_group); a step ``drain()`` already sent is
         skipped. A failure is raised on every rank and left for ``drain()``."""
         group = drain_group()
         if self._drain_owner is None:
@@ -768,15 +771,15 @@ class CheckpointManager:
     def _restore_ranks(
         self, step: int | None, map_location: Any, weights_only: bool, state: Any
     ) -> Any:
-        """Every rank loads the same step: the newest (or ``step``) that each rank has
-        whole locally, or that the bucket has. A rank holding it whole reads each file
-        from its local copy where that copy has it, else from the bucket's committed
-        copy (another node's files after a change of world size, a tensor only the
-        coordinator saved); a rank without its local copy reads the bucket's (WARNING).
-
-        A local step saved by another number of ranks is a candidate only when the
-        bucket has it too (DCP reshards: a rank may need files no directory here holds);
-        given as ``step``, it is tried, and a file no tier holds fails the load."""
+        """Every rank loads the same step: the ranks agree on what each holds and
+        :func:`~.choose.choose_step` picks it (the newest, or ``step``, that each rank
+        has whole locally or that the bucket has; the rules are in manager/choose.py).
+        A directory lacking it gets it from its peer copy first. A rank holding it
+        whole reads each file from its local copy where that copy has it, else from the
+        bucket's committed copy (another node's files after a change of world size, a
+        tensor only the coordinator saved); a rank without its local copy reads the
+        bucket's (WARNING). A load that fails on any rank is read from the bucket by
+        every rank, when the bucket has the step."""
         tier = self._tier
         assert tier is not None
         world = world_size()
@@ -784,54 +787,18 @@ class CheckpointManager:
         remote = {c.step for c in on_first(self._list_local, group, what="the bucket listing")}
         whole = set(tier.whole_steps())
         saved_by = tier.saved_by()
-        other_world = sorted(s for s in whole if saved_by.get(s, world) != world)
+        other_world = frozenset(s for s in whole if saved_by.get(s, world) != world)
         ringed = self.replicate_to_peer and group is not None
         layout = peers.ring(tier, group) if ringed else None
         held = peers.held(tier) if layout is not None else {}
-        values = agree(value=(sorted(whole), held, other_world), group=group).values
-        lists = [set(v[0]) for v in values]
-        foreign: set[int] = set().union(*(v[2] for v in values))
-
-        def lacking(s: int) -> list[int] | None:
-            """The directories (their owners) that must get ``s`` from their peer for
-            every rank to hold it locally; None when some rank can't."""
-            need: set[int] = set()
-            for i, have in enumerate(lists):
-                if s in have:
-                    continue
-                if layout is None:
-                    return None
-                owner = layout.owner_of(i)
-                holder = layout.holder_of(owner)
-                if holder is None or s not in values[holder][1].get(layout.ranks[owner], ()):
-                    return None
-                need.add(owner)
-            return sorted(need)
-
-        everywhere = set().union(*lists, *(s for v in values for s in v[1].values()))
-        local = {s for s in everywhere if lacking(s) is not None}
-        candidates = {s for s in local if s in remote or s not in foreign} | remote
+        mine = RankHolds(frozenset(whole), held, other_world)
+        holds = agree(value=mine, group=group).values
         if step is not None:
             self._check_step(step)
-            if step not in candidates and step not in local:
-                raise NotFoundError(
-                    f"step {step} is neither in the bucket at {self.step_url(step)} nor "
-                    "whole in every rank's local tier"
-                )
-        elif not candidates:
-            unread = sorted(local - candidates)
-            raise NotFoundError(
-                f"no committed checkpoint under {self.root_url}"
-                + (
-                    f" that {world} rank(s) can restore: step(s) {unread} are only in the "
-                    "local tiers, saved by another number of ranks (drain them from a job "
-                    "of that size, or restore them there)"
-                    if unread
-                    else ""
-                )
-            )
-        chosen = step if step is not None else max(candidates)
-        fill = lacking(chosen)
+        choice = choose_step(holds, remote, step=step, ring=layout, root_url=self.root_url)
+        if choice is None:  # every rank computed the same: all return None together
+            return self._start_fresh()
+        chosen, fill = choice.step, choice.fill
         if layout is not None and fill:
             for owner in fill:
                 if owner == layout.me:
@@ -1002,7 +969,7 @@ class CheckpointManager:
             protected.add(self.restored_step)
         doomed = to_delete(found, self.policies, protected)
         for step in doomed:
-            delete_prefix(self.store, self._step_prefix(step), self.options)
+            remove_checkpoint(self.store, self._step_prefix(step), self.options)
             with self._lock:
                 self._in_bucket.discard(step)
         return doomed
@@ -1013,12 +980,12 @@ class CheckpointManager:
         self._check_step(step)
 
         def remove() -> None:
-            removed = delete_prefix(self.store, self._step_prefix(step), self.options)
+            removed = remove_checkpoint(self.store, self._step_prefix(step), self.options)
             with self._lock:
                 self._in_bucket.discard(step)
             tier = self._tier
             if tier is not None and tier.owned:
-                removed += delete_prefix(tier.store, tier.step_prefix(step), tier.options)
+                removed += remove_checkpoint(tier.store, tier.step_prefix(step), tier.options)
                 tier.forget(step)
             if removed == 0:
                 raise NotFoundError(f"no checkpoint for step {step} at {self.step_url(step)}")
@@ -1078,8 +1045,12 @@ class CheckpointManager:
     ) -> Any:
         """Load checkpoint ``step`` (default: the newest committed one) and return it.
 
-        NotFoundError when there is no committed checkpoint (a step without a marker does
-        not count). Retention never deletes the restored step afterwards.
+        A run with no committed checkpoint yet (an empty prefix in a bucket that exists;
+        a step without a marker does not count) returns None for ``step=None``, with one
+        INFO line, so a job's first start runs the same code as its restarts; with
+        several ranks every rank returns None. A ``step`` that is not committed is a
+        NotFoundError; a missing bucket, rejected credentials or an unreachable store
+        raise as on any other call. Retention never deletes the restored step afterwards.
         """
         if self._ranked_tier() or self._restores_ranked():
             self._await_in_flight()
@@ -1087,7 +1058,7 @@ class CheckpointManager:
         if step is None:
             info = self.latest()
             if info is None:
-                raise NotFoundError(f"no committed checkpoint under {self.root_url}")
+                return self._start_fresh()
         else:
             info = self.info(step)
 
@@ -1107,6 +1078,12 @@ class CheckpointManager:
             result = load(info.url, self.options)
         self.restored_step = info.step
         return result
+
+    def _start_fresh(self) -> None:
+        """What a restore of the newest checkpoint returns when the run has none: None,
+        said at INFO (docs/manager.md, "Nothing to restore yet")."""
+        log.info("no committed checkpoint under %s: starting fresh", self.root_url)
+        return None
 
     def _restore_local(self, info: CheckpointInfo, load: Callable[..., Any]) -> Any:
         """Load ``info``'s step from the local tier (its files mapped where the kind can:

@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.remove import remove_checkpoint
 from ..errors import CorruptCheckpointError, NotFoundError
 from ..ranks.collectives import agree, group_rank, settle
 from ..ranks.groups import group_ranks
 from ..store import Store
 from ..store.base import MultipartUpload, UploadedPart
 from ..store.paths import MAX_RECORD_BYTES, read_capped
-from .gc import delete_prefix
 from .marker import MARKER_NAME, decode_marker, list_checkpoints, step_dir
 from .retention import KeepLast, to_delete
 from .tiers import LocalTier
@@ -226,7 +226,7 @@ def replicate(tier: LocalTier, step: int, group: Any, layout: Ring) -> None:
         source_rank = layout.ranks[receive[0]]
         copies = list_checkpoints(tier.store, peer_root(source_rank), tier.options)
         for old in to_delete(copies, [KeepLast(tier.keep)], set()):
-            delete_prefix(tier.store, peer_prefix(source_rank, old), tier.options)
+            remove_checkpoint(tier.store, peer_prefix(source_rank, old), tier.options)
 
 
 def receive_missing(
@@ -250,5 +250,5 @@ def receive_missing(
     what = f"the copy of step {step} back from its peer"
     if receive is not None:
         # What a partial local copy left (a wrong-sized file) goes first.
-        delete_prefix(tier.store, tier.step_prefix(step), tier.options)
+        remove_checkpoint(tier.store, tier.step_prefix(step), tier.options)
     _send(tier, group, step, what=what, send=send, receive=receive)

@@ -33,11 +33,13 @@ from typing import Any
 
 from ..engine.copy import PARTIAL_SUFFIX, copy_tree
 from ..engine.drain import RUN_FILE, Drainer, claim
+from ..engine.remove import remove_checkpoint
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
     LocalTierFullError,
     NotFoundError,
+    StorageError,
 )
 from ..format.commit import read_committed
 from ..options import TransferOptions
@@ -45,7 +47,6 @@ from ..ranks.collectives import world_size
 from ..store import ObjectInfo, Store
 from ..store.local import LocalStore
 from ..store.paths import MAX_RECORD_BYTES, read_capped
-from .gc import delete_prefix
 from .marker import (
     MARKER_NAME,
     CheckpointInfo,
@@ -269,7 +270,7 @@ class LocalTier:
                 return []
             doomed = to_delete(found, [KeepLast(self.keep)], protected())
             for step in doomed:
-                delete_prefix(self.store, self.step_prefix(step), self.options)
+                remove_checkpoint(self.store, self.step_prefix(step), self.options)
                 self.forget(step)
         return doomed
 
@@ -391,14 +392,15 @@ class LocalTier:
         remote: Store,
         remote_prefix: str,
         options: TransferOptions,
-        commit: Callable[[CheckpointInfo], object],
+        commit: Callable[[CheckpointInfo], CheckpointInfo],
     ) -> bool:
         """Copy ``step``'s payload to ``remote_prefix``, keeping only the objects there
         proven to be this commit's (:meth:`send_payload`; the others replaced, objects
         that are none of its files deleted), then ``commit(local_info)`` writes the
         bucket's marker, and the journal records it. False when the bucket had the step
         committed already: by this commit (a drain that finished: recorded now), or by
-        another save of the step (WARNING: the bucket keeps its own)."""
+        another save of the step (WARNING: the bucket keeps its own). A marker listing
+        an object this drain did not write is withdrawn (:meth:`check_commit`)."""
         local = self.info(step)
         if local is None:
             raise NotFoundError(f"step {step} is not committed in the local tier {self.url}")
@@ -423,9 +425,45 @@ class LocalTier:
         self.remove_strays(remote, remote_prefix, {f.name for f in local.files})
         # The payload only: the bucket gets a marker of its own (its sizes and ETags).
         self.send_payload(step, local, remote, remote_prefix, options, exclude=(MARKER_NAME,))
-        commit(local)
+        self.check_commit(step, local, remote, remote_prefix, commit(local))
         self.record(step, local, committed=True)
         return True
+
+    def check_commit(
+        self,
+        step: int,
+        local: CheckpointInfo,
+        remote: Store,
+        remote_prefix: str,
+        committed: CheckpointInfo,
+    ) -> None:
+        """After the bucket's marker of ``local`` was written: every object it lists
+        (``committed.files``, as the bucket listed them for the commit) must be the one
+        this drain's journal recorded, at the same size and ETag. Another save of the
+        step writing there at the same time (two nodes saving one step) can replace an
+        object between this drain's copy and its commit; the marker would then put that
+        save's bytes under this commit. Such a marker is deleted again and StorageError
+        names the objects: the drain is tried again later (it sends its own bytes, or
+        finds the other save's commit and keeps it)."""
+        found = self.journal(step, local)
+        mine = found["objects"] if found else {}
+        changed = [
+            f.name
+            for f in committed.files
+            if _size_and_etag(mine.get(f.name)) != (f.size, (f.etag or "").strip('"'))
+        ]
+        if not changed:
+            return
+        key = remote_prefix + MARKER_NAME
+        try:
+            remote.delete(key)
+        except Exception as exc:  # named below: the marker may stay
+            log.warning("withdrawing the marker %s failed: %s", remote.url(key), exc)
+        raise StorageError(
+            f"step {step} was written at {remote.url(remote_prefix)} by another save while "
+            f"this drain committed it: {sorted(changed)} changed since this drain wrote "
+            f"them; its marker is withdrawn, the drain of {self.step_url(step)} tries again"
+        )
 
     @staticmethod
     def remove_strays(remote: Store, remote_prefix: str, names: set[str]) -> builtins.list[str]:
@@ -527,6 +565,15 @@ class LocalTier:
         """Every file the local marker lists is there, at its size (else NotFoundError
         or CorruptCheckpointError naming it); under ``prefix`` (default: the step's)."""
         check_files(self.store, self.step_prefix(info.step) if prefix is None else prefix, info)
+
+
+def _size_and_etag(recorded: str | None) -> tuple[int, str] | None:
+    """(size, ETag) of an :func:`identity` a drain journal recorded (None: none)."""
+    if recorded is None:
+        return None
+    size, _, rest = recorded.partition(":")
+    etag = rest.rpartition(":")[0]
+    return (int(size), etag) if size.isdigit() else None
 
 
 def merge_tiers(

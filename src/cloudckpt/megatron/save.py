@@ -12,8 +12,8 @@ order makes a half-written checkpoint impossible to load, with cloudckpt or mega
 4. the coordinator writes ``common.pt``, then creates ``metadata.json`` (the commit,
    format/commit.py), and every rank learns whether it did (``on_first``).
 
-Steps 2-4 run on a gloo group made for checkpointing (dist/groups.py), through the
-collectives of dist/collectives.py; with ``async_save=True`` they run on a background
+Steps 2-4 run on a gloo group made for checkpointing (ranks/groups.py), through the
+collectives of ranks/collectives.py; with ``async_save=True`` they run on a background
 thread, after the tensors were copied into pooled host buffers
 (``engine/staging.stage_tensors``, the async save's own copy), so training can change
 its parameters right away.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,14 +34,15 @@ import torch.distributed.checkpoint as dcp
 from .._runtime.gcpause import paused_gc
 from ..dcp.location import CheckpointLocation
 from ..dcp.writer import CloudStorageWriter
-from ..engine.handle import SaveHandle, in_flight
+from ..engine.background import SaveLine
+from ..engine.handle import SaveHandle
 from ..engine.staging import StagedTensors, stage_tensors
 from ..errors import CloudCkptError, DistributedSaveError
 from ..format.commit import commit_marker
 from ..format.torch.picklability import raise_if_unpicklable
 from ..options import TransferOptions
 from ..ranks.collectives import first_rank, on_first, rank, settle
-from ..ranks.groups import checkpoint_group, group_ranks, runs_collectives
+from ..ranks.groups import checkpoint_group, group_ranks
 from ..store.deadline import deadline_scope
 from . import mcore
 from .layout import COMMON_NAME, CONFIG_NAME, encode_config
@@ -107,9 +107,8 @@ def _wait_for_signal(reader: Any) -> None:
 
 
 # A save on a group waits for the previous one on that group: two saves' collectives
-# on one group would interleave.
-_running: dict[tuple[int, ...], MegatronSaveHandle] = {}
-_running_lock = threading.Lock()
+# on one group would interleave. One line per set of ranks (engine/background.py).
+_line = SaveLine()
 
 
 @paused_gc()  # the caller's part: all of a synchronous save (_runtime/gcpause.py)
@@ -151,38 +150,29 @@ def save(
     )
     ranks = group_ranks(process_group)
     group = checkpoint_group(process_group)
-    job = _SaveJob(url, ranks, group, overwrite)
+    job = _SaveJob(url, group, overwrite)
     job.prepare(mc, sharded, common, async_save, options, overrides)
     handle = MegatronSaveHandle(text)
     # Saves on one set of ranks run one after another (their collectives share the
     # group), in the order every rank called them; a staged save queues its upload
     # behind the previous one instead of holding up the training loop.
-    with _running_lock:
-        previous = _running.get(ranks)
-        _running[ranks] = handle
+    previous = _line.add(handle, ranks)
     if not async_save:
-        job.run(handle, previous)
+        _line.run(handle, job.run, after=previous)
         handle.result()
         return None
-    thread = threading.Thread(
-        target=job.run, args=(handle, previous), name="cloudckpt-megatron-save", daemon=False
-    )
-    runs_collectives(thread)  # not daemon: the interpreter joins it before the groups go
-    thread.start()
-    in_flight.add(handle)
+    # Not daemon: the interpreter joins it before the groups go.
+    _line.start(handle, job.run, name="cloudckpt-megatron-save", after=previous, daemon=False)
     return handle
 
 
 class _SaveJob:
     """One rank's part of one save: prepared on the caller's thread, run on either."""
 
-    def __init__(
-        self, url: str | os.PathLike[str], ranks: tuple[int, ...], group: Any, overwrite: bool
-    ) -> None:
+    def __init__(self, url: str | os.PathLike[str], group: Any, overwrite: bool) -> None:
         self.source = url  # as given: a URL resolved already is not resolved again
         self.url = os.fspath(url)
         self.what = f"save to {url}"  # names the save in the errors of its collectives
-        self.ranks = ranks
         self.group = group
         self.overwrite = overwrite
         self.coordinator = first_rank(group)
@@ -245,11 +235,9 @@ class _SaveJob:
             staged.release()
 
     # -- the save's collectives (caller's thread or background) ------------------------
-    def run(self, handle: MegatronSaveHandle, previous: MegatronSaveHandle | None) -> None:
-        """After ``previous``: clear the marker, agree, write, commit; finish ``handle``."""
-        if previous is not None:
-            previous.wait()  # its outcome is its own handle's
-        error: BaseException | None = None
+    def run(self) -> None:
+        """Clear the marker, agree, write, commit (after the previous save on the ranks:
+        engine/background.py); raises the save's error."""
         if self.is_coordinator and self.error is None:
             try:  # here, not in prepare: a queued save may target the previous one's URL
                 assert self.location is not None
@@ -263,15 +251,10 @@ class _SaveJob:
             with deadline_scope(deadline):  # the writes and the commit (store/deadline.py)
                 self._write()
                 on_first(self._commit, self.group, what=self.what, error_type=DistributedSaveError)
-        except BaseException as exc:
-            error = exc
-        # The buffers go back before anyone learns the outcome: the next save reuses them.
-        self.pyt_state = None
-        self.release()
-        with _running_lock:
-            if _running.get(self.ranks) is handle:
-                del _running[self.ranks]
-        handle.finish(None, error)
+        finally:
+            # The buffers go back before anyone learns the outcome: the next save reuses them.
+            self.pyt_state = None
+            self.release()
 
     def _write(self) -> None:
         """DCP's save with megatron's planner: data objects, then ``.metadata``."""

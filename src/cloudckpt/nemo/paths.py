@@ -19,9 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..engine.remove import remove_checkpoint
 from ..lightning.fs import target_for, unwrap
-from ..manager.gc import delete_prefix
-from ..megatron.layout import CONFIG_NAME
 from ..store import paths
 from ..store.local import LocalStore
 
@@ -103,12 +102,10 @@ def children(url: str) -> paths.Children:
 
 
 def remove_tree(url: str) -> int:
-    """Delete a NeMo checkpoint directory: its commit marker first, so an interrupted
-    removal never leaves a checkpoint that looks committed. Returns objects deleted."""
+    """Delete a NeMo checkpoint directory, its commit markers first (``weights/
+    metadata.json``, engine/remove.py). Returns objects deleted."""
     where = target_for(url)
-    prefix = paths.dir_prefix(where.key)
-    where.store.delete(f"{prefix}{WEIGHTS}/{CONFIG_NAME}")
-    return delete_prefix(where.store, prefix, where.options)
+    return remove_checkpoint(where.store, paths.dir_prefix(where.key), where.options)
 
 
 def upload_tree(local: Path, url: str) -> None:

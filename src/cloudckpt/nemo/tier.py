@@ -35,9 +35,9 @@ from typing import Any
 
 from ..engine.copy import copy_tree
 from ..engine.drain import Drainer, claim, complete_directories, directory_owner, read_owner
+from ..engine.remove import remove_checkpoint
 from ..errors import ConfigError, CorruptCheckpointError, LocalTierFullError, NotFoundError
 from ..format.commit import MEGATRON_MARKER
-from ..manager.gc import delete_prefix
 from ..manager.marker import MARKER_NAME, CheckpointInfo, check_files, commit_step, read_marker
 from ..manager.payload import MegatronPayload
 from ..manager.tiers import CLOCK_SLACK, LocalTier, check_free, tensor_bytes
@@ -379,7 +379,7 @@ class NemoTier:
                     if recorded is None:  # committed by an earlier release: by time
                         LocalTier.clear_stale(local, remote.store, prefix)
                     elif not recorded["started"]:  # all of them an earlier save's
-                        delete_prefix(remote.store, prefix, remote.options)
+                        remove_checkpoint(remote.store, prefix, remote.options)
                         self._record_drain(name, started=True, drained=False)
 
                 on_first(clear, group, what=f"clearing leftovers under {url}")
@@ -445,7 +445,7 @@ class NemoTier:
 
     def _delete(self, name: str) -> None:
         """Delete this rank's local copy of ``name`` (its marker first), folders too."""
-        delete_prefix(self._local_store(), f"{name}/", self.options)
+        remove_checkpoint(self._local_store(), f"{name}/", self.options)
         self._local_store().delete(f"{name}{DRAIN_RECORD}")
         for folder in (self.path / name / WEIGHTS, self.path / name):
             with contextlib.suppress(OSError):  # not empty: a newer save of it began

@@ -7,7 +7,7 @@ start with (on the filesystem store, also a real directory, which is never an ob
 ``load``, the Lightning and NeMo file systems and ``cloudckpt ls`` / ``rm`` ask these
 questions here rather than each with a HEAD and a listing of its own. Deleting a whole
 tree needs concurrent requests, so it lives above this layer
-(``cloudckpt.manager.gc.delete_prefix``, over ``cloudckpt.io.bulk.delete_keys``).
+(``cloudckpt.engine.remove.remove_checkpoint``, over ``cloudckpt.io.bulk.delete_keys``).
 """
 
 from __future__ import annotations

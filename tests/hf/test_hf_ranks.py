@@ -1,0 +1,305 @@
+"""The Hugging Face Trainer with ``cloudckpt.hf`` on several processes: real Trainers
+under DDP on 2 gloo processes against a moto S3 server, a worker killed by ``kill -9``
+mid-save and the run resumed to the same losses, a rank's failed upload failing every
+rank, and the multi-process docs example run under torchrun as written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from cloudckpt import CheckpointManager
+from cloudckpt.cli import main as cli_main
+from cloudckpt.errors import ConfigError
+from cloudckpt.hf import CloudCheckpointCallback, fetch_latest, file_owners
+from docs_examples import docs_examples
+from ranks import HOST, free_port
+from servers import unique_bucket_name
+
+SCRIPT = str(Path(__file__).with_name("run_train.py"))
+
+
+def committed(server, url):
+    """The steps committed under ``url`` (the manager's listing: markers only)."""
+    return [c.step for c in CheckpointManager(url, storage_options=server.storage_options()).list()]
+
+
+def launch(server, url, output_dir, max_steps, *extra, report=None, world=2):
+    """run_train.py as ``world`` DDP processes (the variables torchrun sets), one node:
+    every rank's ``output_dir`` is the same folder."""
+    cmd = [sys.executable, SCRIPT, url, str(output_dir), json.dumps(server.storage_options())]
+    cmd += ["--max-steps", str(max_steps), *extra]
+    if report is not None:
+        cmd += ["--report", str(report)]
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=HOST,
+            MASTER_PORT=str(port),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+        )
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        )
+    return procs
+
+
+def finish(procs, timeout=600):
+    """Wait for every process; the return codes and the stderr tails."""
+    codes, errors = [], []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        codes.append(p.returncode)
+        errors.append(err.decode()[-4000:])
+    return codes, "\n---\n".join(errors)
+
+
+def succeed(procs):
+    codes, errors = finish(procs)
+    assert codes == [0] * len(procs), errors
+
+
+def reports(path, world=2):
+    return [json.loads(Path(f"{path}.{r}").read_text()) for r in range(world)]
+
+
+def test_a_worker_killed_mid_save_leaves_the_previous_checkpoint_and_resumes(
+    moto_server, tmp_path, monkeypatch, capsys
+):
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-ddp-kill"))
+    base_url, url = f"s3://{bucket}/base", f"s3://{bucket}/run"
+    base_run = launch(moto_server, base_url, tmp_path / "base", 12, report=tmp_path / "a")
+    # Rank 1 uploads its files of step 8 (rng_state_1.pth), then is killed (SIGKILL)
+    # before the ranks settle: rank 0 has nothing to commit step 8 with.
+    killed = launch(moto_server, url, tmp_path / "killed", 12, "--kill-in-upload", "1:8")
+    codes, errors = finish(killed[1:])
+    assert codes == [-9], errors
+    # Rank 0's collectives fail when the dead peer's connection drops; torchrun would
+    # end it then: so does this test, if it is still there a minute later.
+    codes, errors = finish(killed[:1], timeout=60)
+    assert codes[0] != 0, errors
+    succeed(base_run)
+    base = reports(tmp_path / "a")
+    assert [step for step, _ in base[0]["losses"]] == list(range(1, 13))
+    assert base[0]["losses"] == base[1]["losses"]  # the Trainer logs the mean over ranks
+    assert committed(moto_server, base_url) == [8, 12]
+
+    assert committed(moto_server, url) == [4]  # step 8 is not committed...
+    store = CheckpointManager(url, storage_options=moto_server.storage_options()).store
+    names = {o.key.rpartition("/")[2] for o in store.list("run/step-000000008/")}
+    assert "rng_state_1.pth" in names and "_CHECKPOINT.json" not in names  # ...its bytes are
+
+    # Resumed as if each rank were a node of its own: each fetches into its own
+    # output_dir, and uploads what it wrote (rank 1: its rng_state_1.pth alone).
+    resumed = launch(
+        moto_server,
+        url,
+        tmp_path / "resumed",
+        12,
+        "--resume",
+        "--output-per-rank",
+        report=tmp_path / "b",
+    )
+    succeed(resumed)
+    for r, report in enumerate(reports(tmp_path / "b")):
+        assert report["resumed_from"] == str(tmp_path / "resumed" / f"rank-{r}" / "checkpoint-4")
+        assert report["losses"] == base[r]["losses"], r  # step by step
+    assert sorted(
+        p.name for p in (tmp_path / "resumed" / "rank-1" / "checkpoint-12").iterdir()
+    ) == ["rng_state_1.pth"]
+    assert committed(moto_server, url) == [8, 12]  # save_total_limit=2 in the bucket too
+
+    info = CheckpointManager(url, storage_options=moto_server.storage_options()).latest()
+    assert info is not None and info.kind == "hf-trainer"
+    assert info.metadata == {"folder": "checkpoint-12", "world_size": 2}
+    names = {f.name for f in info.files}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= names
+    assert "trainer_state.json" in names
+    assert len(names) == len(info.files)  # each file uploaded once
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    assert cli_main(["verify", url]) == 0
+    assert cli_main(["ls", url]) == 0
+    assert "hf-trainer" in capsys.readouterr().out
+
+
+def test_a_ranks_failed_upload_fails_every_rank_naming_it(moto_server, tmp_path):
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-ddp-fail"))
+    url = f"s3://{bucket}/run"
+    procs = launch(
+        moto_server, url, tmp_path / "out", 8, "--fail-upload", "1:4", report=tmp_path / "r"
+    )
+    codes, errors = finish(procs)
+    assert codes == [3, 3], errors
+    failed = reports(tmp_path / "r")
+    # Every rank's train() raises the step's failure: rank 1 its own error, rank 0 a
+    # DistributedSaveError naming rank 1 and what it raised.
+    assert failed[1]["error"] == "StorageError" and failed[1]["cause"] == "StorageError"
+    assert "refused upload" in failed[1]["message"]
+    assert failed[0]["error"] == "StorageError"
+    assert failed[0]["cause"] == "DistributedSaveError"
+    assert "rank 1" in failed[0]["message"] and "refused upload" in failed[0]["message"]
+    assert "checkpoint 4" in failed[0]["message"] and "nothing committed" in failed[0]["message"]
+    # Step 4 was tried again (at the save of step 8 and at the end) and never committed;
+    # step 8 was.
+    assert committed(moto_server, url) == [8]
+    staged = tmp_path / "out" / ".cloudckpt-upload"
+    assert (staged / "rank-0" / "checkpoint-4" / "optimizer.pt").is_file()
+    assert (staged / "rank-1" / "checkpoint-4" / "rng_state_1.pth").is_file()
+    assert not (staged / "rank-1" / "checkpoint-4" / "optimizer.pt").exists()
+
+
+def test_the_multi_process_docs_example_runs_under_torchrun(moto_server, tmp_path):
+    """The second example of the Hugging Face section, as written, under torchrun."""
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-ddp-docs"))
+    code = docs_examples("Hugging Face Trainer")[1]
+    script = tmp_path / "train.py"
+    script.write_text(code.replace("s3://ckpt/", f"s3://{bucket}/"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = subprocess.run(
+        [*cmd, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **moto_server.env()},
+        cwd=tmp_path,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-6000:]
+    assert committed(moto_server, f"s3://{bucket}/hf-ddp-run") == [8, 12]
+
+
+def test_each_file_is_uploaded_by_the_rank_that_wrote_it():
+    shared = ["model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth"]
+    assert file_owners([shared, shared]) == {
+        "model.safetensors": 0,
+        "optimizer.pt": 0,
+        "rng_state_0.pth": 0,
+        "rng_state_1.pth": 1,
+    }
+    # DeepSpeed's ZeRO files and DCP's (FSDP) data files name their rank.
+    zero = [
+        "global_step8/mp_rank_00_model_states.pt",
+        "global_step8/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "global_step8/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "pytorch_model_fsdp_0/__1_0.distcp",
+        "pytorch_model_fsdp_0/.metadata",
+        "latest",
+    ]
+    owners = file_owners([zero, zero])
+    assert [owners[n] for n in zero] == [0, 1, 1, 1, 0, 0]
+    # One folder per node: each rank sees its own files (and names no one else's).
+    assert file_owners([["model.safetensors", "rng_state_0.pth"], ["rng_state_1.pth"]]) == {
+        "model.safetensors": 0,
+        "rng_state_0.pth": 0,
+        "rng_state_1.pth": 1,
+    }
+    # A name naming a rank that does not see it: the lowest rank that does.
+    assert file_owners([["x/rng_state_1.pth"], []]) == {"x/rng_state_1.pth": 0}
+    assert file_owners([[], ["rng_state_7.pth"]]) == {"rng_state_7.pth": 1}
+
+
+def test_several_processes_need_the_process_group(tmp_path, monkeypatch):
+    callback = CloudCheckpointCallback(str(tmp_path / "bucket"))
+    args = SimpleNamespace(world_size=2, output_dir=str(tmp_path), save_total_limit=None)
+    state = SimpleNamespace(best_model_checkpoint=None)
+    with pytest.raises(ConfigError, match=r"2 processes.*torchrun"):
+        callback.on_train_begin(args, state, None)
+    # fetch_latest before the Trainer started the group would race the other processes.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE.*create the Trainer first"):
+        fetch_latest(str(tmp_path / "bucket"), tmp_path / "out")
+
+
+def _two_ranks_save(rank, world, root, results):  # run_ranks: a forked gloo rank
+    """The callback's events on 2 ranks without a Trainer: a folder per rank (a node
+    each), a step whose folder is missing on rank 1, an upload failing once on rank 1."""
+    import cloudckpt.hf as hf
+    from cloudckpt.errors import DistributedSaveError, NotFoundError, StorageError
+
+    out = root / f"out-{rank}"
+    callback = hf.CallbackBase(str(root / "bucket" / "run"))
+    args = SimpleNamespace(world_size=world, output_dir=str(out), save_total_limit=None)
+
+    def state(step):
+        return SimpleNamespace(best_model_checkpoint=None, global_step=step)
+
+    def write(step, names):
+        folder = out / f"checkpoint-{step}"
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(f"{name} {step}".encode())
+
+    callback.on_train_begin(args, state(0), None)
+    mine = [f"rng_state_{rank}.pth"] + (["model.safetensors", "sub/a.bin"] if rank == 0 else [])
+    write(4, mine)
+    callback.on_save(args, state(4), None)
+
+    if rank == 0:
+        write(8, mine)  # rank 1 never writes checkpoint-8
+    raised = None
+    try:
+        callback.on_save(args, state(8), None)
+    except (DistributedSaveError, NotFoundError) as exc:
+        raised = exc
+    assert raised is not None
+    assert isinstance(raised, NotFoundError if rank == 1 else DistributedSaveError)
+    if rank == 0:
+        assert "rank 1" in str(raised) and "nothing committed" in str(raised)
+
+    real_copy, tries = hf.copy_tree, []
+
+    def fail_once(src, src_prefix, dst, dst_prefix, *rest, **kw):
+        if rank == 1 and "step-000000012/" in dst_prefix and not tries:
+            tries.append(1)
+            raise StorageError("refused once")
+        return real_copy(src, src_prefix, dst, dst_prefix, *rest, **kw)
+
+    hf.copy_tree = fail_once
+    write(12, mine)
+    callback.on_save(args, state(12), None)
+    callback._drainer.wait()  # the step failed on both ranks...
+    assert callback._failed == {12}
+    callback.on_train_end(args, state(12), None)  # ...and every rank tried it again
+    assert callback._failed == set() and tries == ([1] if rank == 1 else [])
+    results.put((rank, sorted(callback._committed)))
+
+
+def test_two_ranks_commit_once_agree_on_failures_and_retry_together(tmp_path):
+    import multiprocessing
+
+    from ranks import run_ranks
+
+    results = multiprocessing.get_context("fork").SimpleQueue()
+    run_ranks(_two_ranks_save, 2, tmp_path, results, timeout=120)
+    assert sorted(results.get() for _ in range(2)) == [(0, [4, 12]), (1, [4, 12])]
+    manager = CheckpointManager(str(tmp_path / "bucket" / "run"))
+    assert [c.step for c in manager.list()] == [4, 12]
+    info = manager.info(12)
+    assert sorted(f.name for f in info.files) == [
+        "model.safetensors",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "sub/a.bin",
+    ]
+    assert info.metadata == {"folder": "checkpoint-12", "world_size": 2}
+    # Each rank's staging folder held only its own files, and is empty again.
+    for r in (0, 1):
+        assert not any((tmp_path / f"out-{r}" / ".cloudckpt-upload" / f"rank-{r}").iterdir())
