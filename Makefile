@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudckpt-installed
 URL    ?=
 
-.PHONY: venv demo test test-fast test-plain test-compat test-nemo test-integrations test-torchtitan lint bench bench-quick fuzz clean
+.PHONY: venv demo test test-fast test-plain test-compat test-nemo test-integrations test-torchtitan test-deepspeed test-ray lint bench bench-quick fuzz clean
 
 venv: $(STAMP)
 
@@ -114,6 +114,40 @@ $(TORCHTITAN_STAMP): $(STAMP) tests/torchtitan/requirements.txt
 
 test-torchtitan: $(TORCHTITAN_STAMP)
 	$(TORCHTITAN_VENV)/bin/python -m pytest -q tests/torchtitan
+
+# cloudckpt.deepspeed against DeepSpeed 0.19.8 (tests/deepspeed; docs/integrations.md) in
+# .cache/deepspeed, which sees .venv's packages (CPU torch, the test servers) through a
+# .pth file. DeepSpeed and the small packages it imports go in with --no-deps
+# (tests/deepspeed/requirements.txt), so pip never swaps .venv's CPU torch for a CUDA
+# one; its ops are not built (the tests skip compiling its CPU shared-memory op).
+# It also sees .cache/integrations' packages (transformers, accelerate) through a second
+# .pth file, a plain path line (that folder's own .pth files are not run again), written
+# before the stamp, for the Hugging Face Trainer under DeepSpeed ZeRO-2
+# (tests/deepspeed/test_hf_trainer_zero.py): the three share .venv's CPU torch, nothing
+# is installed twice and pip never resolves one environment against the other.
+DEEPSPEED_VENV ?= .cache/deepspeed
+DEEPSPEED_STAMP := $(DEEPSPEED_VENV)/.cloudckpt-installed
+$(DEEPSPEED_STAMP): $(STAMP) $(INTEGRATIONS_STAMP) tests/deepspeed/requirements.txt
+	test -x $(DEEPSPEED_VENV)/bin/python || $(BIN)/python -m venv $(DEEPSPEED_VENV)
+	$(INTEGRATIONS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> "$$($(DEEPSPEED_VENV)/bin/python -c \
+		"import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-cloudckpt-integrations.pth"
+	$(call overlay-venv,$(DEEPSPEED_VENV),tests/deepspeed/requirements.txt,--no-deps)
+
+test-deepspeed: $(DEEPSPEED_STAMP)
+	$(DEEPSPEED_VENV)/bin/python -m pytest -q tests/deepspeed
+
+# cloudckpt.ray against Ray Train 2.60 (tests/ray; docs/integrations.md) in .cache/ray,
+# which sees .venv's packages (CPU torch, moto, the test servers) through a .pth file.
+# ray[train] brings pyarrow and pandas, no torch (tests/ray/requirements.txt). The tests
+# start Ray with 2 CPUs, no dashboard, and shut it down (about 5 min on 2 cores).
+RAY_VENV ?= .cache/ray
+RAY_STAMP := $(RAY_VENV)/.cloudckpt-installed
+$(RAY_STAMP): $(STAMP) tests/ray/requirements.txt
+	$(call overlay-venv,$(RAY_VENV),tests/ray/requirements.txt)
+
+test-ray: $(RAY_STAMP)
+	$(RAY_VENV)/bin/python -m pytest -q tests/ray
 
 # Benchmarks against the peers (benchmarks/README.md). The peers' packages are
 # installed here, not in the test environment: s3fs pulls an aiobotocore that pins an

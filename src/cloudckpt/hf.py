@@ -245,13 +245,25 @@ class CallbackBase:
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Check the setup before the first step: the bucket answers (a missing bucket
         or rejected credentials raise here, typed, on every rank); with several
-        processes, torch.distributed is initialized over all of them."""
+        processes, torch.distributed is initialized over all of them, and a process
+        group of several ranks is the Trainer's (it counts them all)."""
         world = int(getattr(args, "world_size", 1) or 1)
         if world > 1 and world_size() != world:
             raise ConfigError(
                 f"CloudCheckpointCallback ({self.url}): the Trainer runs {world} processes "
                 f"and torch.distributed's process group holds {world_size()}; launch them "
                 "with torchrun or accelerate launch"
+            )
+        if world == 1 and world_size() > 1:
+            # E.g. accelerate's DeepSpeed path on a host without a GPU: DeepSpeed joins
+            # every rank while the Trainer counts one process, so each rank would save
+            # and upload the same checkpoint-N as if it were alone.
+            raise ConfigError(
+                f"CloudCheckpointCallback ({self.url}): torch.distributed's process group "
+                f"holds {world_size()} ranks and the Trainer counts 1 process "
+                "(TrainingArguments.world_size), so every rank would save the same "
+                "checkpoint as its own; make the Trainer see the processes (its device's "
+                "distributed backend, e.g. CUDA with DeepSpeed) or run one process"
             )
         self._world = world
         self._rank = rank() if world > 1 else 0

@@ -5,16 +5,18 @@ import its builders).
 
     python run_train.py URL OUTPUT_DIR STORAGE_OPTIONS_JSON --max-steps N
         [--resume] [--block-at N] [--kill-in-upload RANK:STEP]
-        [--fail-upload RANK:STEP] [--output-per-rank] [--report FILE]
+        [--fail-upload RANK:STEP] [--output-per-rank] [--zero STAGE] [--report FILE]
 
 ``--resume`` fetches the newest committed checkpoint and resumes from it;
 ``--block-at N`` stops the training thread forever at the end of step N (the uploads
 go on), for the test to kill the process; ``--kill-in-upload`` SIGKILLs rank RANK once
 its files of step STEP are uploaded (before the commit); ``--fail-upload`` makes that
 rank's upload of that step fail; ``--output-per-rank`` gives each rank an
-``OUTPUT_DIR/rank-R`` of its own (as one node each); ``--report`` writes the logged
-losses (with several processes to FILE.RANK), or the error ``train()`` raised (exit
-code 3).
+``OUTPUT_DIR/rank-R`` of its own (as one node each); ``--zero STAGE`` trains under the
+Trainer's DeepSpeed integration (``TrainingArguments(deepspeed=...)``, ZeRO stage STAGE,
+torch Adam, fp32, gloo; see :func:`deepspeed_arguments`); ``--report`` writes the
+logged losses (with several processes to FILE.RANK), or the error ``train()`` raised
+(exit code 3).
 """
 
 from __future__ import annotations
@@ -115,6 +117,39 @@ def losses(trainer: Trainer) -> list[list[float]]:
     return [[e["step"], e["loss"]] for e in trainer.state.log_history if "loss" in e]
 
 
+def deepspeed_arguments(stage: int) -> dict[str, Any]:
+    """TrainingArguments changes for the Trainer's DeepSpeed integration on CPU: ZeRO
+    ``stage``, fp32, torch's Adam (no DeepSpeed op built), the Trainer's own schedule.
+
+    Accelerate (1.16) takes the DeepSpeed path only on a device with a distributed
+    backend of its own (CUDA's nccl, ...): on a CPU-only host it would count one process
+    while DeepSpeed runs two. So accelerate is told here that the device is the CPU with
+    gloo, as DeepSpeed's CPU accelerator has it; the Trainer, accelerate's DeepSpeed
+    preparation and the DeepSpeed engine are otherwise untouched."""
+    import accelerate.state
+    import deepspeed.ops
+
+    # The CPU accelerator compiles its shared-memory collectives with g++ on the first
+    # init_distributed (about 100 s); gloo alone does here.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+    def cpu_device(check_available: bool = True) -> tuple[str, Any]:
+        return "cpu", torch.cpu
+
+    accelerate.state.get_torch_accelerator_backend = cpu_device
+    accelerate.state.get_distributed_backend = lambda device_type: "gloo"
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": 10**9,
+    }
+    return {"deepspeed": config, "ddp_backend": "gloo", "use_cpu": False}
+
+
 class BlockAt(TrainerCallback):
     """Stop the training thread for good at the end of step ``at``."""
 
@@ -137,6 +172,7 @@ def main() -> None:
     p.add_argument("--kill-in-upload", default="")
     p.add_argument("--fail-upload", default="")
     p.add_argument("--output-per-rank", action="store_true")
+    p.add_argument("--zero", type=int, default=None)
     p.add_argument("--report", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -162,7 +198,9 @@ def main() -> None:
     callbacks: list[Any] = [CloudCheckpointCallback(args.url, storage_options=opts)]
     if args.block_at:
         callbacks.append(BlockAt(args.block_at))
-    changes = {"ddp_backend": "gloo"} if world > 1 else {}
+    changes: dict[str, Any] = {"ddp_backend": "gloo"} if world > 1 else {}
+    if args.zero is not None:
+        changes.update(deepspeed_arguments(args.zero))
     trainer = tiny_trainer(args.output_dir, args.max_steps, callbacks, **changes)
     # After the Trainer is made: with several processes, fetch_latest is a collective.
     resume = fetch_latest(args.url, args.output_dir, storage_options=opts) if args.resume else None

@@ -228,6 +228,27 @@ def test_several_processes_need_the_process_group(tmp_path, monkeypatch):
         fetch_latest(str(tmp_path / "bucket"), tmp_path / "out")
 
 
+def _trainer_counting_one_process(rank, world, root, results):  # run_ranks: a gloo rank
+    """The Trainer counts 1 process (args.world_size) inside a group of 2 ranks, as under
+    accelerate's DeepSpeed path on a host without a GPU: refused before any save."""
+    callback = CloudCheckpointCallback(str(root / "bucket"))
+    args = SimpleNamespace(world_size=1, output_dir=str(root / "out"), save_total_limit=None)
+    with pytest.raises(ConfigError, match=r"holds 2 ranks and the Trainer counts 1 process"):
+        callback.on_train_begin(args, SimpleNamespace(best_model_checkpoint=None), None)
+    results.put(rank)
+
+
+def test_a_trainer_counting_one_process_in_a_group_of_several_is_refused(tmp_path):
+    import multiprocessing
+
+    from ranks import run_ranks
+
+    results = multiprocessing.get_context("fork").SimpleQueue()
+    run_ranks(_trainer_counting_one_process, 2, tmp_path, results, timeout=60)
+    assert sorted(results.get() for _ in range(2)) == [0, 1]
+    assert not (tmp_path / "out").exists()  # nothing staged
+
+
 def _two_ranks_save(rank, world, root, results):  # run_ranks: a forked gloo rank
     """The callback's events on 2 ranks without a Trainer: a folder per rank (a node
     each), a step whose folder is missing on rank 1, an upload failing once on rank 1."""

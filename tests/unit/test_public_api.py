@@ -64,6 +64,10 @@ ALLOWED = {
     "hf": {"hf", "manager", "dcp", "engine"} | _BASE,
     # Accelerate's save_state/load_state over the manager (one module, accelerate.py).
     "accelerate": {"accelerate", "manager", "dcp", "engine"} | _BASE,
+    # DeepSpeed's save_checkpoint/load_checkpoint over the manager (one module, deepspeed.py).
+    "deepspeed": {"deepspeed", "manager", "engine"} | _BASE,
+    # Ray Train's report/restore over the manager (one module, ray.py).
+    "ray": {"ray", "manager"} | _BASE,
     # The local servers make buckets through cloudckpt's own S3 store.
     "testing": {"testing", "store"},
 }
@@ -176,6 +180,8 @@ SUBPACKAGES = {
     "torchtitan": {"CloudCheckpointManager"},
     "hf": {"CloudCheckpointCallback", "fetch_latest"},
     "accelerate": {"AccelerateSaveHandle", "load_state", "save_state"},
+    "deepspeed": {"DeepSpeedSaveHandle", "load_checkpoint", "save_checkpoint"},
+    "ray": {"report", "restore", "run_url", "storage"},
     "store": {
         "MultipartUpload",
         "ObjectInfo",

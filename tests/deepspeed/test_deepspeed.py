@@ -1,0 +1,327 @@
+"""DeepSpeed with ``cloudckpt.deepspeed``: real ``deepspeed.initialize`` engines (ZeRO-2
+and ZeRO-3, fp32, torch Adam, gloo) on 2 ranks, each a process of its own, saving to a
+moto S3 server: resume to the same losses as an uninterrupted run, a ``kill -9`` of a
+rank mid-save, a fetched step read by DeepSpeed's own ``zero_to_fp32.py``, and the
+errors (nothing committed, another world size, a refused write, a corrupt file)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+# tests/ is on sys.path, where this folder reads as a namespace package named
+# deepspeed: skip unless the real package imports, and leave no namespace package behind.
+try:
+    pytest.importorskip("deepspeed.runtime.engine")
+except pytest.skip.Exception:
+    sys.modules.pop("deepspeed", None)
+    raise
+
+import torch
+
+from cloudckpt import CheckpointManager
+from cloudckpt.cli import main as cli_main
+from docs_examples import docs_examples, run_example
+from ranks import HOST, free_port
+from servers import unique_bucket_name
+
+SCRIPT = str(Path(__file__).with_name("run_ds.py"))
+ERRORS = str(Path(__file__).with_name("errors_ds.py"))
+
+
+def committed(server, url):
+    """The steps committed under ``url`` (the manager's listing: markers only)."""
+    return [c.step for c in CheckpointManager(url, storage_options=server.storage_options()).list()]
+
+
+def launch(server, url, world, *extra, report=None):
+    """Start the loop as ``world`` processes (gloo ranks), as torchrun would."""
+    cmd = [sys.executable, SCRIPT, url, json.dumps(server.storage_options()), *extra]
+    if report is not None:
+        cmd += ["--report", str(report)]
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=HOST,
+            MASTER_PORT=str(port),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+        )
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        )
+    return procs
+
+
+def finish(procs, timeout=300, code=0):
+    """Wait for every process; fail with the stderr of any that did not exit with ``code``."""
+    errors = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        if p.returncode != code:
+            errors.append(f"exit {p.returncode}: " + err.decode()[-4000:])
+    assert not errors, "\n---\n".join(errors)
+
+
+def reports(path, world):
+    return [json.loads(Path(f"{path}.{r}").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def base(moto_server, tmp_path_factory):
+    """An uninterrupted 12-step run of each stage on 2 ranks (saves at 4, 8, 12)."""
+    runs = {}
+    tmp = tmp_path_factory.mktemp("ds-base")
+    for stage in (2, 3):
+        bucket = moto_server.make_bucket(unique_bucket_name(f"ds-base-{stage}"))
+        url = f"s3://{bucket}/run"
+        local = tmp / f"local-{stage}"
+        report = tmp / f"base-{stage}"
+        finish(
+            launch(moto_server, url, 2, "--stage", str(stage), "--local", str(local), report=report)
+        )
+        runs[stage] = (url, reports(report, 2), local)
+    return runs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rank_killed_mid_save_leaves_the_previous_step_and_resumes_the_same(
+    moto_server, base, tmp_path, stage
+):
+    base_url, base_reports, _ = base[stage]
+    assert [s for s, _ in base_reports[0]["losses"]] == list(range(1, 13))
+    assert committed(moto_server, base_url) == [4, 8, 12]
+
+    bucket = moto_server.make_bucket(unique_bucket_name(f"ds-kill-{stage}"))
+    url = f"s3://{bucket}/run"
+    procs = launch(moto_server, url, 2, "--stage", str(stage), "--kill-in-save", "8")
+    _, err = procs[1].communicate(timeout=300)
+    assert procs[1].returncode == -9, err.decode()[-4000:]
+    procs[0].kill()  # waiting for rank 1 in a collective
+    procs[0].communicate(timeout=60)
+    manager = CheckpointManager(url, storage_options=moto_server.storage_options())
+    assert [c.step for c in manager.list()] == [4]
+    latest = manager.latest()
+    assert latest is not None and latest.step == 4 and latest.metadata["tag"] == "global_step4"
+
+    # Fresh processes resume from 4, step by step as the uninterrupted run, and save 8
+    # again over the leftovers.
+    args = ("--stage", str(stage), "--resume")
+    finish(launch(moto_server, url, 2, *args, report=tmp_path / "resumed"))
+    resumed = reports(tmp_path / "resumed", 2)
+    for r in range(2):
+        assert resumed[r]["resumed_from"] == 4
+        assert resumed[r]["losses"] == base_reports[r]["losses"][4:]
+        # Each rank read its model states and its optimizer partition, each once.
+        model = f"zero_pp_rank_{r}_mp_rank_00" if stage == 3 else "mp_rank_00"
+        assert resumed[r]["reads"] == {
+            f"global_step4/{model}_model_states.pt": 1,
+            f"global_step4/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 1,
+        }
+    assert committed(moto_server, url) == [4, 8, 12]
+
+
+def test_async_saves_commit_and_resume_with_the_same_losses(moto_server, base, tmp_path):
+    """ZeRO-2 on 2 ranks, each save returned once staged, written and committed in the
+    background: the run's steps are committed and a resume continues as the
+    uninterrupted run."""
+    _, base_reports, _ = base[2]
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-async"))
+    url = f"s3://{bucket}/run"
+    args = ("--async", "--max-steps", "8")
+    finish(launch(moto_server, url, 2, *args, report=tmp_path / "a"))
+    assert committed(moto_server, url) == [4, 8]
+    first = reports(tmp_path / "a", 2)
+    finish(launch(moto_server, url, 2, "--async", "--resume", report=tmp_path / "b"))
+    resumed = reports(tmp_path / "b", 2)
+    assert committed(moto_server, url) == [4, 8, 12]
+    for r in range(2):
+        assert resumed[r]["resumed_from"] == 8
+        assert first[r]["losses"] + resumed[r]["losses"] == base_reports[r]["losses"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_fetched_step_is_deepspeeds_own_folder(moto_server, base, tmp_path, monkeypatch, stage):
+    """The files each rank wrote, ``latest`` and the recovery scripts are committed, the
+    command line verifies them, and DeepSpeed's ``zero_to_fp32.py`` run on a copy gives
+    the weights it gives for DeepSpeed's own local save of the same step."""
+    url, _, local = base[stage]
+    info = CheckpointManager(url, storage_options=moto_server.storage_options()).latest()
+    assert info is not None and info.step == 12 and info.kind == "deepspeed"
+    assert info.metadata["tag"] == "global_step12" and info.metadata["zero_stage"] == stage
+    assert info.metadata["dp_world_size"] == 2
+    names = {f.name for f in info.files}
+    assert names == {
+        "latest",
+        "zero_to_fp32.py",
+        "zero_to_torch.py",
+        *(n.relative_to(local).as_posix() for n in (local / "global_step12").iterdir()),
+    }
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    assert cli_main(["verify", url]) == 0
+    fetched = tmp_path / "fetched"
+    assert cli_main(["cp", "-r", info.url, str(fetched)]) == 0
+    assert (fetched / "latest").read_text() == "global_step12"
+    out = subprocess.run(  # DeepSpeed's own script, from the fetched folder
+        [sys.executable, str(fetched / "zero_to_fp32.py"), str(fetched), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    (found,) = (tmp_path / "out").iterdir()
+    if found.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        ours = load_file(found)
+    else:
+        ours = torch.load(found, weights_only=True)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    weights = {"ours": ours, "deepspeed": get_fp32_state_dict_from_zero_checkpoint(str(local))}
+    assert (
+        weights["ours"].keys()
+        == weights["deepspeed"].keys()
+        == {
+            "0.weight",
+            "0.bias",
+            "2.weight",
+            "2.bias",
+        }
+    )
+    for key, value in weights["deepspeed"].items():
+        assert torch.equal(weights["ours"][key], value), key
+
+
+def test_a_save_killed_before_its_commit_is_not_committed_and_gc_removes_it(
+    moto_server, tmp_path, monkeypatch, capsys
+):
+    """Rank 0 killed with every rank's files of step 8 in the bucket, the marker not:
+    ``cloudckpt latest`` says 4, and ``gc`` removes step 8's leftovers."""
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-torn"))
+    url = f"s3://{bucket}/run"
+    procs = launch(moto_server, url, 2, "--kill-before-commit", "8")
+    _, err = procs[0].communicate(timeout=300)
+    assert procs[0].returncode == -9, err.decode()[-4000:]
+    procs[1].kill()  # waiting for rank 0's commit
+    procs[1].communicate(timeout=60)
+    manager = CheckpointManager(url, storage_options=moto_server.storage_options())
+    assert [c.step for c in manager.list()] == [4]
+    torn = {o.key.rsplit("/", 1)[-1] for o in manager.store.list("run/step-000000008/")}
+    assert {"latest", "zero_to_fp32.py", "mp_rank_00_model_states.pt"} <= torn
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli_main(["latest", url]) == 0
+    assert capsys.readouterr().out.strip().endswith("step-000000004/")
+    assert cli_main(["gc", url, "--grace", "0"]) == 0
+    assert not list(manager.store.list("run/step-000000008/"))
+    assert [c.step for c in manager.list()] == [4]
+
+
+def test_a_refused_write_fails_every_rank_and_commits_nothing(moto_server, tmp_path):
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-refused"))
+    url = f"s3://{bucket}/run"
+    procs = launch(moto_server, url, 2, "--fail-write", "1:8", report=tmp_path / "r")
+    finish(procs, code=3)
+    failed = reports(tmp_path / "r", 2)
+    assert failed[1]["error"] == "StorageError"  # the failed rank raises its own error
+    assert failed[0]["error"] == "DistributedSaveError"
+    assert "rank 1" in failed[0]["message"] and "refused write" in failed[0]["message"]
+    assert committed(moto_server, url) == [4]
+
+
+def test_load_errors_are_typed_and_raised_before_any_read(moto_server, base):
+    """Nothing committed, a step or tag not committed, a missing bucket, another world
+    size, another ZeRO stage: each a typed error naming what is wrong, never a silent
+    ``(None, None)``; the module alone loads on another world size."""
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-empty"))
+    empty, gone = f"s3://{bucket}/run", f"s3://{unique_bucket_name('ds-gone')}/run"
+    cmd = [sys.executable, ERRORS, json.dumps(moto_server.storage_options()), empty, gone]
+    out = subprocess.run(
+        [*cmd, base[2][0], base[3][0]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(ERRORS).parent)},
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["empty"][0] == "NotFoundError" and empty in found["empty"][1]
+    assert found["empty_ok"] == ["ok", "None"]
+    assert found["no_step"][0] == "NotFoundError" and "step 5" in found["no_step"][1]
+    assert found["no_tag"][0] == "NotFoundError" and "'nope'" in found["no_tag"][1]
+    assert found["gone_load"][0] == "BucketNotFoundError"
+    assert found["gone_save"][0] == "BucketNotFoundError"
+    for key, stage in (("world2", 2), ("world3", 3)):
+        assert found[key][0] == "ConfigError", found[key]
+        assert "saved by 2 data-parallel ranks and this job has 1" in found[key][1]
+        assert f"ZeRO stage {stage}" in found[key][1]
+    assert found["stage"][0] == "ConfigError" and "ZeRO-3" in found["stage"][1]
+    assert found["module_only"] == ["ok", "12"]
+    assert found["roundtrip0"] == found["roundtrip1"] == ["ok", "True"]
+
+
+def test_a_corrupt_file_fails_every_rank(moto_server, base, tmp_path):
+    """Step 12's optimizer partition of rank 1 rewritten with its bytes changed: rank 1
+    raises a checksum error, rank 0 a DistributedLoadError naming it, before DeepSpeed's
+    load runs."""
+    url, _, _ = base[2]
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-corrupt"))
+    copy = f"s3://{bucket}/run"
+    assert cli_main_quiet(moto_server, ["cp", "-r", url, copy]) == 0
+    target = CheckpointManager(copy, storage_options=moto_server.storage_options())
+    info = target.latest()
+    assert info is not None
+    key = (
+        f"{target.root_key}/step-000000012/global_step12/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    )
+    data = bytearray(target.store.get(key))
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:  # the largest tensor record
+        record = max(archive.infolist(), key=lambda i: i.file_size)
+    offset = record.header_offset + 26  # the local header's name and extra lengths
+    start = offset + 4 + int.from_bytes(data[offset : offset + 2], "little")
+    start += int.from_bytes(data[offset + 2 : offset + 4], "little")
+    data[start + record.file_size // 2] ^= 0xFF
+    target.store.put(key, bytes(data))
+    finish(launch(moto_server, copy, 2, "--resume", report=tmp_path / "r"), code=3)
+    failed = reports(tmp_path / "r", 2)
+    assert failed[1]["error"] in ("ChecksumError", "CorruptCheckpointError"), failed[1]
+    assert failed[0]["error"] == "DistributedLoadError" and "rank 1" in failed[0]["message"]
+
+
+def cli_main_quiet(server, argv):
+    env = {**os.environ, **server.env()}
+    out = subprocess.run(
+        [sys.executable, "-m", "cloudckpt", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    return out.returncode
+
+
+def test_the_docs_example_runs(moto_server, tmp_path):
+    """The DeepSpeed section of docs/integrations.md, as written, on the local server."""
+    bucket = run_example(moto_server, docs_examples("DeepSpeed")[0], tmp_path, "ds-docs")
+    assert committed(moto_server, f"s3://{bucket}/deepspeed-run") == [8, 12]
