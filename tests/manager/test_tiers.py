@@ -255,6 +255,32 @@ def test_only_due_steps_are_drained_and_keep_local_keeps_undrained_ones(
     assert m.restore(step=2)["step"] == 2  # from the bucket
 
 
+def test_a_save_uncommits_what_keep_local_drops_and_starts_the_drainer_last(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    # The save's last acts: the dropped step uncommitted (its files removed after the
+    # save returns, before the next save or drain), then the drainer, so the save does
+    # not share the CPUs with either (docs/tiers.md, the protocol's step 4).
+    tier = tmp_path / "tier"
+    m = tiered(bucket, tier, keep_local=1, drain_every_n_steps=2)
+    assert m._tier is not None and m._drainer is not None
+    order: list[str] = []
+    retain, submit = m._tier.retain, m._drainer.submit
+    m._tier.retain = lambda *a, **k: order.append("retain") or retain(*a, **k)  # type: ignore[method-assign]
+    m._drainer.submit = lambda *a: order.append("submit") or submit(*a)  # type: ignore[method-assign]
+    m.save(2, state(2))
+    assert order == ["retain", "submit"]
+    m.drain()
+    m.save(3, state(3))  # not due: 2 is drained, so dropped
+    assert local_steps(tier) == [3]
+    m.save(4, state(4))  # 2's files are gone before it writes; 3 is dropped in turn
+    assert local_steps(tier) == [4] and not (tier / step_dir(2)).exists()
+    m.drain()
+    assert sorted(p.name for p in tier.glob("step-*")) == [step_dir(4)]
+    assert remote_steps(m) == [2, 4]
+    assert m.restore(step=2)["step"] == 2 and m.restore()["step"] == 4
+
+
 def test_a_full_local_tier_refuses_the_save_before_writing(
     bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from cloudckpt.engine.remove import removal_rounds, remove_checkpoint
+from cloudckpt.engine.remove import removal_rounds, remove_checkpoint, remove_markers
 from cloudckpt.options import TransferOptions
 from cloudckpt.store import ObjectInfo
 from cloudckpt.store.local import LocalStore
@@ -60,6 +60,20 @@ def test_only_the_prefix_is_removed_and_a_given_listing_is_used() -> None:
     assert remove_checkpoint(store, "a/step-1/", OPTIONS, listing) == 2
     assert [o.key for o in store.list("a/")] == ["a/step-10/x"]
     assert remove_checkpoint(store, "a/missing/", OPTIONS) == 0
+
+
+def test_removal_in_two_parts_markers_now_the_rest_later(tmp_path: Path) -> None:
+    # The local tier's retention after a synchronous save: uncommitted at once, the data
+    # (and the folders) removed later with the listing the first part returned.
+    store = LocalStore(tmp_path)
+    keys = ["ck/_CHECKPOINT.json", "ck/model/.metadata", "ck/model/__0_0.distcp", "ck/x.pt"]
+    for key in keys:
+        store.put(key, b"x")
+    listing = remove_markers(store, "ck/", OPTIONS)
+    assert sorted(o.key for o in listing) == sorted(keys)
+    assert sorted(o.key for o in store.list("ck/")) == ["ck/model/__0_0.distcp", "ck/x.pt"]
+    assert remove_checkpoint(store, "ck/", OPTIONS, listing) == len(keys)  # markers: absent
+    assert not (tmp_path / "ck").exists()
 
 
 def test_a_per_rank_metadata_file_is_data() -> None:

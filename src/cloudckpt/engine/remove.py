@@ -11,7 +11,11 @@ what is left of the folders on a filesystem (a bucket has none).
 Everyone removes a checkpoint through :func:`remove_checkpoint`: the manager's
 retention, ``delete`` and ``gc``, the local tier, the NeMo and Lightning removals, the
 Hugging Face and Accelerate integrations, ``cloudckpt rm``. ``cloudckpt rm --dry-run``
-lists its plan in the same order (:func:`removal_rounds`).
+lists its plan in the same order (:func:`removal_rounds`). A caller that must not wait
+for the data (the local tier's retention after a synchronous save: freeing the pages of
+a large file on tmpfs takes a third of writing them) runs the same removal in two
+parts: :func:`remove_markers` now (the checkpoint is no longer committed), then
+:func:`remove_checkpoint` with the listing it returned, later, on a thread of its own.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ..io.bulk import delete_keys
 from ..options import TransferOptions
 from ..store import ObjectInfo, Store
 
-__all__ = ["removal_rounds", "remove_checkpoint"]
+__all__ = ["removal_rounds", "remove_checkpoint", "remove_markers"]
 
 
 def _marker_round(key: str) -> int | None:
@@ -57,6 +61,25 @@ def removal_rounds(objects: Iterable[ObjectInfo]) -> list[list[ObjectInfo]]:
         found = _marker_round(obj.key)
         (rest if found is None else markers[found]).append(obj)
     return [r for r in markers if r] + ([rest] if rest else [])
+
+
+def remove_markers(
+    store: Store,
+    prefix: str,
+    options: TransferOptions,
+    objects: Iterable[ObjectInfo] | None = None,
+) -> list[ObjectInfo]:
+    """The first part of :func:`remove_checkpoint`: delete the commit markers under
+    ``prefix`` (ending in ``/``), in :func:`removal_rounds`' order, and nothing else.
+    Returns the prefix's listing (``objects``, when the caller has it), for
+    ``remove_checkpoint(store, prefix, options, listing)`` to remove the rest (the
+    markers there again: an absent one is success)."""
+    listed = list(store.list(prefix)) if objects is None else list(objects)
+    for round_ in removal_rounds(listed):
+        if _marker_round(round_[0].key) is None:
+            break  # the data: the last round
+        delete_keys(store, [o.key for o in round_], options)
+    return listed
 
 
 def remove_checkpoint(

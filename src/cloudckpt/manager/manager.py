@@ -302,7 +302,9 @@ class CheckpointManager:
         finally:
             with self._lock:
                 self._pending.discard(step)
-        on_first(lambda: self._after_commit(step), what=f"retention under {self.root_url}")
+        on_first(
+            lambda: self._after_commit(step, defer=True), what=f"retention under {self.root_url}"
+        )
         return info
 
     def async_save(
@@ -471,6 +473,7 @@ class CheckpointManager:
         tier = self._tier
         if tier is not None:
             tier.check_ready(self.kind)
+            tier.settle()  # the files the last save's retention dropped are gone first
             tier.sweep()
         self._refuse_committed(step)
         if tier is not None:
@@ -505,17 +508,20 @@ class CheckpointManager:
         prefix = self._step_prefix(step)
         return commit_step(self.store, prefix, step, self.kind.name, metrics, metadata, when)
 
-    def _after_commit(self, step: int) -> None:
-        """After a save's commit: bucket retention; with a local tier, queue the step's
-        drain if it is due (and retry failed ones), then local retention."""
+    def _after_commit(self, step: int, defer: bool = False) -> None:
+        """After a save's commit: bucket retention; with a local tier, local retention,
+        then queue the step's drain if it is due (and retry failed ones). The drainer
+        starts last, so a synchronous save does not share the CPUs with it; ``defer``
+        (such a save): the files of the steps local retention drops are removed after
+        it returns (:meth:`LocalTier.retain`)."""
         if self._tier is None or self._drainer is None:
             self._retain_quietly()
             return
+        self._retain_local(defer=defer)  # the new step is kept: due and not drained, or newest
         if not self._ranked_tier():  # several ranks: drain() retries, all ranks in step
             self._drainer.retry_failed()  # and, the first time, finds earlier drains
         if self._tier.due(step):
             self._drainer.submit(step)
-        self._retain_local()
 
     # -- the local tier ------------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> None:
@@ -533,6 +539,7 @@ class CheckpointManager:
             return
         self._drainer.retry_failed()  # and finds what an earlier process left, first
         failed = self._drainer.wait(timeout)
+        self._tier.settle()  # and the files the last save's retention dropped are gone
         if failed:
             raise failed[min(failed)]
         if self._drainer.prepare_error is not None:
@@ -605,10 +612,11 @@ class CheckpointManager:
             self._retain_quietly()
         self._retain_local()
 
-    def _retain_local(self) -> None:
+    def _retain_local(self, defer: bool = False) -> None:
         """Local retention (and the sweep of crash leftovers); never a step due and not
         drained (the tier's journals and what the drainer holds: no bucket request),
-        being saved, or restored."""
+        being saved, or restored. ``defer``: the dropped steps' files are removed by a
+        thread of their own (:meth:`LocalTier.retain`)."""
         tier, drainer = self._tier, self._drainer
         assert tier is not None and drainer is not None
 
@@ -621,7 +629,7 @@ class CheckpointManager:
             return keep
 
         try:
-            tier.retain(protected)
+            tier.retain(protected, defer=defer)
         except Exception as exc:
             log.warning("retention in the local tier %s failed: %s", tier.url, exc)
 
@@ -985,6 +993,7 @@ class CheckpointManager:
                 self._in_bucket.discard(step)
             tier = self._tier
             if tier is not None and tier.owned:
+                tier.settle()
                 removed += remove_checkpoint(tier.store, tier.step_prefix(step), tier.options)
                 tier.forget(step)
             if removed == 0:
@@ -1019,6 +1028,7 @@ class CheckpointManager:
         )
         tier = self._tier
         if tier is not None and tier.owned:
+            tier.settle()  # a step retention is removing is not garbage
             local = collect_garbage(
                 tier.store,
                 "",

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..engine.copy import PARTIAL_SUFFIX, copy_tree
 from ..engine.drain import RUN_FILE, Drainer, claim
-from ..engine.remove import remove_checkpoint
+from ..engine.remove import remove_checkpoint, remove_markers
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -130,6 +130,8 @@ class LocalTier:
         self._retain_lock = threading.Lock()
         #: (step, local commit time) of the steps whose journal records the bucket's commit.
         self._drained: set[tuple[int, float]] = set()
+        #: The thread removing the files of the steps a deferred retention dropped.
+        self._removing: threading.Thread | None = None
 
     def _claim(self) -> str:
         """Create the run file naming ``remote_url`` (create-only), or read the owner
@@ -257,10 +259,20 @@ class LocalTier:
         )
         return replace(info, tiers=(LOCAL,))
 
-    def retain(self, protected: Callable[[], set[int]]) -> builtins.list[int]:
+    def retain(
+        self, protected: Callable[[], set[int]], *, defer: bool = False
+    ) -> builtins.list[int]:
         """Delete local steps beyond the ``keep_local`` newest, never one in
         ``protected()`` (due and not drained, being saved, restored), with their drain
-        journals; sweep the temp files crashed writers left. Returns the steps deleted."""
+        journals; sweep the temp files crashed writers left. Returns the steps deleted.
+
+        ``defer`` (a synchronous save, which returns right after): each step dropped is
+        uncommitted here (its marker deleted first, then its journal) and its files are
+        removed by a thread of their own, so the save does not wait for their pages to
+        be freed. :meth:`settle` waits for that thread; every retention does first, and
+        the manager before a save, a drain, a delete or gc. A process killed in between
+        leaves the files without a marker: gc's, as a retention killed midway always did."""
+        self.settle()
         self.sweep()
         if self.keep is None:
             return []
@@ -269,10 +281,39 @@ class LocalTier:
             if len(found) <= self.keep:
                 return []
             doomed = to_delete(found, [KeepLast(self.keep)], protected())
+            later: builtins.list[tuple[str, builtins.list[ObjectInfo]]] = []
             for step in doomed:
-                remove_checkpoint(self.store, self.step_prefix(step), self.options)
+                prefix = self.step_prefix(step)
+                if defer:
+                    later.append((prefix, remove_markers(self.store, prefix, self.options)))
+                else:
+                    remove_checkpoint(self.store, prefix, self.options)
                 self.forget(step)
+            if later:
+                self._removing = threading.Thread(
+                    target=self._remove, args=(later,), name="cloudckpt-local-retention"
+                )
+                self._removing.start()  # not a daemon: an exit waits for it
         return doomed
+
+    def _remove(self, doomed: Sequence[tuple[str, builtins.list[ObjectInfo]]]) -> None:
+        """The thread of a deferred retention: the files of each uncommitted step."""
+        for prefix, listed in doomed:
+            try:
+                remove_checkpoint(self.store, prefix, self.options, listed)
+            except Exception as exc:  # uncommitted already: gc removes what is left
+                log.warning(
+                    "removing %s from the local tier failed (no longer committed; gc() "
+                    "removes what is left): %s",
+                    self.store.url(prefix),
+                    exc,
+                )
+
+    def settle(self) -> None:
+        """Wait until the files of the steps a deferred retention dropped are removed."""
+        removing = self._removing
+        if removing is not None and removing is not threading.current_thread():
+            removing.join()
 
     def sweep(self) -> builtins.list[str]:
         """Remove the temp files of writers that are gone (a save, peer copy or download
