@@ -1,5 +1,5 @@
 """A DDP-style resume on N forked gloo ranks: every rank loads the same object, with and
-without ``share=True`` (dist/share.py), against ``rclone serve s3`` on tmpfs.
+without ``share=True`` (ranks/share.py), against ``rclone serve s3`` on tmpfs.
 
     .venv/bin/python -m benchmarks.studies.shared_load --mib 512 --ranks 4 --reps 3
 

@@ -7,7 +7,7 @@ exception", exit status -6). A program that ended right after a 2-rank
 ``CheckpointManager.save``, without ``destroy_process_group``, aborted on one rank in
 about a quarter of its runs (8 of 30 here), though the checkpoint had committed. The
 collectives run on cloudckpt's own groups, which its exit hook destroys while the
-interpreter is whole (dist/groups.py). Each run is two fresh interpreters; a run that
+interpreter is whole (ranks/groups.py). Each run is two fresh interpreters; a run that
 aborts fails the test with that rank's stderr.
 """
 
