@@ -23,7 +23,7 @@ DeepSpeed checkpoint folder: ``cloudckpt cp`` it to disk and DeepSpeed's own
 A load picks a committed step (the newest, ``step=`` or ``tag=``), checks that this
 job can load it (the ZeRO stage and data-parallel world size DeepSpeed needs), reads
 the files this rank needs (its model states once, its own optimizer partition), each
-checked against the marker's size and its archive's CRC-32s, agrees with the other
+checked against the marker's size and ETag and its archive's CRC-32s, agrees with the other
 ranks that every read succeeded, and only then runs DeepSpeed's own
 ``engine.load_checkpoint`` over them. Failures are typed and raised on every rank;
 nothing returns a silent ``(None, None)``.
@@ -49,6 +49,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,23 @@ _DEEPSPEED_GLOBALS: tuple[tuple[str, str], ...] = (
 #: before it (engine/background.py).
 _line = SaveLine()
 
+#: The step each engine was restored from, per run URL (``load_checkpoint`` records it,
+#: as a manager's ``restored_step``): retention after a save never deletes it.
+_restored: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def _remember_restored(engine: Any, root_url: str, step: int) -> None:
+    # An engine that takes no weak reference: nothing remembered, nothing protected.
+    with contextlib.suppress(TypeError):
+        _restored.setdefault(engine, {})[root_url] = step
+
+
+def _restored_step(engine: Any, root_url: str) -> int | None:
+    try:
+        return _restored.get(engine, {}).get(root_url)
+    except TypeError:
+        return None
+
 
 class DeepSpeedSaveHandle(SaveHandle[CheckpointInfo]):
     """A :func:`save_checkpoint` with ``async_save=True``: staged once every rank's files
@@ -146,6 +164,33 @@ def _group() -> Any:
 
 def _step_prefix(manager: CheckpointManager, step: int) -> str:
     return f"{root_prefix(manager.root_key)}{step_dir(step)}/"
+
+
+def _check_etag(url: str, step: int, found: str | None, recorded: str | None) -> None:
+    """CorruptCheckpointError naming ``url`` and ``step`` when the object's ETag is not
+    the one its marker recorded (as ``cloudckpt verify`` and ``hf.fetch_latest`` check):
+    another step's file of the same size, or one rewritten since the commit."""
+    if recorded and found and recorded.strip('"') != found.strip('"'):
+        raise CorruptCheckpointError(
+            f"{url} changed since step {step} was committed (ETag differs from its "
+            "marker's): not the file the marker committed"
+        )
+
+
+def _check_remote(manager: CheckpointManager, prefix: str, info: CheckpointInfo) -> None:
+    """Every file of ``info`` (its marker aside) is under ``prefix`` in the bucket at the
+    size and ETag its marker records."""
+    found = {o.key[len(prefix) :]: o for o in manager.store.list(prefix)}
+    for f in info.files:
+        if f.name == MARKER_NAME:
+            continue
+        url = manager.store.url(prefix + f.name)
+        o = found.get(f.name)
+        if o is None:
+            raise NotFoundError(f"{url} is missing: its marker {info.url} lists it")
+        if o.size != f.size:
+            raise CorruptCheckpointError(f"{url} holds {o.size} bytes, its marker says {f.size}")
+        _check_etag(url, info.step, o.etag, f.etag)
 
 
 def _checked_step(step: Any) -> int:
@@ -219,11 +264,16 @@ class _Bucket:
         options: TransferOptions,
         *,
         sizes: Mapping[str, int] | None = None,
+        etags: Mapping[str, str | None] | None = None,
+        step: int | None = None,
         weights_only: bool = True,
         stage: bool = False,
     ) -> None:
         self.store, self.prefix, self.folder, self.options = store, prefix, folder, options
         self.sizes = sizes
+        #: The ETag the marker recorded for each file (a load), and the step it commits.
+        self.etags = etags or {}
+        self.step = step
         self.weights_only = weights_only
         self.error: BaseException | None = None
         #: With ``stage``: each file's snapshot, written later by :meth:`write_staged`.
@@ -279,7 +329,8 @@ class _Bucket:
 
     # -- load ----------------------------------------------------------------------------
     def read(self, name: str) -> Any:
-        """The object ``name`` of the committed step, checked against its marker."""
+        """The object ``name`` of the committed step, checked against its marker (its
+        size and ETag; then its archive's CRC-32s as it is read)."""
         key = self.prefix + name
         url = self.store.url(key)
         expected = None if self.sizes is None else self.sizes.get(name)
@@ -290,6 +341,8 @@ class _Bucket:
             raise CorruptCheckpointError(
                 f"{url} holds {found.size} bytes, its marker says {expected}"
             )
+        if self.step is not None:
+            _check_etag(url, self.step, found.etag, self.etags.get(name))
         with _deepspeed_globals(self.weights_only):
             return load_object(
                 Target(url, self.store, key, self.options),
@@ -390,7 +443,9 @@ def save_checkpoint(
     :class:`~cloudckpt.errors.DistributedSaveError` naming it; nothing is committed.
     ``client_state`` is DeepSpeed's (saved in the model states); ``metrics`` go into
     the marker (``keep_top_k`` retention); ``keep_last``: the manager's retention after
-    the commit. ``staging_dir``: where the small local folder DeepSpeed writes its
+    the commit, which never deletes the newest committed step, this step, nor the step
+    this engine was restored from by :func:`load_checkpoint` (docs/integrations.md,
+    "DeepSpeed"). ``staging_dir``: where the small local folder DeepSpeed writes its
     recovery scripts into is made (default the temp dir).
 
     ``async_save``: return once every rank's files are copied into host memory
@@ -406,6 +461,7 @@ def save_checkpoint(
     manager = _open_run(url, options, storage_options, keep_last)
     _line.make_room(manager.root_url)  # this process's background save of the run first
     chosen = _checked_step(engine.global_steps if step is None else step)
+    restored = _restored_step(engine, manager.root_url)
     name = _checked_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     store, prefix, url_of_step = (
         manager.store,
@@ -459,7 +515,9 @@ def save_checkpoint(
         }
         if not async_save:
             try:
-                return _upload_and_commit(manager, chosen, folder, name, metrics, metadata, group)
+                return _upload_and_commit(
+                    manager, chosen, folder, name, metrics, metadata, group, restored
+                )
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
     except BaseException:
@@ -482,7 +540,9 @@ def save_checkpoint(
                 group=background,
                 error_type=DistributedSaveError,
             )
-            return _upload_and_commit(manager, chosen, folder, name, metrics, metadata, background)
+            return _upload_and_commit(
+                manager, chosen, folder, name, metrics, metadata, background, restored
+            )
         finally:
             bucket.release()
             shutil.rmtree(folder, ignore_errors=True)
@@ -500,10 +560,12 @@ def _upload_and_commit(
     metrics: Mapping[str, float] | None,
     metadata: Mapping[str, Any],
     group: Any,
+    restored: int | None = None,
 ) -> CheckpointInfo:
     """Upload what DeepSpeed wrote into each rank's local ``folder`` (the recovery
     scripts; rank 0 adds ``latest``), each name once (the lowest rank holding it), then,
-    once every rank's upload succeeded, commit the step (rank 0) and apply retention."""
+    once every rank's upload succeeded, commit the step (rank 0) and apply retention
+    (never to ``step`` nor to the step ``restored`` from)."""
     store, options = manager.store, manager.options
     prefix, url = _step_prefix(manager, step), manager.step_url(step)
     names: list[str] = []
@@ -541,12 +603,28 @@ def _upload_and_commit(
     def commit() -> CheckpointInfo:  # every rank's files are in the bucket
         info = commit_step(store, prefix, step, KIND, dict(metrics or {}), metadata)
         try:
-            manager.apply_retention()
+            _retain(manager, step, restored)
         except Exception as exc:
             log.warning("retention under %s failed (step %d is committed): %s", url, step, exc)
         return info
 
     return on_first(commit, group, what=f"the commit of {url}", error_type=DistributedSaveError)
+
+
+def _retain(manager: CheckpointManager, saved: int, restored: int | None) -> list[int]:
+    """The manager's retention (docs/manager.md) after the commit of ``saved``, on the
+    first rank: never the newest committed step, ``saved`` (held as the manager's save in
+    flight), nor the step this engine was ``restored`` from (its ``restored_step``).
+    Each save opens a manager of its own, so both are told to it here. Returns the steps
+    deleted."""
+    manager.restored_step = restored
+    with manager._lock:
+        manager._pending.add(saved)
+    try:
+        return manager.apply_retention()
+    finally:
+        with manager._lock:
+            manager._pending.discard(saved)
 
 
 def _choose(
@@ -671,7 +749,8 @@ def load_checkpoint(
     returns None, a fresh start); so does a ``step`` or ``tag`` not committed. A step
     this job cannot load (another ZeRO-3 world size, ZeRO stages whose files differ)
     raises :class:`~cloudckpt.errors.ConfigError` before any read. A read that fails on
-    any rank (missing or truncated file, a corrupt record, a bucket refusing) fails
+    any rank (missing or truncated file, a file whose ETag is not its marker's, a
+    corrupt record, a bucket refusing) fails
     every rank before DeepSpeed's load starts: that rank raises its own error, the
     others :class:`~cloudckpt.errors.DistributedLoadError`.
 
@@ -701,7 +780,14 @@ def load_checkpoint(
     folder = Path(os.path.abspath(tempfile.mkdtemp(prefix="cloudckpt-deepspeed-", dir=staging_dir)))
     sizes = {f.name: f.size for f in info.files}
     bucket = _Bucket(
-        manager.store, prefix, folder, manager.options, sizes=sizes, weights_only=weights_only
+        manager.store,
+        prefix,
+        folder,
+        manager.options,
+        sizes=sizes,
+        etags={f.name: f.etag for f in info.files},
+        step=info.step,
+        weights_only=weights_only,
     )
     try:
         error: BaseException | None = None
@@ -710,6 +796,7 @@ def load_checkpoint(
             if stage3_module:
                 # DeepSpeed rebuilds the module from every rank's files itself
                 # (zero_to_fp32's reader, straight from disk): fetch the whole step.
+                _check_remote(manager, prefix, info)
                 fetched = LocalStore(folder)
                 copy_tree(
                     manager.store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME,)
@@ -752,4 +839,5 @@ def load_checkpoint(
         bucket.ready.clear()
         shutil.rmtree(folder, ignore_errors=True)
     manager.restored_step = info.step
+    _remember_restored(engine, manager.root_url, info.step)
     return info, dict(loaded[1] or {})

@@ -4,7 +4,8 @@ would start them).
 
     python run_ds.py URL STORAGE_OPTIONS_JSON --stage 2 --max-steps 12 --save-every 4 \\
         [--resume | --resume-strict] [--kill-in-save STEP] [--kill-before-commit STEP]
-        [--fail-write RANK:STEP]
+        [--fail-write RANK:STEP] [--load-step STEP] [--save-at S1,S2] [--keep-last N]
+        [--module-only]
         [--async] [--local DIR] [--report PATH]
 
 Losses are deterministic: the batches are a function of the step and the rank, and the
@@ -35,6 +36,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kill-in-save", type=int, default=None, help="rank 1 dies writing STEP")
     p.add_argument("--kill-before-commit", type=int, default=None, help="rank 0 dies there")
     p.add_argument("--fail-write", default=None, help="RANK:STEP whose writes are refused")
+    p.add_argument("--load-step", type=int, default=None, help="load STEP (not the newest)")
+    p.add_argument("--save-at", default=None, help="save at these steps (comma-separated)")
+    p.add_argument("--keep-last", type=int, default=None, help="save_checkpoint's keep_last")
+    p.add_argument("--module-only", action="store_true", help="load_optimizer_states=False")
     p.add_argument("--async", dest="async_save", action="store_true")
     p.add_argument("--local", default=None, help="also save the last step with DeepSpeed here")
     p.add_argument("--report", default=None)
@@ -135,9 +140,14 @@ def main() -> None:
     cloud_ds.commit_step = commit  # type: ignore[assignment]
     resumed_from = None
     try:
-        if args.resume or args.resume_strict:
+        if args.resume or args.resume_strict or args.load_step is not None:
             loaded = load_checkpoint(
-                engine, args.url, missing_ok=args.resume, storage_options=storage_options
+                engine,
+                args.url,
+                step=args.load_step,
+                missing_ok=args.resume,
+                load_optimizer_states=not args.module_only,
+                storage_options=storage_options,
             )
             if loaded is not None:
                 resumed_from = loaded[0].step
@@ -151,11 +161,13 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             losses.append([step, loss.item()])
-            if step % args.save_every == 0:
+            save_at = args.save_at is not None and step in {int(s) for s in args.save_at.split(",")}
+            if save_at or (args.save_at is None and step % args.save_every == 0):
                 saved = save_checkpoint(
                     engine,
                     args.url,
                     client_state={"seen": step},
+                    keep_last=args.keep_last,
                     async_save=args.async_save,
                     storage_options=storage_options,
                 )
@@ -169,7 +181,16 @@ def main() -> None:
         raise SystemExit(3) from exc
     if args.local:
         engine.save_checkpoint(args.local)
-    report(args, rank, {"losses": losses, "resumed_from": resumed_from, "reads": reads})
+    report(
+        args,
+        rank,
+        {
+            "losses": losses,
+            "resumed_from": resumed_from,
+            "global_steps": engine.global_steps,
+            "reads": reads,
+        },
+    )
 
 
 if __name__ == "__main__":

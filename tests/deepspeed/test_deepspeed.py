@@ -325,3 +325,88 @@ def test_the_docs_example_runs(moto_server, tmp_path):
     """The DeepSpeed section of docs/integrations.md, as written, on the local server."""
     bucket = run_example(moto_server, docs_examples("DeepSpeed")[0], tmp_path, "ds-docs")
     assert committed(moto_server, f"s3://{bucket}/deepspeed-run") == [8, 12]
+
+
+def test_another_steps_file_of_the_same_size_fails_the_load(moto_server, tmp_path, monkeypatch):
+    """Step 4's files copied over step 8's (the same sizes, valid CRC-32s): the marker's
+    ETags tell them apart. Rank 1's optimizer partition swapped: rank 1 raises
+    CorruptCheckpointError naming the file and step 8, rank 0 DistributedLoadError; the
+    model states (read by every rank) swapped: every rank raises CorruptCheckpointError,
+    never an engine at global_steps 4 returned as step 8."""
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-etag"))
+    url = f"s3://{bucket}/run"
+    finish(launch(moto_server, url, 2, "--max-steps", "8"))
+    assert committed(moto_server, url) == [4, 8]
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    for index, (name, failing) in enumerate(
+        (("zero_pp_rank_1_mp_rank_00_optim_states.pt", [1]), ("mp_rank_00_model_states.pt", [0, 1]))
+    ):
+        copy = f"s3://{moto_server.make_bucket(unique_bucket_name(f'ds-etag-{index}'))}/run"
+        assert cli_main_quiet(moto_server, ["cp", "-r", url, copy]) == 0
+        target = CheckpointManager(copy, storage_options=moto_server.storage_options())
+        old = f"{target.root_key}/step-000000004/global_step4/{name}"
+        new = f"{target.root_key}/step-000000008/global_step8/{name}"
+        data = target.store.get(old)
+        assert len(data) == target.store.head(new).size and data != target.store.get(new)
+        target.store.put(new, data)
+        assert cli_main(["verify", copy]) != 0  # the command line sees it: the ETag differs
+        report = tmp_path / f"r{index}"
+        finish(launch(moto_server, copy, 2, "--resume-strict", report=report), code=3)
+        failed = reports(report, 2)
+        for r in range(2):
+            if r in failing:
+                assert failed[r]["error"] == "CorruptCheckpointError", failed[r]
+                assert f"step-000000008/global_step8/{name}" in failed[r]["message"]
+                assert "step 8" in failed[r]["message"] and "ETag" in failed[r]["message"]
+            else:
+                assert failed[r]["error"] == "DistributedLoadError", failed[r]
+                assert "rank 1" in failed[r]["message"] and name in failed[r]["message"]
+
+
+def test_a_zero3_module_load_checks_the_etags_before_its_download(moto_server, base, tmp_path):
+    """ZeRO-3 with ``load_optimizer_states=False`` downloads the whole step for DeepSpeed:
+    each file's ETag is checked against the marker first. Step 8 loads as it is; with
+    step 4's rank-1 optimizer partition copied over step 8's, every rank raises
+    CorruptCheckpointError naming the file and step 8."""
+    url, _, _ = base[3]
+    copy = f"s3://{moto_server.make_bucket(unique_bucket_name('ds-etag-z3'))}/run"
+    assert cli_main_quiet(moto_server, ["cp", "-r", url, copy]) == 0
+    args = ("--stage", "3", "--load-step", "8", "--max-steps", "8", "--module-only")
+    finish(launch(moto_server, copy, 2, *args, report=tmp_path / "ok"))
+    assert [r["global_steps"] for r in reports(tmp_path / "ok", 2)] == [8, 8]
+    target = CheckpointManager(copy, storage_options=moto_server.storage_options())
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    new = f"{target.root_key}/step-000000008/global_step8/{name}"
+    data = target.store.get(f"{target.root_key}/step-000000004/global_step4/{name}")
+    assert len(data) == target.store.head(new).size
+    target.store.put(new, data)
+    finish(launch(moto_server, copy, 2, *args, report=tmp_path / "r"), code=3)
+    for failed in reports(tmp_path / "r", 2):
+        assert failed["error"] == "CorruptCheckpointError", failed
+        assert f"step-000000008/global_step8/{name}" in failed["message"]
+        assert "step 8" in failed["message"] and "ETag" in failed["message"]
+
+
+def test_retention_keeps_the_restored_step_and_the_step_just_saved(moto_server, tmp_path):
+    """Steps 2, 4, 6 committed; 2 ranks load step 2 and save 3 and 5 with keep_last=1:
+    retention never deletes the restored step 2 nor the step just saved; the abandoned
+    branch's newest step 6 stays (the newest committed), its 4 and the new branch's 3
+    go as keep_last says."""
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-retain"))
+    url = f"s3://{bucket}/run"
+    finish(launch(moto_server, url, 2, "--max-steps", "6", "--save-every", "2"))
+    assert committed(moto_server, url) == [2, 4, 6]
+    args = ("--load-step", "2", "--max-steps", "5", "--save-at", "3,5", "--keep-last", "1")
+    finish(launch(moto_server, url, 2, *args, report=tmp_path / "r"))
+    resumed = reports(tmp_path / "r", 2)
+    for r in range(2):
+        assert resumed[r]["resumed_from"] == 2 and resumed[r]["global_steps"] == 5
+    # After 3: {2, 3, 4, 6}, 4 deleted (6 is the newest; 2 restored, 3 just saved). After
+    # 5: 3 deleted (5 just saved, 2 restored, 6 the newest).
+    assert committed(moto_server, url) == [2, 5, 6]
+    manager = CheckpointManager(url, storage_options=moto_server.storage_options())
+    latest = manager.latest()
+    assert latest is not None and latest.step == 6
+    for step in (3, 4):
+        assert not list(manager.store.list(f"run/step-{step:09d}/"))
