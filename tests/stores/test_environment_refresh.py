@@ -99,6 +99,54 @@ def test_a_new_endpoint_in_the_environment_is_used(
     assert keys(rclone_server) == ["b.bin", "c.pt"]
 
 
+def test_a_fresh_open_right_after_the_environment_changes_back_uses_it(
+    moto_server: S3Server, rclone_server: S3Server, aws_env: pytest.MonkeyPatch
+) -> None:
+    """A held store made its clients again for B; the environment goes back to A. The
+    store stays cached under A (where it was opened), yet a fresh open keyed by A, before
+    the held store's next look at the environment, must not get B's clients (F5)."""
+    name = unique_bucket_name("env-back")
+    moto_server.make_bucket(name)
+    rclone_server.make_bucket(name)
+    _use(aws_env, moto_server)  # A
+    held = cloudckpt.CheckpointManager(f"s3://{name}/held")
+    held.save(1, {"w": torch.ones(2)})
+    _use(aws_env, rclone_server)  # B: the held store follows at its next request
+    held.save(2, {"w": torch.ones(2)})
+    aws_env.setattr(ENVIRONMENT, "CHECK_SECONDS", 3600.0)  # no look from a request now
+    _use(aws_env, moto_server)  # back to A, and at once:
+    cloudckpt.save({"w": torch.zeros(2)}, f"s3://{name}/one-shot.pt")
+    cloudckpt.CheckpointManager(f"s3://{name}/fresh").save(1, {"w": torch.zeros(2)})
+
+    def keys(server: S3Server) -> set[str]:
+        listed = server.client().list_objects_v2(Bucket=name).get("Contents", [])
+        return {o["Key"] for o in listed}
+
+    assert "one-shot.pt" in keys(moto_server)
+    assert any(k.startswith("fresh/") for k in keys(moto_server))
+    assert not any(k.startswith(("one-shot", "fresh/")) for k in keys(rclone_server))
+    assert any(k.startswith("held/step-000000002") for k in keys(rclone_server))
+
+
+def test_a_fresh_gcs_open_right_after_the_environment_changes_back_uses_it(
+    gcs_server: GCSServer, aws_env: pytest.MonkeyPatch
+) -> None:
+    bucket = gcs_server.make_bucket(unique_bucket_name("env-gcs-back"))
+    good = gcs_server.env()["STORAGE_EMULATOR_HOST"]
+    aws_env.setenv("STORAGE_EMULATOR_HOST", good)  # A
+    options = resolve_options(max_attempts=1)
+    held, key = open_url(f"gs://{bucket}/run/a.bin", options)
+    held.put(key, b"a")
+    aws_env.setenv("STORAGE_EMULATOR_HOST", f"127.0.0.1:{_dead_port()}")  # B
+    with pytest.raises(StorageError):
+        held.put(key, b"nowhere")  # the held store followed B
+    aws_env.setattr(ENVIRONMENT, "CHECK_SECONDS", 3600.0)
+    aws_env.setenv("STORAGE_EMULATOR_HOST", good)  # back to A, and at once:
+    fresh, _ = open_url(f"gs://{bucket}/run/b.bin", options)
+    fresh.put("run/b.bin", b"fresh")
+    assert gcs_server.download(bucket, "run/b.bin") == b"fresh"
+
+
 def test_an_endpoint_without_a_scheme_in_the_environment_is_a_config_error(
     aws_env: pytest.MonkeyPatch,
 ) -> None:

@@ -23,6 +23,7 @@ from ..errors import (
     BucketNotFoundError,
     CloudCkptError,
     ConfigError,
+    CorruptCheckpointError,
     DeadlineExceededError,
     NotFoundError,
 )
@@ -30,10 +31,12 @@ from ..manager.gc import Leftover, collect_garbage, find_leftovers
 from ..manager.marker import (
     MARKER_NAME,
     CheckpointInfo,
+    DamagedMarker,
     list_checkpoints,
     parse_step,
     read_marker,
     root_prefix,
+    step_dir,
 )
 from ..manager.tiers import LOCAL, REMOTE, RUN_FILE, LocalTier, merge_tiers
 from ..options import TransferOptions
@@ -71,6 +74,9 @@ class Target:
     checkpoint: CheckpointInfo | None = None
     objects: list[ObjectInfo] = field(default_factory=list)
     uncommitted: list[str] = field(default_factory=list)
+    #: The steps of a run whose commit marker is there but damaged (neither committed
+    #: nor uncommitted leftovers).
+    damaged: list[DamagedMarker] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -95,9 +101,11 @@ def resolve(url: str, settings: Settings) -> Target:
         marker = read_marker(store, prefix + MARKER_NAME)
         if marker is not None:
             return Target("checkpoint", store, key, options, checkpoint=marker, objects=listing)
-    checkpoints = list_checkpoints(store, key, options, listing=listing)
-    if checkpoints:
+    damaged: list[DamagedMarker] = []
+    checkpoints = list_checkpoints(store, key, options, listing=listing, damaged=damaged)
+    if checkpoints or damaged:
         committed = {root_prefix(key) + posixpath.basename(c.url.rstrip("/")) for c in checkpoints}
+        committed |= {root_prefix(key) + step_dir(d.step) for d in damaged}
         steps: set[str] = set()
         for o in listing:
             head, sep, _ = o.key[len(prefix) :].partition("/")
@@ -111,6 +119,7 @@ def resolve(url: str, settings: Settings) -> Target:
             checkpoints=checkpoints,
             objects=listing,
             uncommitted=sorted(steps),
+            damaged=damaged,
         )
     if listing:
         return Target("prefix", store, key, options, objects=listing)
@@ -160,20 +169,21 @@ def cmd_ls(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
                 "url": t.dir_url,
                 "checkpoints": [c.as_dict() for c in t.checkpoints],
                 "uncommitted": t.uncommitted,
+                "damaged": [d.as_dict() for d in t.damaged],
             }
             if leftovers is not None:
                 body["leftovers"] = _json(leftovers)
             p.json(body)
             return EXIT_OK
         total = sum(c.size for c in t.checkpoints)
-        p.line(
-            f"{t.dir_url}  {len(t.checkpoints)} checkpoint(s), {human_bytes(total)}, "
-            f"latest step {t.checkpoints[-1].step}"
-        )
-        p.table(
-            ["step", "saved", "size", "kind", "files", "metrics"],
-            [_checkpoint_row(c) for c in t.checkpoints],
-        )
+        latest = f"latest step {t.checkpoints[-1].step}" if t.checkpoints else "none valid"
+        p.line(f"{t.dir_url}  {len(t.checkpoints)} checkpoint(s), {human_bytes(total)}, {latest}")
+        if t.checkpoints:
+            p.table(
+                ["step", "saved", "size", "kind", "files", "metrics"],
+                [_checkpoint_row(c) for c in t.checkpoints],
+            )
+        _print_damaged(p, t.damaged)
         _print_run_leftovers(p, t, leftovers)
         return EXIT_OK
     if t.kind == "checkpoint":
@@ -224,6 +234,25 @@ def _checkpoint_row(c: CheckpointInfo, tiers: str | None = None) -> list[str]:
     """One row of a run's table: step, time, size, kind, files, [tiers,] metrics."""
     row = [str(c.step), human_time(c.time), human_bytes(c.size), c.kind, str(len(c.files))]
     return row + ([] if tiers is None else [tiers]) + [_metrics_text(c.metrics)]
+
+
+def _print_damaged(p: Printer, damaged: list[DamagedMarker]) -> None:
+    """Below a run's table: the steps whose commit marker is damaged."""
+    if damaged:
+        p.line(
+            f"{len(damaged)} damaged step(s) (a commit marker that cannot be used: not "
+            "restored, `cloudckpt verify` fails them):"
+        )
+        for d in damaged:
+            p.line(f"  step {d.step}  {d.reason}")
+
+
+def _damaged_error(where: str, damaged: list[DamagedMarker]) -> CorruptCheckpointError:
+    steps = sorted({d.step for d in damaged})
+    return CorruptCheckpointError(
+        f"no valid committed checkpoint under {where}: the commit marker of step(s) "
+        f"{steps} is damaged: " + "; ".join(d.reason for d in damaged)
+    )
 
 
 def _print_run_leftovers(p: Printer, t: Target, leftovers: list[Leftover] | None) -> None:
@@ -296,6 +325,7 @@ def _ls_tiers(args: argparse.Namespace, opts: Settings, t: Target, p: Printer) -
             "checkpoints": [c.as_dict() for c in merged],
             "undrained": undrained,
             "uncommitted": t.uncommitted,
+            "damaged": [d.as_dict() for d in t.damaged],
         }
         if leftovers is not None:
             body["leftovers"] = _json(leftovers)
@@ -320,6 +350,7 @@ def _ls_tiers(args: argparse.Namespace, opts: Settings, t: Target, p: Printer) -
         )
     elif merged:
         p.line("nothing left to drain: every step due for the bucket is committed there")
+    _print_damaged(p, t.damaged)
     _print_run_leftovers(p, t, leftovers)
     return EXIT_OK
 
@@ -359,10 +390,19 @@ def _print_leftovers(p: Printer, root_url: str, leftovers: list[Leftover]) -> No
 def cmd_latest(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
     o = opts.open(args.root)
     store, key = o.store, o.key
-    found = list_checkpoints(store, key.rstrip("/"), o.options)
+    damaged: list[DamagedMarker] = []
+    found = list_checkpoints(store, key.rstrip("/"), o.options, damaged=damaged)
+    if not found and damaged:  # a run with checkpoints, none usable: exit code 4
+        raise _damaged_error(store.url(root_prefix(key)), damaged)
     if not found:
         return _not_found(p, "no committed checkpoint under", store.url(root_prefix(key)))
     c = found[-1]
+    newer = sorted({d.step for d in damaged if d.step > c.step})
+    if newer:
+        p.note(
+            f"{p.prefix}: step {c.step} is the newest step with a valid commit marker; "
+            f"the marker of newer step(s) {newer} is damaged"
+        )
     if p.json_mode:
         p.json(c.as_dict())
     else:
@@ -418,6 +458,8 @@ def _inspect_target(
         if found.kind == "prefix":
             raise ConfigError(f"{t.dir_url} is a prefix, not a checkpoint (try `cloudckpt ls`)")
         return None, inspect(found, t.options, weights_only=weights_only)
+    if t.kind == "run" and not t.checkpoints:
+        raise _damaged_error(t.dir_url, t.damaged)
     c = t.checkpoints[-1] if t.kind == "run" else t.checkpoint
     assert c is not None
     if t.kind == "run":
@@ -509,7 +551,7 @@ def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
 
     if args.local is not None:
         t = _tier_run(args.local, args.url, opts)
-        if not t.checkpoints:
+        if not t.checkpoints and not t.damaged:
             return _not_found(p, "no committed checkpoint in the local tier", t.dir_url)
     else:
         t = resolve(args.url, opts)
@@ -533,6 +575,8 @@ def cmd_verify(args: argparse.Namespace, opts: Settings, p: Printer) -> int:
             for c in checkpoints:
                 assert c is not None
                 results += _verify_managed(t, c, advance)
+            for d in t.damaged:  # a damaged marker fails its step
+                results.append(Checked(d.url, ok=False, error=d.reason))
     ok = all(r.ok for r in results)
     if p.json_mode:
         p.json(
@@ -560,7 +604,9 @@ def _tier_run(local: str, root: str, settings: Settings) -> Target:
     own, holding the steps committed there (the bucket is not read)."""
     opened = settings.open(root)
     tier = _open_tier(local, opened.store.url(root_prefix(opened.key)), settings)
-    return Target("run", tier.store, "", tier.options, checkpoints=tier.list())
+    damaged: list[DamagedMarker] = []
+    found = tier.list(damaged)
+    return Target("run", tier.store, "", tier.options, checkpoints=found, damaged=damaged)
 
 
 def _verify_managed(t: Target, c: CheckpointInfo, advance: Callable[[int], None]) -> list[Any]:
@@ -770,7 +816,8 @@ def _copy_stopped(p: Printer, exc: BaseException, state: CopyState) -> None:
         cause = "deadline passed"
     else:
         cause = "stopped"
-    if not (state.copied or state.pieces_kept):  # a rerun starts over: no resume to offer
+    if not (state.copied or state.pieces_kept or state.upload_open):
+        # A rerun starts over: no resume to offer.
         said = f"{cause}: nothing kept"
     else:
         said = f"{cause}: {state.kept()}; run the same command to resume"

@@ -158,12 +158,15 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         self.last_shared_with: tuple[int, ...] = ()
         #: This load's deadline, from read_metadata on (store/deadline.py).
         self._deadline: Deadline | None = None
+        #: read_metadata started this load's deadline (until reset or read_data).
+        self._metadata_read = False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, from ``checkpoint_id`` when given."""
         self.storage_data = {}
         self._save_id, self._chunks, self._index, self._index_read = None, None, None, False
         self._read_with = None
+        self._metadata_read = False
         self.load_id = str(uuid.uuid4())
         if checkpoint_id:
             self.location = CheckpointLocation(checkpoint_id, self.location.options)
@@ -174,7 +177,11 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         (dcp/commit_read.py); both are read at once. Its ``storage_meta`` carries this
         load's ``load_id``, as FileSystemReader's does."""
         # The load starts here on every rank: its deadline bounds the reads to come.
-        self._deadline = start_deadline(self.location.options.deadline)
+        # torch's fallback to the rank's own marker (a second call, with ``rank=``) is
+        # the same load: it keeps the deadline the first call started.
+        if not ("rank" in kwargs and self._metadata_read):
+            self._deadline = start_deadline(self.location.options.deadline)
+        self._metadata_read = True
         with paused_gc(kept=True), within(self._deadline):  # objects per item, kept
             metadata, self._read_with = read_commit(self.location, kwargs.get("rank"))
         if getattr(metadata, "storage_meta", None) is None:
@@ -271,6 +278,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         mark = plan.storage_data
         group = part_group(mark.parts) if isinstance(mark, SharedRead) else None
         self.last_shared_with = group_ranks(group) if group is not None else ()
+        self._metadata_read = False  # a later read_metadata starts another load
         with paused_gc(kept=True), within(self._deadline):  # objects per item, kept
             if group is not None:
                 self._read_shared(plan, planner, group)

@@ -268,8 +268,10 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         return metadata_name(rank)
 
     def _clear_marker(self, name: str) -> None:
-        """Remove a previous commit marker before any data is rewritten (or refuse)."""
-        self.location.clear_marker(name, self.overwrite)
+        """Remove a previous commit marker before any data is rewritten (or refuse),
+        under the save's deadline (started by ``set_up_storage_writer``)."""
+        with within(self._deadline):
+            self.location.clear_marker(name, self.overwrite)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Without collectives each rank names its own objects and clears its own marker.

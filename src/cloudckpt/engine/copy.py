@@ -133,6 +133,9 @@ class CopyState:
     unit: str = "parts"
     pieces: int = 0
     pieces_kept: int = 0
+    #: The object in progress goes up as a multipart upload, open (and in its journal)
+    #: for the next run even while none of its parts is stored.
+    upload_open: bool = False
     #: Bytes transferred in this run (resumed ones not included).
     moved_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -145,15 +148,20 @@ class CopyState:
     def start(self, url: str) -> None:
         """A new object is in progress."""
         self.current, self.unit, self.pieces, self.pieces_kept = url, "parts", 0, 0
+        self.upload_open = False
 
     def kept(self) -> str:
         """What an interrupted copy leaves for the next run, e.g. ``12 of 40 parts kept``."""
         pieces = f"{self.pieces_kept} of {self.pieces} {self.unit} kept" if self.pieces else ""
+        # No part stored yet, but the upload is open for the rerun: say so.
+        opened = (
+            ", its multipart upload left open" if self.upload_open and not self.pieces_kept else ""
+        )
         if not self.objects:
-            return pieces or "nothing kept"
+            return f"{pieces}{opened}" if pieces else "nothing kept"
         done = f"{self.copied} of {self.objects} objects copied"
         if pieces and self.copied < self.objects:
-            return f"{done}, {pieces} of {self.current}"
+            return f"{done}, {pieces} of {self.current}{opened}"
         return done
 
 
@@ -422,7 +430,7 @@ def _open_partial(
     elif not why and _lexists(partial, dir_fd):
         why, culprit = "there is no journal for it", partial
     if why:
-        log.warning("cloudckpt cp: not resuming from %s: %s; starting over", folder / culprit, why)
+        log.warning("not resuming from %s: %s; starting over", folder / culprit, why)
     _discard(journal_path, dir_fd)
     _discard(partial, dir_fd)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -537,6 +545,7 @@ def _download_into(
     )
     shared = _SharedFile(fd)
     lock = threading.Lock()
+    finished = False
     try:
         resumed = sum(pieces[i][1] for i in done)
         state.unit, state.pieces, state.pieces_kept = "chunks", len(pieces), len(done)
@@ -581,8 +590,14 @@ def _download_into(
             group.cancel()  # Ctrl-C or a passed deadline: a stalled read is not awaited
             raise
         os.fsync(fd)
+        finished = True
     finally:
-        shared.close()
+        shared.close()  # no chunk is written, nor the journal, after this
+        if not finished and not done and _same_file(partial, made, dir_fd):
+            # Not one chunk on disk ("nothing kept"): no journal was written, and a
+            # partial file without one is of no use to a rerun (it starts over).
+            with contextlib.suppress(StorageError):  # the copy's own error says more
+                _discard(partial, dir_fd)
     # rename() replaces a link at DST rather than following it; the checks make sure what
     # lands there is the file written above, not something swapped in meanwhile.
     if not _same_file(partial, made, dir_fd):
@@ -692,7 +707,7 @@ def _upload(
                 upload = MultipartUpload(key=dst_key, upload_id=recorded[0])
                 parts = recorded[1]
     if why:
-        log.warning("cloudckpt cp: not resuming from %s: %s; starting over", journal_path, why)
+        log.warning("not resuming from %s: %s; starting over", journal_path, why)
         _discard(journal_path)
     if upload is None:
         upload = dst.create_multipart(dst_key)
@@ -721,6 +736,7 @@ def _upload(
             )
 
     save_journal()
+    state.upload_open = True  # its journal names it: a rerun continues it
     sink = ObjectSink(
         dst,
         dst_key,
@@ -748,6 +764,7 @@ def _upload(
     except NotFoundError:
         sink.abort()
         journal_path.unlink(missing_ok=True)  # the upload vanished; start over next time
+        state.upload_open = False
         raise
     except BaseException:
         # The journal and the open upload stay for the next run; on Ctrl-C or a passed

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from ..errors import NotFoundError
-from .marker import step_dir
+from .marker import DamagedMarker, step_dir
 from .peers import Ring
 
 __all__ = ["Choice", "RankHolds", "choose_step"]
@@ -44,6 +44,9 @@ class RankHolds:
     peer_copies: Mapping[int, Sequence[int]] = field(default_factory=dict)
     #: Its whole steps that another number of ranks saved.
     other_world: frozenset[int] = frozenset()
+    #: The steps of its directory whose marker is damaged (never candidates here; told
+    #: so that every rank refuses to start fresh, or warns of a fallback, alike).
+    damaged: tuple[DamagedMarker, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from ..ranks.collectives import (
 )
 from ..ranks.groups import checkpoint_group, drain_group
 from ..store import Store, Target, open_target
-from ..store.deadline import deadline_scope
+from ..store.deadline import Deadline, deadline_scope, start_deadline, within
 from ..store.local import LocalStore
 from ..store.overlay import OverlayStore
 from . import peers
@@ -69,6 +69,7 @@ from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage
 from .marker import (
     MARKER_NAME,
     CheckpointInfo,
+    DamagedMarker,
     commit_step,
     list_checkpoints,
     marker_key,
@@ -232,14 +233,56 @@ class CheckpointManager:
         return found if self._tier is None else merge_tiers(found, self._tier.list())
 
     def _list_local(self) -> builtins.list[CheckpointInfo]:
+        return self._scan_local()[0]
+
+    def _scan_local(
+        self,
+    ) -> tuple[builtins.list[CheckpointInfo], builtins.list[DamagedMarker]]:
+        """The bucket's committed steps and the steps whose marker is damaged (each
+        logged at WARNING by the listing)."""
         with self._lock:
             cache = dict(self._cache)
+        damaged: builtins.list[DamagedMarker] = []
         with deadline_scope(self.options.deadline):  # the listing and its marker reads
-            found = list_checkpoints(self.store, self.root_key, self.options, cache)
+            found = list_checkpoints(
+                self.store, self.root_key, self.options, cache, damaged=damaged
+            )
         with self._lock:
             self._cache.update(cache)
         self._learn(found)
-        return found
+        return found, damaged
+
+    def _scan(self) -> tuple[builtins.list[CheckpointInfo], builtins.list[DamagedMarker]]:
+        """:meth:`list`, with the damaged steps no tier holds a valid copy of."""
+        found, damaged = on_first(self._scan_local, what=f"the listing of {self.root_url}")
+        if self._tier is not None:
+            found = merge_tiers(found, self._tier.list(damaged))
+        valid = {c.step for c in found}
+        return found, [d for d in damaged if d.step not in valid]
+
+    def _damaged_error(self, damaged: Sequence[DamagedMarker]) -> CorruptCheckpointError:
+        """What a restore of the newest step raises when every step's marker is damaged:
+        never a fresh start over a run that has checkpoints (docs/manager.md)."""
+        steps = sorted({d.step for d in damaged})
+        return CorruptCheckpointError(
+            f"no valid committed checkpoint under {self.root_url}, but the commit marker "
+            f"of step(s) {steps} is damaged, so the run is not started fresh: "
+            + "; ".join(d.reason for d in damaged)
+            + " (repair the marker, or delete the step with CheckpointManager.delete)"
+        )
+
+    def _warn_fallback(self, chosen: int, damaged: Sequence[DamagedMarker]) -> None:
+        """A WARNING when a restore of the newest step loads ``chosen`` because a newer
+        step's marker is damaged."""
+        newer = [d for d in damaged if d.step > chosen]
+        if newer:
+            log.warning(
+                "restoring step %d, the newest step with a valid commit marker: the "
+                "marker of newer step(s) %s is damaged (%s)",
+                chosen,
+                sorted({d.step for d in newer}),
+                ", ".join(d.url for d in newer),
+            )
 
     def latest(self) -> CheckpointInfo | None:
         """The committed checkpoint with the highest step, or None."""
@@ -274,11 +317,25 @@ class CheckpointManager:
         metrics: Mapping[str, float] | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> CheckpointInfo:
-        """Write ``state`` as checkpoint ``step``, commit it, then apply retention."""
+        """Write ``state`` as checkpoint ``step``, commit it, then apply retention.
+
+        The manager's ``deadline`` bounds every request of it: the check that the step is
+        new, the payload, the commit (listing and marker) and retention."""
         self._check_step(step)
         metrics = _check_metrics(metrics)
         if self._ranked_tier():  # an async save's commit uses the group this one will
             self._await_in_flight()
+        with deadline_scope(self.options.deadline):  # the whole save (store/deadline.py)
+            return self._save(step, state, metrics, metadata)
+
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        metrics: dict[str, float],
+        metadata: Mapping[str, Any] | None,
+    ) -> CheckpointInfo:
+        """:meth:`save`'s work, under its deadline."""
         self._before_save(step, state)
         with self._lock:
             self._pending.add(step)
@@ -325,6 +382,11 @@ class CheckpointManager:
         megatron's ``metadata.json``: every rank's data durable) rank 0 writes the
         marker and every rank's handle gets the committed checkpoint (or the error).
         Such a save waits for this manager's previous one to finish first.
+
+        The manager's ``deadline`` starts with the call and bounds every request of the
+        save: the checks before it (on the caller's thread, so the call raises
+        ``DeadlineExceededError`` at the deadline), the write, the commit and retention
+        (the handle's); the snapshot and a wait for an earlier save are not counted.
         """
         self._check_step(step)
         metrics = _check_metrics(metrics)
@@ -338,16 +400,24 @@ class CheckpointManager:
             raise NotImplementedError(
                 "CheckpointManager.async_save needs cloudckpt.engine.async_save"
             ) from exc
-        self._before_save(step, state)
+        deadline = start_deadline(self.options.deadline)
+        with within(deadline):
+            self._before_save(step, state)
         with self._lock:
             self._pending.add(step)
         prefix_url, options = self._target(step)
+        called = time.monotonic()
+        if deadline is not None:  # the write, in its thread: what is left of the deadline
+            options = replace(options, deadline=max(deadline.remaining(), 1e-3))
         try:
             inner = engine_async_save(state, prefix_url + self.kind.filename, options=options)
         except BaseException:
             with self._lock:
                 self._pending.discard(step)
             raise
+        # The write's deadline starts once the call returns (after the snapshot and the
+        # wait for earlier saves, neither of them this save's requests): the commit's too.
+        deadline = _moved_on(deadline, called)
         handle = ManagedSaveHandle(step, prefix_url, inner.stall_seconds)
         in_flight.add(handle)
 
@@ -355,24 +425,32 @@ class CheckpointManager:
             inner.result()
             return self._commit_save(step, metrics, metadata or {})
 
-        inner.add_done_callback(lambda _inner: self._finish(handle, commit, retain=True))
+        inner.add_done_callback(
+            lambda _inner: self._finish(handle, commit, retain=True, deadline=deadline)
+        )
         return handle
 
     def _finish(
-        self, handle: ManagedSaveHandle, commit: Callable[[], CheckpointInfo], retain: bool
+        self,
+        handle: ManagedSaveHandle,
+        commit: Callable[[], CheckpointInfo],
+        retain: bool,
+        deadline: Deadline | None = None,
     ) -> None:
         """Complete ``handle`` with ``commit()`` (the marker) or its error, then apply
-        retention (``retain``: this process is the one that prunes)."""
-        try:
-            info = commit()
-        except BaseException as exc:
-            handle.finish(None, exc)
-            return
-        finally:
-            with self._lock:
-                self._pending.discard(handle.step)
-        if retain:
-            self._after_commit(handle.step)
+        retention (``retain``: this process is the one that prunes); both under the
+        save's ``deadline``."""
+        with within(deadline):
+            try:
+                info = commit()
+            except BaseException as exc:
+                handle.finish(None, exc)
+                return
+            finally:
+                with self._lock:
+                    self._pending.discard(handle.step)
+            if retain:
+                self._after_commit(handle.step)
         handle.finish(info, None)
 
     def _async_save_ranks(
@@ -384,8 +462,12 @@ class CheckpointManager:
         ranked = self._ranked_tier()
         if ranked:  # its local commit runs on the checkpoint group: never beside ours
             self._await_in_flight()
-        self._before_save(step, state)
+        deadline = start_deadline(self.options.deadline)
+        with within(deadline):
+            self._before_save(step, state)
+        waiting = time.monotonic()
         self._await_in_flight()  # its collectives and ours share the checkpoint group
+        deadline = _moved_on(deadline, waiting)  # that wait is the earlier save's time
         group = checkpoint_group() if is_distributed() else None
         if ranked:
             drain_group()  # made here, by every rank in step, before the drainer uses it
@@ -394,14 +476,15 @@ class CheckpointManager:
         started = time.perf_counter()
         prefix_url, options = self._target(step)
         try:
-            pending = self.kind.async_save(state, prefix_url, options, group)
+            with within(deadline):  # the payload's save starts under it (DCP: set_up...)
+                pending = self.kind.async_save(state, prefix_url, options, group)
         except BaseException:
             with self._lock:
                 self._pending.discard(step)
             raise
         handle = ManagedSaveHandle(step, prefix_url, time.perf_counter() - started)
         self._ranked_saves.add(handle)
-        self._commit_when_done(handle, pending, group, metrics, metadata)
+        self._commit_when_done(handle, pending, group, metrics, metadata, deadline)
         return handle
 
     def _commit_when_done(
@@ -411,12 +494,14 @@ class CheckpointManager:
         group: Any,
         metrics: Mapping[str, float],
         metadata: Mapping[str, Any],
+        deadline: Deadline | None = None,
     ) -> None:
         """Once the payload's background save (``pending``) is done, on every rank in its
         saving thread: the ranks agree on its outcome, then rank 0 commits and the group
         hears it (with a local tier on several ranks, each directory commits and every
         rank queues the step's drain, so every rank's drainer takes the same steps in
-        the same order); ``handle`` gets the committed checkpoint or the error."""
+        the same order); ``handle`` gets the committed checkpoint or the error. The
+        commit's requests run under the save's ``deadline``."""
         step, ranked = handle.step, self._ranked_tier()
         what = f"the commit of {handle.url}"
 
@@ -430,7 +515,9 @@ class CheckpointManager:
             return on_first(lambda: self._commit_save(step, metrics, metadata), group, what=what)
 
         pending.add_done_callback(
-            lambda _done: self._finish(handle, commit, retain=ranked or rank() == 0)
+            lambda _done: self._finish(
+                handle, commit, retain=ranked or rank() == 0, deadline=deadline
+            )
         )
 
     def _await_in_flight(self) -> None:
@@ -792,21 +879,29 @@ class CheckpointManager:
         assert tier is not None
         world = world_size()
         group = checkpoint_group() if world > 1 else None
-        remote = {c.step for c in on_first(self._list_local, group, what="the bucket listing")}
-        whole = set(tier.whole_steps())
+        listed, damaged = on_first(self._scan_local, group, what="the bucket listing")
+        remote = {c.step for c in listed}
+        mine_damaged: builtins.list[DamagedMarker] = []
+        whole = set(tier.whole_steps(mine_damaged))
         saved_by = tier.saved_by()
         other_world = frozenset(s for s in whole if saved_by.get(s, world) != world)
         ringed = self.replicate_to_peer and group is not None
         layout = peers.ring(tier, group) if ringed else None
         held = peers.held(tier) if layout is not None else {}
-        mine = RankHolds(frozenset(whole), held, other_world)
+        mine = RankHolds(frozenset(whole), held, other_world, tuple(mine_damaged))
         holds = agree(value=mine, group=group).values
         if step is not None:
             self._check_step(step)
+        # The same on every rank: the bucket's (one listing) and every directory's.
+        damaged += [d for h in holds for d in h.damaged if d.step not in remote]
         choice = choose_step(holds, remote, step=step, ring=layout, root_url=self.root_url)
         if choice is None:  # every rank computed the same: all return None together
+            if damaged:
+                raise self._damaged_error(damaged)
             return self._start_fresh()
         chosen, fill = choice.step, choice.fill
+        if step is None:
+            self._warn_fallback(chosen, damaged)
         if layout is not None and fill:
             for owner in fill:
                 if owner == layout.me:
@@ -1061,14 +1156,24 @@ class CheckpointManager:
         several ranks every rank returns None. A ``step`` that is not committed is a
         NotFoundError; a missing bucket, rejected credentials or an unreachable store
         raise as on any other call. Retention never deletes the restored step afterwards.
+
+        A step whose marker exists but is damaged (cannot be decoded, or names another
+        step) is not committed and not nothing: ``restore()`` loads the newest valid step
+        with a WARNING naming the damaged newer ones, and raises CorruptCheckpointError
+        naming them when no valid step is left (never "starting fresh");
+        ``restore(step=N)`` of one raises CorruptCheckpointError.
         """
         if self._ranked_tier() or self._restores_ranked():
             self._await_in_flight()
             return self._restore_ranks(step, map_location, weights_only, state)
         if step is None:
-            info = self.latest()
-            if info is None:
+            found, damaged = self._scan()
+            if not found:
+                if damaged:
+                    raise self._damaged_error(damaged)
                 return self._start_fresh()
+            info = found[-1]
+            self._warn_fallback(info.step, damaged)
         else:
             info = self.info(step)
 
@@ -1121,6 +1226,14 @@ class CheckpointManager:
             # bucket's copy is not read beside it.
             traceback.clear_frames(exc.__traceback__)
         return load(self.step_url(info.step), self.options)
+
+
+def _moved_on(deadline: Deadline | None, since: float) -> Deadline | None:
+    """``deadline`` moved on by the seconds since ``since`` (a wait for an earlier save
+    or a snapshot: time that is not this save's requests')."""
+    if deadline is None:
+        return None
+    return Deadline(deadline.seconds, deadline.expires + time.monotonic() - since)
 
 
 def _named_failure(error: BaseException, url: str) -> BaseException:

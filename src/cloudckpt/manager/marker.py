@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
 import time
@@ -29,6 +30,7 @@ __all__ = [
     "MARKER_FORMAT",
     "MARKER_NAME",
     "CheckpointInfo",
+    "DamagedMarker",
     "FileEntry",
     "check_files",
     "commit_step",
@@ -46,6 +48,8 @@ __all__ = [
 MARKER_NAME = MANAGER_MARKER
 MARKER_FORMAT = "cloudckpt.checkpoint/1"
 _STEP_RE = re.compile(r"^step-(\d+)$")
+
+log = logging.getLogger("cloudckpt")
 
 
 def step_dir(step: int) -> str:
@@ -114,6 +118,19 @@ class CheckpointInfo:
             "ranks": self.ranks,
             "tiers": list(self.tiers),
         }
+
+
+@dataclass(frozen=True)
+class DamagedMarker:
+    """A step whose commit marker exists but cannot be decoded, or names another step:
+    a damaged checkpoint (neither committed nor a leftover; docs/manager.md)."""
+
+    step: int
+    url: str  # the marker's URL
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "url": self.url, "reason": self.reason}
 
 
 def _float_out(value: float) -> float | str:
@@ -300,13 +317,16 @@ def list_checkpoints(
     options: TransferOptions,
     cache: dict[tuple[str, int], CheckpointInfo] | None = None,
     listing: Sequence[ObjectInfo] | None = None,
+    damaged: list[DamagedMarker] | None = None,
 ) -> list[CheckpointInfo]:
     """Committed checkpoints under a root, oldest step first.
 
     One listing of the root, then one GET per marker (in parallel; ``cache``, keyed by
     marker key and size, skips markers already read since they never change). Payload
     objects are never HEADed; ``listing`` reuses a listing of the root already made. A
-    marker that is unreadable, or names another step, is skipped: it proves no commit.
+    marker that cannot be decoded, or names another step, is a damaged checkpoint: it
+    is left out with a WARNING naming the step and the marker, and added to ``damaged``
+    (oldest step first) when given. A marker deleted since the listing is left out.
     """
     prefix = root_prefix(root_key)
     found: list[tuple[str, int]] = []
@@ -320,6 +340,7 @@ def list_checkpoints(
         if len(parts) == 2 and parts[1] == MARKER_NAME and parse_step(parts[0]) is not None:
             found.append((obj.key, obj.size))
     results: dict[str, CheckpointInfo] = {}
+    broken: dict[str, str] = {}  # marker key -> why it cannot be read
     todo = []
     for key, size in found:
         hit = cache.get((key, size)) if cache is not None else None
@@ -336,8 +357,11 @@ def list_checkpoints(
                 # over the cap is refused from that size, unread, and skipped.
                 data = read_capped(store, key, MAX_RECORD_BYTES, size=size, what="marker")
                 info = decode_marker(data, store.url(key))
-            except (NotFoundError, CorruptCheckpointError):
-                return  # deleted since the listing, or not a marker of ours
+            except NotFoundError:
+                return  # deleted since the listing
+            except CorruptCheckpointError as exc:
+                broken[key] = str(exc)
+                return
             results[key] = info
             if cache is not None:
                 cache[(key, size)] = info
@@ -346,8 +370,33 @@ def list_checkpoints(
             group.submit(functools.partial(fetch, key, size), f"read marker {store.url(key)}")
         group.wait()
     out = []
+    bad = []
     for key, _ in found:
+        step = parse_step(key[len(prefix) :].split("/")[0])
+        assert step is not None  # only step-N/ markers were collected
         info = results.get(key)
-        if info is not None and info.step == parse_step(key[len(prefix) :].split("/")[0]):
+        if info is not None and info.step == step:
             out.append(info)
+        elif info is not None:
+            url = store.url(key)
+            bad.append(
+                DamagedMarker(
+                    step,
+                    url,
+                    f"{url} is not a valid checkpoint marker: it names step {info.step}, "
+                    f"in the directory of step {step}",
+                )
+            )
+        elif key in broken:
+            bad.append(DamagedMarker(step, store.url(key), broken[key]))
+    bad.sort(key=lambda d: d.step)
+    for d in bad:
+        log.warning(
+            "step %d is damaged: its commit marker %s cannot be used (%s); skipped",
+            d.step,
+            d.url,
+            d.reason,
+        )
+    if damaged is not None:
+        damaged.extend(bad)
     return sorted(out, key=lambda c: c.step)

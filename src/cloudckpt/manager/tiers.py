@@ -50,6 +50,7 @@ from ..store.paths import MAX_RECORD_BYTES, read_capped
 from .marker import (
     MARKER_NAME,
     CheckpointInfo,
+    DamagedMarker,
     check_files,
     commit_step,
     decode_marker,
@@ -197,13 +198,16 @@ class LocalTier:
         return sorted(c.step for c in found if self.due(c.step) and c.step not in there)
 
     # -- discovery -----------------------------------------------------------------------
-    def list(self) -> list[CheckpointInfo]:
-        """This run's locally committed steps, oldest first (none from another run)."""
+    def list(
+        self, damaged: builtins.list[DamagedMarker] | None = None
+    ) -> builtins.list[CheckpointInfo]:
+        """This run's locally committed steps, oldest first (none from another run);
+        the steps whose marker is damaged are added to ``damaged`` when given."""
         if not self.owned:
             return []
         with self._lock:
             cache = dict(self._cache)
-        found = list_checkpoints(self.store, "", self.options, cache)
+        found = list_checkpoints(self.store, "", self.options, cache, damaged=damaged)
         with self._lock:
             self._cache.update(cache)
         return found
@@ -590,10 +594,13 @@ class LocalTier:
             raise NotFoundError(f"step {step} is not committed in the local tier {self.url}")
         self.send_payload(step, local, remote, remote_prefix, options, exclude)
 
-    def whole_steps(self) -> builtins.list[int]:
-        """This run's local steps whose every file is there at its marker's size."""
+    def whole_steps(
+        self, damaged: builtins.list[DamagedMarker] | None = None
+    ) -> builtins.list[int]:
+        """This run's local steps whose every file is there at its marker's size (those
+        whose marker is damaged: added to ``damaged`` when given)."""
         found = []
-        for info in self.list():
+        for info in self.list(damaged):
             try:
                 self.check_files(info)
             except (CorruptCheckpointError, NotFoundError):

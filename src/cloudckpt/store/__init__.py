@@ -270,6 +270,11 @@ def open_url(url: str | os.PathLike[str], options: TransferOptions) -> tuple[Sto
             store = _cache.setdefault(store_key, made)
         if store is not made:
             made.close()
+    else:
+        # Cached under the environment it was opened in, but a held copy may have made
+        # its clients again for other values since (and they may have changed back):
+        # the fresh open gets the clients of the environment as it is now.
+        store.follow_environment()
     return store.with_retry(RetryPolicy.from_options(options)), key
 
 

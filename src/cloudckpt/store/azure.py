@@ -117,6 +117,8 @@ else:
 class AzureStore(Store):
     """One Azure Blob container (or one on Azurite)."""
 
+    bound_small_requests = True  # a server may trickle its answers (base.py)
+
     def __init__(
         self,
         container: str,
@@ -189,6 +191,10 @@ class AzureStore(Store):
             lambda c: c.identity,
             refused=(CredentialsError, AccessDeniedError),
         )
+
+    def follow_environment(self) -> None:
+        """The clients made again now if the environment changed (a fresh open)."""
+        self._held.current()
 
     def _connect(self) -> _Clients:
         """Clients from the storage options and, beneath them, the environment as it is

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import posixpath
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -130,6 +131,33 @@ def join_key(prefix: str, relative: str, url: str = "") -> str:
     return joined
 
 
+def _transport(exc: Exception) -> bool:
+    """Whether ``exc`` is a failure of the connection itself (reset, refused, timed out,
+    an answer cut short), whatever HTTP stack raised it: retried as a
+    :class:`~cloudckpt.errors.TransientError`. The stacks' modules are looked up, not
+    imported: one not loaded raised nothing (a local store's command loads neither)."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    for module, name in (("http.client", "HTTPException"), ("urllib3.exceptions", "HTTPError")):
+        found = getattr(sys.modules.get(module), name, None)
+        if isinstance(found, type) and isinstance(exc, found):
+            return True
+    return False
+
+
+#: The requests whose answers are small (no data): each attempt is bounded in all.
+_SMALL_OPS = frozenset(
+    {
+        "head",
+        "list",
+        "delete",
+        "create multipart upload",
+        "abort multipart upload",
+        "list multipart uploads",
+    }
+)
+
+
 class Store(ABC):
     """A bucket (or a filesystem root) addressed by keys with ``/`` separators.
 
@@ -143,6 +171,9 @@ class Store(ABC):
     retry: RetryPolicy = RetryPolicy()
     #: The process cache's key for this store (``cloudckpt.store.open_url``), if cached.
     cache_key: Any = None
+    #: Each attempt of a small request is bounded in all (``RetryPolicy``'s
+    #: ``small_attempt_seconds``): the network stores, whose servers may trickle answers.
+    bound_small_requests: bool = False
 
     def url(self, key: str) -> str:
         """The user-facing URL of ``key``."""
@@ -151,6 +182,12 @@ class Store(ABC):
     def __repr__(self) -> str:
         """The class and root URL only: clients, sessions and credentials stay out of it."""
         return f"{type(self).__name__}({display_url(self.root_url)!r})"
+
+    def follow_environment(self) -> None:  # noqa: B027 - optional hook
+        """Make what the store took from the environment again now if the variables it
+        reads changed since: a fresh open of a cached store calls it (``open_url``), so
+        it never serves settings the environment no longer has (a held copy of the
+        store may have followed other values meanwhile)."""
 
     def with_retry(self, policy: RetryPolicy) -> Store:
         """This store (same connections) retrying by ``policy``."""
@@ -167,7 +204,7 @@ class Store(ABC):
         This default knows only the builtin network errors; HTTP backends map their
         SDK's exceptions through :func:`cloudckpt.store.status.error_for`.
         """
-        if isinstance(exc, (ConnectionError, TimeoutError)):
+        if _transport(exc):
             where = self.url(key) if key is not None else self.root_url
             return TransientError(f"{op} {where}: {type(exc).__name__}: {redact_text(str(exc))}")
         return exc
@@ -179,6 +216,10 @@ class Store(ABC):
             raise
         except Exception as exc:
             mapped = self._map_error(exc, key, op)
+            if mapped is exc and _transport(exc):
+                # A transport failure the backend's mapping missed: still retried, and
+                # named, never the HTTP stack's own exception.
+                mapped = Store._map_error(self, exc, key, op)
             if mapped is exc:
                 raise
             raise mapped from None
@@ -189,9 +230,13 @@ class Store(ABC):
         After a credentials failure the store is not handed out again by the cache
         (``cloudckpt.store.open_url``): the next open resolves its settings anew."""
         scope = f"{self.root_url}|{key.rpartition('/')[0]}"
+        small = self.bound_small_requests and op in _SMALL_OPS
         try:
             return self.retry.run(
-                lambda: self._attempt(op, key, fn, *args), f"{op} {self.url(key)}", scope=scope
+                lambda: self._attempt(op, key, fn, *args),
+                f"{op} {self.url(key)}",
+                scope=scope,
+                small=small,
             )
         except CredentialsError:
             if self.cache_key is not None:

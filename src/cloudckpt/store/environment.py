@@ -4,7 +4,9 @@ after a credentials failure (docs/configuration.md, "When settings are read").
 
 A store made under another digest was made from other settings: ``open_url`` makes a new
 store then, and a store already held (a manager's, a Lightning plugin's) makes its
-clients again through its :class:`Held`.
+clients again through its :class:`Held`. A store found in the cache was keyed by the
+digest it was opened under, and may have followed other values since: ``open_url``
+has it look at the environment at once (:meth:`Held.current`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ class Held(Generic[T]):
         if now - self._checked < CHECK_SECONDS:
             return made
         self._checked = now
+        return made if self._env == environment(self._scheme) else self.renew(made)
+
+    def current(self) -> T:
+        """:meth:`get` without waiting for :data:`CHECK_SECONDS`: what a fresh open of
+        the store checks (``open_url`` keyed it by the environment as it is now, and the
+        held store may have followed other values since)."""
+        made = self.made
+        self._checked = time.monotonic()
         return made if self._env == environment(self._scheme) else self.renew(made)
 
     def renew(self, seen: T) -> T:

@@ -37,6 +37,7 @@ from ..errors import (
     CredentialsError,
     NotFoundError,
     StorageError,
+    ThrottledError,
     TransientError,
 )
 from ..options import check_text
@@ -106,6 +107,8 @@ else:
 class GCSStore(Store):
     """One Google Cloud Storage bucket (or one on an emulator)."""
 
+    bound_small_requests = True  # a server may trickle its answers (base.py)
+
     def __init__(
         self,
         bucket: str,
@@ -164,6 +167,10 @@ class GCSStore(Store):
         self._download_api = f"/download/storage/v1/b/{b}/o"
         self._bucket_seen = False
         self._held: Held[_Connection] = Held("gs", self._connect, lambda c: c.identity)
+
+    def follow_environment(self) -> None:
+        """The clients made again now if the environment changed (a fresh open)."""
+        self._held.current()
 
     def _connect(self) -> _Connection:
         """A session from the storage options and, beneath them, the environment as it
@@ -227,7 +234,12 @@ class GCSStore(Store):
         def send(conn: _Connection) -> requests.Response:
             try:
                 resp = conn.session.request(method, conn.endpoint + path, **kwargs)
-            except (requests.ConnectionError, requests.Timeout, TransportError) as exc:
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                requests.exceptions.ChunkedEncodingError,  # an answer cut short
+                TransportError,
+            ) as exc:
                 raise TransientError(f"{op} {where}: {type(exc).__name__}") from None
             except GoogleAuthError as exc:
                 raise CredentialsError(
@@ -249,6 +261,11 @@ class GCSStore(Store):
             message = str(resp.json().get("error", {}).get("message", ""))
         except ValueError:
             message = resp.text[:200]
+        except requests.RequestException as exc:  # the error document cut short
+            return (ThrottledError if status == 429 else TransientError)(
+                f"{op} {where}: the server answered {status}, its error document cut short "
+                f"({type(exc).__name__})"
+            )
         finally:
             resp.close()
         if status == 404 and (key is None or not self._bucket_exists()):
@@ -285,7 +302,7 @@ class GCSStore(Store):
             got = int(resp.headers.get("Content-Length", -1))
             total = content_range_total(resp.headers.get("Content-Range"))
             skip = body_skip(self.url(key), start, length, got, total)
-            read_body_into(resp.raw, skip, buffers, self.url(key))
+            read_body_into(resp.raw, skip, buffers, self.url(key), stall=self._timeout[1])
         except (requests.RequestException, ConnectionError, TimeoutError) as exc:
             raise TransientError(f"reading {self.url(key)}: {type(exc).__name__}") from None
         finally:

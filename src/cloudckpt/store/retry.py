@@ -52,7 +52,7 @@ from ..errors import (
     TransientError,
 )
 from ..redact import display_url, redact_text
-from .deadline import call_within, current_deadline
+from .deadline import Deadline, call_within, current_deadline
 
 if TYPE_CHECKING:
     from ..options import TransferOptions
@@ -392,6 +392,11 @@ class RetryPolicy:
     connect_attempts: int = 3
     #: Seconds from the first attempt after which a refused connection is not retried.
     connect_budget: float = 5.0
+    #: Seconds one attempt of a small request (a HEAD, a listing page, a delete...) may
+    #: take in all, its answer's body included, before it is abandoned and retried: the
+    #: socket's stall timeout restarts at each byte, so a server trickling the answer
+    #: would otherwise hold it for ever. ``None``: no bound but the socket's.
+    small_attempt_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -408,7 +413,27 @@ class RetryPolicy:
             backoff_max=options.backoff_max,
             requests_per_second=options.requests_per_second,
             adaptive_rate=options.adaptive_rate,
+            # Connecting, then the stall timeout twice over for the answer to arrive whole.
+            small_attempt_seconds=options.connect_timeout
+            + 2 * min(options.metadata_timeout, options.request_timeout),
         )
+
+    @staticmethod
+    def _bounded(fn: Callable[[], T], what: str, seconds: float) -> T:
+        """One attempt, not waited for past ``seconds`` (nor the operation's deadline):
+        then a :class:`~cloudckpt.errors.TransientError`, the attempt left to end on its
+        own in its daemon thread (a small answer: it writes into no caller's buffer)."""
+        deadline = current_deadline()
+        if deadline is not None and deadline.remaining() <= seconds:
+            return call_within(fn, deadline, what)  # the operation's deadline comes first
+        mine = Deadline(seconds, time.monotonic() + seconds)
+        try:
+            return call_within(fn, mine, what)
+        except DeadlineExceededError:
+            raise TransientError(
+                f"{what}: not answered in full within {seconds:g} s (connect_timeout + 2 x "
+                "metadata_timeout); abandoned"
+            ) from None
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before attempt ``attempt + 1`` (full jitter, capped)."""
@@ -416,11 +441,12 @@ class RetryPolicy:
         growth = 2.0 ** min(attempt, 64)
         return random.uniform(0, min(self.backoff_max, self.backoff_base * growth))
 
-    def run(self, fn: Callable[[], T], what: str, *, scope: str = "") -> T:
+    def run(self, fn: Callable[[], T], what: str, *, scope: str = "", small: bool = False) -> T:
         """Run ``fn`` until it succeeds, retrying transient faults with jittered backoff.
 
         ``what`` names the request in errors ("put s3://b/k"); ``scope`` selects the
-        rate limiters. Non-transient errors pass through at once.
+        rate limiters; ``small``: a request with a small answer, each attempt bounded by
+        ``small_attempt_seconds``. Non-transient errors pass through at once.
         """
         limiter = rate_limiter(scope, self.requests_per_second)
         adaptive = adaptive_limiter(scope, self.requests_per_second) if self.adaptive_rate else None
@@ -436,7 +462,12 @@ class RetryPolicy:
             try:
                 # A transfer group's request is bounded by the group's wait; any other one
                 # (a HEAD, a listing, a small read its caller waits for) by the deadline.
-                result = fn() if cancel is not None else call_within(fn, current_deadline(), what)
+                if cancel is not None:
+                    result = fn()
+                elif small and self.small_attempt_seconds is not None:
+                    result = self._bounded(fn, what, self.small_attempt_seconds)
+                else:
+                    result = call_within(fn, current_deadline(), what)
             except TransientError as exc:
                 if adaptive is not None and isinstance(exc, ThrottledError):
                     adaptive.throttled(stamp)

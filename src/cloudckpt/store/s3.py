@@ -13,6 +13,7 @@ import binascii
 import contextlib
 import copy
 import hashlib
+import http.client
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +37,7 @@ from botocore.exceptions import (
 from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
+from urllib3.exceptions import HTTPError as URLLib3Error
 
 from ..errors import (
     AccessDeniedError,
@@ -159,6 +161,10 @@ _TRANSIENT_EXCEPTIONS = (
     ResponseStreamingError,
     ConnectionError,
     TimeoutError,
+    # What a body read straight from urllib3 (s3_signed_reads.py, _stream) raises when
+    # it is cut short or the connection breaks: ProtocolError(IncompleteRead), ...
+    URLLib3Error,
+    http.client.HTTPException,
 )
 
 
@@ -194,6 +200,8 @@ class _Clients:
 class S3Store(Store):
     """One bucket on S3 or an S3-compatible server."""
 
+    bound_small_requests = True  # a server may trickle its answers (base.py)
+
     def __init__(
         self,
         bucket: str,
@@ -212,6 +220,7 @@ class S3Store(Store):
         self._params = _request_params(opts)
         self._sse_c = "sse_customer_key" in opts
         timeouts = (connect_timeout, read_timeout, metadata_timeout or read_timeout)
+        self._timeouts = timeouts  # a body's read is bounded by them too (body.py)
         self._holder: Held[_Clients] = Held(
             "s3",
             lambda: _make_clients(
@@ -219,6 +228,10 @@ class S3Store(Store):
             ),
             lambda made: made.identity,
         )
+
+    def follow_environment(self) -> None:
+        """The clients made again now if the environment changed (a fresh open)."""
+        self._holder.current()
 
     @property
     def _client(self) -> Any:
@@ -319,7 +332,7 @@ class S3Store(Store):
             if size < 0:
                 return bytes(stream.read())
             buf = bytearray(size)
-            read_body_into(stream, 0, [memoryview(buf)], self.url(key))
+            read_body_into(stream, 0, [memoryview(buf)], self.url(key), stall=self._timeouts[2])
             return bytes(buf)
 
     def _read_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> None:
@@ -343,7 +356,7 @@ class S3Store(Store):
             content_range = resp.get("ContentRange")
         with _reading(stream, url):
             skip = body_skip(url, start, length, got, content_range_total(content_range))
-            read_body_into(stream, skip, buffers, url)
+            read_body_into(stream, skip, buffers, url, stall=self._timeouts[1])
         if fast.enabled:
             fast.served(answer is not None)
 
@@ -531,7 +544,7 @@ def _make_clients(
             or "us-east-1"
         )
     except ProfileNotFound as exc:
-        raise CredentialsError(f"AWS profile for {root_url} not found: {exc}") from None
+        raise _no_profile(exc, opts, root_url) from None
     config = Config(
         s3={
             "addressing_style": opts.get("addressing_style") or ("path" if endpoint else "auto"),
@@ -566,10 +579,28 @@ def _make_clients(
             # credentials are resolved once, for both.
             quick_config = config.merge(Config(read_timeout=quick_timeout))
             quick = session.create_client("s3", config=quick_config, **client_args)
+    except ProfileNotFound as exc:  # the region came from elsewhere: found here
+        raise _no_profile(exc, opts, root_url) from None
     except ValueError as exc:  # botocore's "Invalid endpoint", a bad region name...
         raise ConfigError(f"invalid S3 settings for {root_url}: {redact_text(str(exc))}") from None
     fast = SignedReads(data, bucket, _read_headers(params))
     return _Clients(data, quick, fast, _identity(session, opts, endpoint, region))
+
+
+def _no_profile(exc: ProfileNotFound, opts: Mapping[str, Any], root_url: str) -> ConfigError:
+    """A ConfigError naming the AWS profile that is in no AWS config file, and where
+    its name came from (``profile_name``/``--profile``, else ``AWS_PROFILE``)."""
+    name = exc.kwargs.get("profile") or opts.get("profile_name") or os.environ.get("AWS_PROFILE")
+    if opts.get("profile_name"):
+        where = "the storage option profile_name (--profile)"
+    elif os.environ.get("AWS_PROFILE"):
+        where = "AWS_PROFILE"
+    else:
+        where = "AWS_DEFAULT_PROFILE"
+    return ConfigError(
+        f"AWS profile {name!r} (from {where}) is not in the AWS config or credentials "
+        f"files (AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE, ~/.aws/): cannot open {root_url}"
+    )
 
 
 def _identity(

@@ -14,7 +14,8 @@ pool's ``urlopen``; through one it takes botocore's HTTP session, which knows ho
 address it. Measured in docs/transport.md.
 
 Only answers with a body are handled here. Throttling and server errors become
-:class:`~cloudckpt.errors.TransientError` (retried by the store, never doubled);
+:class:`~cloudckpt.errors.TransientError` (retried by the store, never doubled), as
+does any refusal whose error document is cut short (the connection broke);
 any other refusal returns None and the caller repeats the request through the client,
 which refreshes credentials, follows redirects and names the error precisely. After
 :data:`MAX_MISSES` refusals in a row that the client then served, the fast path is
@@ -26,6 +27,7 @@ messages; URLs carry no secret.
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
 import weakref
@@ -138,10 +140,25 @@ class SignedReads:
         status = answer.status
         if status in (200, 206):
             return answer
-        answer.read()  # the short error document: read it so the connection is reused
-        answer.release_conn()
         with self._lock:
             self._signatures.pop(key, None)
+        try:
+            answer.read()  # the short error document: read it so the connection is reused
+            answer.release_conn()
+        except (URLLib3Error, http.client.HTTPException, OSError) as exc:
+            # Cut short (or reset): the answer cannot be trusted, the connection is
+            # unusable; a retryable failure, whatever the status said.
+            answer.close()
+            cause = f"{type(exc).__name__}: {redact_text(str(exc))}"
+            if status in (429, 503):
+                raise ThrottledError(
+                    f"reading {where}: the server answered {status} (SlowDown), its error "
+                    f"document cut short ({cause})"
+                ) from None
+            raise TransientError(
+                f"reading {where}: the server answered {status}, its error document cut "
+                f"short ({cause})"
+            ) from None
         if status in (429, 503):  # S3's SlowDown (its error document is not parsed here)
             raise ThrottledError(f"reading {where}: the server answered {status} (SlowDown)")
         if status in TRANSIENT_STATUS:
