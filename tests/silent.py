@@ -12,16 +12,11 @@ from typing import Any
 CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
 
 
-class SilentServer:
-    """Accepts TCP connections on 127.0.0.1 and reads requests; answers none of them,
-    except, with ``answer_uploads``, a CreateMultipartUpload (``POST ...?uploads``: a
-    store that starts an upload and then goes silent, so the save's abort meets it) and,
-    with ``answer_heads``, a HEAD (an object of that many bytes: the load's next request,
-    a range read, meets the silence)."""
+class LoopbackServer:
+    """A TCP server on 127.0.0.1 for the stores under test: it accepts connections, each
+    served by :meth:`_serve` on a thread of its own, until :meth:`close`."""
 
-    def __init__(self, answer_uploads: bool = False, answer_heads: int | None = None) -> None:
-        self.answer_uploads = answer_uploads
-        self.answer_heads = answer_heads
+    def __init__(self) -> None:
         self.requests: list[str] = []  # request lines, in arrival order
         self._sock = socket.create_server(("127.0.0.1", 0), backlog=128)
         self._conns: list[socket.socket] = []
@@ -45,6 +40,29 @@ class SilentServer:
             with self._lock:
                 self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._sock.close()
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+
+
+class SilentServer(LoopbackServer):
+    """Accepts TCP connections on 127.0.0.1 and reads requests; answers none of them,
+    except, with ``answer_uploads``, a CreateMultipartUpload (``POST ...?uploads``: a
+    store that starts an upload and then goes silent, so the save's abort meets it) and,
+    with ``answer_heads``, a HEAD (an object of that many bytes: the load's next request,
+    a range read, meets the silence)."""
+
+    def __init__(self, answer_uploads: bool = False, answer_heads: int | None = None) -> None:
+        self.answer_uploads = answer_uploads
+        self.answer_heads = answer_heads
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         data = b""
@@ -85,10 +103,3 @@ class SilentServer:
                 data = rest
         except OSError:
             return
-
-    def close(self) -> None:
-        self._stopped.set()
-        self._sock.close()
-        with self._lock:
-            for conn in self._conns:
-                conn.close()

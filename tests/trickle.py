@@ -8,30 +8,15 @@ and never answered.
 from __future__ import annotations
 
 import socket
-import threading
-from typing import Any
 
-#: Credentials for a store pointed at it (never checked).
-CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
+from silent import LoopbackServer
 
 
-class TrickleServer:
+class TrickleServer(LoopbackServer):
     def __init__(self, size: int = 100_000, bytes_per_second: float = 1.0) -> None:
         self.size = size
         self.bytes_per_second = bytes_per_second
-        self.requests: list[str] = []
-        self._sock = socket.create_server(("127.0.0.1", 0), backlog=128)
-        self._conns: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"endpoint_url": self.url, **CREDS}
+        super().__init__()
 
     def env(self) -> dict[str, str]:
         return {
@@ -39,16 +24,6 @@ class TrickleServer:
             "AWS_ACCESS_KEY_ID": "test",
             "AWS_SECRET_ACCESS_KEY": "test",
         }
-
-    def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         data = b""
@@ -113,10 +88,3 @@ class TrickleServer:
                 return False
             conn.sendall(body[i : i + 1])
         return True
-
-    def close(self) -> None:
-        self._stopped.set()
-        self._sock.close()
-        with self._lock:
-            for conn in self._conns:
-                conn.close()
