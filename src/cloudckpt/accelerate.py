@@ -42,10 +42,15 @@ from .errors import (
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
-from .manager.marker import check_files, commit_step, marker_key, root_prefix, step_dir
+from .manager.folders import checked_step as _checked_step
+from .manager.folders import files_under as _files_under
+from .manager.folders import open_run as _open_run
+from .manager.folders import run_group as _group
+from .manager.folders import step_prefix as _step_prefix
+from .manager.marker import check_files, commit_step, marker_key
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
-from .ranks.groups import checkpoint_group, drain_group
+from .ranks.groups import drain_group
 from .store.local import LocalStore
 
 __all__ = ["AccelerateSaveHandle", "load_state", "save_state"]
@@ -82,40 +87,6 @@ def _require_accelerate() -> Any:
     return accelerate
 
 
-def _open_run(
-    url: str | os.PathLike[str],
-    options: TransferOptions | None,
-    storage_options: Mapping[str, Any] | None,
-    keep_last: int | None = None,
-) -> CheckpointManager:
-    """The manager of the run at ``url`` (the URL and its options resolved once)."""
-    overrides: dict[str, Any] = {}
-    if storage_options is not None:
-        overrides["storage_options"] = dict(storage_options)
-    return CheckpointManager(url, keep_last=keep_last, options=options, **overrides)
-
-
-def _group() -> Any:
-    """The dedicated gloo group of a save's or load's collectives (None: one process)."""
-    return checkpoint_group() if is_distributed() else None
-
-
-def _step_prefix(manager: CheckpointManager, step: int) -> str:
-    return f"{root_prefix(manager.root_key)}{step_dir(step)}/"
-
-
-def _checked_step(step: Any) -> int:
-    """``step`` if it is a non-negative integer (ConfigError otherwise)."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError(f"step={step!r} must be a non-negative integer")
-    return step
-
-
-def _files_under(folder: Path) -> list[str]:
-    """Every file under ``folder``, as sorted ``/``-separated relative paths."""
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-
-
 def save_state(
     accelerator: Any,
     url: str | os.PathLike[str],
@@ -147,7 +118,7 @@ def save_state(
             "turn off ProjectConfiguration(automatic_checkpoint_naming=True)"
         )
     in_flight.raise_unreported()
-    manager = _open_run(url, options, storage_options, keep_last)
+    manager = _open_run(url, options, storage_options, keep_last=keep_last)
     _line.make_room(manager.root_url)
     group = _group()
     if step is None:

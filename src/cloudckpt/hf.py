@@ -59,6 +59,8 @@ from .errors import (
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
+from .manager.folders import files_under as _files_under
+from .manager.folders import open_run
 from .manager.marker import commit_step, root_prefix, step_dir
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
@@ -127,12 +129,9 @@ def _open_run(
     storage_options: Mapping[str, Any] | None,
     policy: TrainerRetention | None = None,
 ) -> CheckpointManager:
-    """The manager of the run at ``url`` (the URL and its options resolved once)."""
-    overrides: dict[str, Any] = {}
-    if storage_options is not None:
-        overrides["storage_options"] = dict(storage_options)
-    return CheckpointManager(
-        url, policies=[policy] if policy else None, kind="object", options=options, **overrides
+    """The manager of the run at ``url``: single objects, the Trainer's retention."""
+    return open_run(
+        url, options, storage_options, policies=[policy] if policy else None, kind="object"
     )
 
 
@@ -153,11 +152,6 @@ def _link(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
-
-
-def _files_under(folder: Path) -> list[str]:
-    """Every file under ``folder``, as sorted ``/``-separated relative paths."""
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
 def file_owners(listings: Sequence[Sequence[str]]) -> dict[str, int]:
