@@ -1,12 +1,18 @@
 """A server on 127.0.0.1 that accepts connections and never answers: the endpoint that
 tests of bounded time (deadlines, metadata timeouts) meet. Its fixture, ``silent``, is in
-conftest.py."""
+conftest.py. :func:`run_bounded` runs an operation against it for at most a given time."""
 
 from __future__ import annotations
 
 import socket
+import sys
 import threading
+import time
+import traceback
+from collections.abc import Callable
 from typing import Any
+
+import pytest
 
 #: Credentials for a store pointed at it (never checked: nothing answers).
 CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
@@ -103,3 +109,27 @@ class SilentServer(LoopbackServer):
                 data = rest
         except OSError:
             return
+
+
+def run_bounded(fn: Callable[[], Any], bound: float) -> tuple[BaseException | None, float]:
+    """Run ``fn`` in a daemon thread: what it raised and the seconds it took. Fails the
+    test, showing where the thread is, if it is still running ``bound`` seconds after it
+    started (a request that outlived its deadline)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            fn()
+        except BaseException as exc:
+            box["error"] = exc
+        box["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(bound)
+    if thread.is_alive():
+        frame = sys._current_frames().get(thread.ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
+        pytest.fail(f"still running {bound:g} s later, in:\n{stack}")
+    return box.get("error"), box["seconds"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -92,6 +93,9 @@ def _dcp_save(rank: int, world: int, url: str, so: dict[str, Any], out: Path) ->
     writer = CloudStorageWriter(
         url, storage_options=so, part_size=5 * MiB, request_timeout=60.0, deadline=DCP_DEADLINE
     )
+    # Each rank's deadline starts in set_up_storage_writer: start both saves together, so
+    # the time one rank spends making its state does not count against the other's.
+    dist.barrier()
     with pytest.raises((CheckpointException, DeadlineExceededError)) as info:
         dcp.save(state, storage_writer=writer)
     # When it raised, on the clock every process of this machine shares (CLOCK_MONOTONIC),
