@@ -45,6 +45,7 @@ from ..format.checksum import crc32
 from ..format.commit import commit_marker
 from ..format.dcp.archive import SavedTensor
 from ..format.dcp.checks import block_crcs, block_size_for
+from ..format.dcp.described import describe_metadata
 from ..format.dcp.index import encode_index
 from ..format.dcp.layout import (
     DATA_SUFFIX,
@@ -447,8 +448,12 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         share_in_metadata(metadata)  # equal shapes pickled once (format/dcp/sharing.py)
         payload = pickle.dumps(metadata)
         # Written before the marker: a committed checkpoint always has its index, which
-        # also holds the CRC-32 of the marker's bytes.
-        return payload, encode_index(self.save_id, crc32(payload), archives, chunks, records)
+        # also holds the CRC-32 of the marker's bytes and a description of them that
+        # readers build the metadata from (format/dcp/described.py).
+        described = describe_metadata(metadata)
+        return payload, encode_index(
+            self.save_id, crc32(payload), archives, chunks, records, described
+        )
 
     def _commit(self, payload: bytes) -> None:
         """Write the marker (``.metadata``) once, refusing another save's (format/commit.py)."""

@@ -12,7 +12,8 @@ Format 2 (format 1, written before checksums, has only ``save_id`` and ``archive
                               record_size, block_size, "<base64 CRC-32s>"]
       },
       "chunks": {"__0_0.distcp@0": 3735928559},  # CRC-32 of each chunk read whole
-      "records": {"__0_0.distcp": [0, 448, 2882400018, ...]}  # small tensor records
+      "records": {"__0_0.distcp": [0, 448, 2882400018, ...]}, # small tensor records
+      "metadata": {"v": 1, ...}         # .metadata described (format/dcp/described.py)
     }
 
 ``archives`` keys are ``relative_path@offset`` of the chunk in ``.metadata``;
@@ -26,7 +27,10 @@ object, a flat list of ``offset, data_offset, crc32`` triples: the chunk's offse
 ``.metadata``, where the record's bytes start inside it, and the record's zip CRC-32.
 The tensor is the chunk ``.metadata`` describes (its sizes and dtype, contiguous), so a
 reader reads those bytes straight into the destination and checks them, instead of
-reading the archive whole and copying them out.
+reading the archive whole and copying them out. ``metadata`` (optional in format 2;
+readers that predate it ignore it) describes ``.metadata`` in JSON: a reader whose
+``.metadata`` matches ``metadata_crc32`` builds the metadata from it instead of
+unpickling ``.metadata`` (:func:`decode_committed`).
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ChecksumError, CorruptCheckpointError
+from ...store.paths import MAX_INDEX_BYTES
 from ..checksum import crc32
 from .archive import SavedTensor, saved_from_json
+from .described import build_metadata
 from .layout import is_count
-from .metadata import decode_metadata
+from .metadata import check_metadata, decode_metadata
 
 __all__ = [
     "INDEX_FORMAT",
@@ -72,9 +78,12 @@ def encode_index(
     archives: dict[str, Any],
     chunks: dict[str, int],
     records: dict[str, list[int]] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> bytes:
     """The index's bytes (``archives`` values are :meth:`SavedTensor.to_json` lists,
-    ``records`` values flat ``offset, data_offset, crc32`` triples)."""
+    ``records`` values flat ``offset, data_offset, crc32`` triples, ``metadata`` the
+    description of ``.metadata``, left out when it would take the index past half its
+    size cap)."""
     body: dict[str, Any] = {
         "format": INDEX_FORMAT,
         "save_id": save_id,
@@ -84,6 +93,10 @@ def encode_index(
     }
     if records:
         body["records"] = records
+    if metadata is not None:
+        described = json.dumps({**body, "metadata": metadata}, separators=(",", ":")).encode()
+        if len(described) <= MAX_INDEX_BYTES // 2:
+            return described
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -179,13 +192,26 @@ def decode_committed(
     """``.metadata``'s bytes decoded (through the trust boundary), and the layout index
     beside it when it is the same save's (the save id agrees).
 
-    An index of the same save vouches for ``.metadata`` with its CRC-32 (the decoder
-    then skips its own scan); a ``.metadata`` that fails that CRC-32 is ChecksumError.
+    An index of the same save vouches for ``.metadata`` with its CRC-32: the metadata
+    is then built from the index's description of it when it has one
+    (format/dcp/described.py), else decoded without the decoder's own scan. A
+    ``.metadata`` that fails that CRC-32 is ChecksumError.
     """
     doc = None if raw_index is None else read_document(raw_index, index_url)
     expected = doc.get("metadata_crc32") if doc is not None else None
     vouched = type(expected) is int and expected == crc32(payload)
-    metadata = decode_metadata(payload, url, scan=not vouched)
+    metadata = None
+    if vouched and doc is not None and "metadata" in doc:
+        metadata = build_metadata(doc["metadata"], index_url)
+        if metadata is not None:
+            check_metadata(metadata, url)
+            if save_id_of(metadata) != doc.get("save_id"):
+                raise CorruptCheckpointError(
+                    f"{index_url} is damaged: its description of .metadata names another "
+                    "save; delete it to load the checkpoint from .metadata alone"
+                )
+    if metadata is None:
+        metadata = decode_metadata(payload, url, scan=not vouched)
     save_id = save_id_of(metadata)
     if doc is None or not save_id or doc.get("save_id") != save_id:
         return metadata, None
