@@ -88,22 +88,53 @@ def test_a_save_past_its_deadline_fails_naming_the_stuck_part(rclone_server: Any
     assert _open_uploads(rclone_server, bucket) == []  # the upload was aborted
 
 
+class _TimedWriter(CloudStorageWriter):
+    """The writer, noting when each step of the save began (seconds after ``start``),
+    for a failure to say where the time went."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start = time.monotonic()
+        self.steps: list[tuple[str, float]] = []
+
+    def _note(self, step: str) -> None:
+        self.steps.append((step, round(time.monotonic() - self.start, 2)))
+
+    def set_up_storage_writer(self, *args: Any, **kwargs: Any) -> None:
+        self._note("set_up")
+        super().set_up_storage_writer(*args, **kwargs)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        self._note("local_plan")
+        return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: Any) -> Any:
+        self._note("global_plan")
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self._note("write_data")
+        return super().write_data(plan, planner)
+
+
 def _dcp_save(rank: int, world: int, url: str, so: dict[str, Any], out: Path) -> None:
     state = {"model": _state(seed=rank), "rank": torch.tensor(rank)}
-    writer = CloudStorageWriter(
+    writer = _TimedWriter(
         url, storage_options=so, part_size=5 * MiB, request_timeout=60.0, deadline=DCP_DEADLINE
     )
     # Each rank's deadline starts in set_up_storage_writer: start both saves together, so
     # the time one rank spends making its state does not count against the other's.
     dist.barrier()
+    writer._note("barrier passed")
     with pytest.raises((CheckpointException, DeadlineExceededError)) as info:
         dcp.save(state, storage_writer=writer)
+    writer._note("raised")
     # When it raised, on the clock every process of this machine shares (CLOCK_MONOTONIC),
     # for the test to compare with the end of the stall.
     (out / f"rank-{rank}").write_text(repr(time.monotonic()))
     # Every rank learns which rank and object were stuck.
     expected = f"rank 1: not finished within its {DCP_DEADLINE:g} s deadline"
-    assert expected in str(info.value), str(info.value)
+    assert expected in str(info.value), f"rank {rank}, {writer.steps}: {info.value}"
     assert "__1_0.distcp" in str(info.value)
 
 
