@@ -23,14 +23,14 @@ import cloudckpt
 from cloudckpt.dcp import CloudStorageWriter
 from cloudckpt.errors import DeadlineExceededError
 from cloudckpt.options import MiB
+from cloudckpt.store.deadline import start_deadline
 from cloudckpt.testing.fault_proxy import FaultProxy
 from ranks import run_ranks
 from servers import unique_bucket_name
 
 DEADLINE = 3.0
-#: The two-rank DCP save's: its deadline starts at set_up_storage_writer and covers the
-#: planning collectives too, which take seconds on a loaded 2-core machine.
-DCP_DEADLINE = 10.0
+#: The two-rank DCP save's, from the start of its data write (_TimedWriter).
+DCP_DEADLINE = 6.0
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -90,7 +90,11 @@ def test_a_save_past_its_deadline_fails_naming_the_stuck_part(rclone_server: Any
 
 class _TimedWriter(CloudStorageWriter):
     """The writer, noting when each step of the save began (seconds after ``start``),
-    for a failure to say where the time went."""
+    for a failure to say where the time went. Its deadline starts again when the data
+    write begins: what this test stalls is rank 1's upload, and in full-suite runs the
+    planning before it (collectives between two forked ranks) twice took the whole
+    deadline, on rank 0, before any data was sent. That the deadline also covers the
+    planning is tests/reliability/test_deadline_whole_save.py's to show."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -114,6 +118,7 @@ class _TimedWriter(CloudStorageWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         self._note("write_data")
+        self._deadline = start_deadline(self.location.options.deadline)
         return super().write_data(plan, planner)
 
 
