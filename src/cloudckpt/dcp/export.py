@@ -52,6 +52,7 @@ from ..engine.safetensors import (
 from ..errors import ConfigError, CorruptCheckpointError, MissingKeyError, NotFoundError
 from ..format.dcp.index import save_id_of
 from ..format.dcp.layout import metadata_name
+from ..format.dtype_names import dtype_named
 from ..format.safetensors import (
     INDEX_SUFFIX,
     encode_header,
@@ -132,8 +133,7 @@ def parse_dtype(value: torch.dtype | str) -> torch.dtype:
         dtype: torch.dtype | None = value
     else:
         text = str(value).strip().lower().removeprefix("torch.")
-        found = _DTYPES.get(text, getattr(torch, text, None))
-        dtype = found if isinstance(found, torch.dtype) else None
+        dtype = _DTYPES.get(text) or dtype_named(text)
     if dtype is None or not dtype.is_floating_point:
         raise ConfigError(
             f"dtype={value!r} is not a floating-point dtype (e.g. bfloat16, float16, float32)"

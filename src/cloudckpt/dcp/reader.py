@@ -55,7 +55,7 @@ from .commit_read import adopt, layout_document, read_commit
 from .destinations import Destinations
 from .fetch import RangeFetcher
 from .location import CheckpointLocation, LocatedCheckpoint
-from .slices import HEAD_PROBE, TAIL_PROBE, Archive, Slice, SliceReader, read_whole
+from .slices import HEAD_PROBE, TAIL_PROBE, Archive, Slice, SliceReader, copy_into, read_whole
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._extension import ExtensionRegistry
@@ -334,7 +334,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
         broadcast_views(group, views)
         for item, target, buf in staged:
             if buf is not target:
-                target.copy_(buf)
+                copy_into(target, buf, self.url, item.storage_index.fqn)
             dest.commit(item, target)
 
     def _info(self, item: Any) -> Any:
@@ -414,7 +414,7 @@ class CloudStorageReader(LocatedCheckpoint, StorageReader):
                 src = s.scratch.view(s.saved.dtype).as_strided(
                     tuple(s.item.lengths), s.saved.stride, 0
                 )
-                s.target.copy_(src)
+                copy_into(s.target, src, self.url, s.item.storage_index.fqn)
             slicer.dest.commit(s.item, s.target)
 
     def _stream_extensions(self, descriptors: Sequence[str], fqn: str) -> tuple[Any, ...]:

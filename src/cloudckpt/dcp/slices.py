@@ -303,7 +303,8 @@ class SliceReader:
                     if math.prod(lengths) and not _whole_into(a, saved, target, lengths):
                         if flat is None:
                             flat = _flat(a, saved)
-                        target.copy_(flat.as_strided(lengths, saved.stride, first))
+                        source = flat.as_strided(lengths, saved.stride, first)
+                        copy_into(target, source, url, item.storage_index.fqn)
                     self.dest.commit(item, target)
                 return
         loaded: torch.Tensor | None = None
@@ -341,7 +342,7 @@ class SliceReader:
                     f"{url}: {item.storage_index.fqn} slice has shape {tuple(source.shape)}, "
                     f"the destination {tuple(target.shape)}"
                 )
-            target.copy_(source)
+            copy_into(target, source, url, item.storage_index.fqn)
             self.dest.commit(item, target)
 
     def _record_in(self, a: Archive, url: str) -> tuple[SavedTensor, torch.Tensor | None] | None:
@@ -548,3 +549,16 @@ class SliceReader:
                 views, g_start, size, saved.block_crcs, saved.record_size, record, where
             )
             fetcher.add(a.relative, record + g_start, views, check, owner)
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor, url: str, fqn: str) -> None:
+    """``target.copy_(source)``; a copy torch cannot make (a quantized or bit dtype the
+    checkpoint's metadata gives, into the destination's) is CorruptCheckpointError
+    naming the item, not torch's own error from deep inside the load."""
+    try:
+        target.copy_(source)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise CorruptCheckpointError(
+            f"{url}: {fqn} is stored as {source.dtype} {tuple(source.shape)}, which cannot "
+            f"be copied into its destination ({target.dtype} {tuple(target.shape)}): {exc}"
+        ) from None

@@ -30,6 +30,7 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ..checksum import crc32
+from ..dtype_names import dtype_named
 from ..torch.restricted_pickle import Policy, run_restricted
 from ..torch.unpickle import StorageRef, StorageStandIn, parse_persistent_id
 from ..torch.zipdir import (
@@ -40,7 +41,7 @@ from ..torch.zipdir import (
     parse_directory,
 )
 from .checks import block_count, valid_block_size
-from .layout import is_count
+from .layout import MAX_DIMS, is_count
 
 __all__ = ["ArchiveParses", "SavedTensor", "parse_archive", "saved_from_json"]
 
@@ -91,7 +92,6 @@ class SavedTensor:
 
 
 #: Most dimensions a layout index entry may describe (torch allows 64... in practice).
-_MAX_DIMS = 64
 
 
 def saved_from_json(value: Any) -> SavedTensor | None:
@@ -104,14 +104,12 @@ def saved_from_json(value: Any) -> SavedTensor | None:
     if not isinstance(value, list) or len(value) not in (6, 8):
         return None
     name, size, stride, storage_offset, data_offset, record_size = value[:6]
-    if not isinstance(name, str) or not name.isidentifier():
-        return None
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = dtype_named(name) if isinstance(name, str) and "." not in name else None
+    if dtype is None:
         return None
     if not isinstance(size, list) or not isinstance(stride, list):
         return None
-    if len(size) != len(stride) or len(size) > _MAX_DIMS:
+    if len(size) != len(stride) or len(size) > MAX_DIMS:
         return None
     if not all(map(is_count, [*size, *stride, storage_offset, data_offset, record_size])):
         return None

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CorruptCheckpointError
+from ..dtype_names import DTYPES
 from .layout import MAX_COUNT, StorageInfo
 
 __all__ = ["DESCRIPTION_VERSION", "build_metadata", "describe_metadata"]
@@ -58,7 +59,7 @@ __all__ = ["DESCRIPTION_VERSION", "build_metadata", "describe_metadata"]
 #: The description's format (``"v"``); a reader builds only the versions it knows.
 DESCRIPTION_VERSION = 1
 
-_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+_DTYPES = {f"torch.{name}": value for name, value in DTYPES.items()}
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 #: The memory formats TensorProperties pickles (its __getstate__ refuses the others).
 _FORMATS = {
@@ -318,7 +319,10 @@ def build_metadata(doc: Any, index_url: str) -> Metadata | None:
     is a description of a version this one does not read (or this torch's metadata
     classes have other fields). A damaged description is CorruptCheckpointError naming
     ``index_url``."""
-    if not _KNOWN_CLASSES or type(doc) is not dict or doc.get("v") != DESCRIPTION_VERSION:
+    if not _KNOWN_CLASSES or type(doc) is not dict:
+        return None
+    version = doc.get("v")
+    if type(version) is not int or version != DESCRIPTION_VERSION:
         return None
     try:
         return _build(doc)

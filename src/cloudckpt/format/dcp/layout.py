@@ -32,6 +32,7 @@ __all__ = [
     "DATA_SUFFIX",
     "LAYOUT_NAME",
     "MAX_COUNT",
+    "MAX_DIMS",
     "METADATA_NAME",
     "WHOLE_LIMIT",
     "StorageInfo",
@@ -56,6 +57,9 @@ WHOLE_LIMIT = 256 * 1024
 #: Offsets, sizes and counts read from a checkpoint's metadata stay below this: no
 #: object holds that many bytes, and no tensor that many elements.
 MAX_COUNT = 1 << 62
+#: Dimensions of a shape read from a checkpoint's metadata or index, at most: more than
+#: any model's tensor has, few enough that a shape's checks cost little.
+MAX_DIMS = 64
 
 
 def is_count(value: Any) -> bool:

@@ -25,6 +25,7 @@ The writers whose ``.metadata`` decodes:
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import pathlib
 import pickletools
@@ -53,7 +54,7 @@ from torch.serialization import _get_layout
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..torch.restricted_pickle import PROTOCOL4_OPCODES, Policy, run_restricted
-from .layout import MAX_COUNT, StorageInfo, is_count
+from .layout import MAX_COUNT, MAX_DIMS, StorageInfo, is_count
 
 __all__ = ["ChunkIndex", "MCoreMetadata", "MCoreSavePlan", "check_metadata", "decode_metadata"]
 
@@ -220,13 +221,20 @@ def _check_megatron_fields(metadata: Metadata, bad: Callable[[str], Exception]) 
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
-    """``value`` as a tuple when it is a shape (a tuple of counts), else None. Run three
-    times per item of ``.metadata``: the element checks are C calls, not a loop."""
+    """``value`` as a tuple when it is a shape (at most :data:`MAX_DIMS` counts, fewer
+    than :data:`MAX_COUNT` elements in all), else None. Run three times per item of
+    ``.metadata``: the element checks are C calls, not a loop."""
     if not isinstance(value, (torch.Size, tuple)):
         return None
     if not value:
         return ()
-    if set(map(type, value)) <= _INT_ONLY and min(value) >= 0 and max(value) < MAX_COUNT:
+    if (
+        len(value) <= MAX_DIMS
+        and set(map(type, value)) <= _INT_ONLY
+        and min(value) >= 0
+        and max(value) < MAX_COUNT
+        and math.prod(value) < MAX_COUNT
+    ):
         return tuple(value)
     return None
 
@@ -260,6 +268,69 @@ class _Shapes:
         return count
 
 
+#: Chunks of one tensor checked pair by pair where they do not form a grid; more
+#: than this many such chunks is refused (sharding makes grids: row, column, 2-D).
+MAX_LOOSE_CHUNKS = 4096
+
+
+def _disjoint(chunks: list[tuple[Any, Any]]) -> bool:
+    """Whether no two of ``chunks`` ((offsets, sizes), each inside the tensor) share an
+    element. Chunks from sharding form a grid (each dimension cut into intervals, every
+    chunk one cell): checked in one pass. Any other layout is checked pair by pair, in
+    blocks of tensor operations, up to :data:`MAX_LOOSE_CHUNKS`."""
+    dims = len(chunks[0][0])
+    cuts: list[dict[tuple[int, int], int]] = [{} for _ in range(dims)]
+    cells = set()
+    for offsets, sizes in chunks:
+        cells.add(
+            tuple(cuts[d].setdefault((offsets[d], sizes[d]), len(cuts[d])) for d in range(dims))
+        )
+    if len(cells) != len(chunks):
+        return False  # two chunks with the same place in every dimension
+    grid = math.prod(len(c) for c in cuts) == len(chunks) and all(
+        _partition(sorted(c)) for c in cuts
+    )
+    if grid:
+        return True
+    if len(chunks) > MAX_LOOSE_CHUNKS:
+        return False
+    starts = torch.tensor([list(o) for o, _ in chunks], dtype=torch.int64)
+    ends = starts + torch.tensor([list(n) for _, n in chunks], dtype=torch.int64)
+    empty = (ends == starts).any(dim=1)
+    for first in range(0, len(chunks), 256):
+        block = slice(first, first + 256)
+        meets = (starts[block, None, :] < ends[None, :, :]) & (
+            starts[None, :, :] < ends[block, None, :]
+        )
+        overlap = meets.all(dim=2)
+        overlap &= ~empty[block, None] & ~empty[None, :]
+        rows = torch.arange(first, min(first + 256, len(chunks)))
+        overlap[rows - first, rows] = False
+        if bool(overlap.any()):
+            return False
+    return True
+
+
+def _partition(intervals: list[tuple[int, int]]) -> bool:
+    """Whether ``intervals`` ((start, length), sorted) follow one another from 0."""
+    end = 0
+    for start, length in intervals:
+        if start != end:
+            return False
+        end = start + length
+    return True
+
+
+def _check_spans(infos: Any, bad: Callable[[str], Exception]) -> None:
+    """No two items' bytes overlap in a data object (two items may name the same bytes).
+    A reader allocates each chunk it reads whole: overlapping entries would let a small
+    file ask for far more memory than its objects hold. No writer overlaps them."""
+    spans = sorted({(i.relative_path, i.offset, i.length) for i in infos})
+    for (path, start, length), (next_path, next_start, _) in itertools.pairwise(spans):
+        if path == next_path and next_start < start + length:
+            raise bad(f"the bytes of two items overlap in {path} at {next_start}")
+
+
 def check_metadata(metadata: Metadata, url: str) -> None:
     """Check the fields the planner and the reader use; CorruptCheckpointError if damaged."""
 
@@ -290,7 +361,10 @@ def check_metadata(metadata: Metadata, url: str) -> None:
         size = shape(size_value)
         chunks = getattr(md, "chunks", None)
         if size is None or not isinstance(chunks, list):
-            raise bad(f"{fqn} has no size or chunk list")
+            raise bad(
+                f"{fqn} has no chunk list or no size (a shape of at most {MAX_DIMS} counts, "
+                "fewer than 2**62 elements)"
+            )
         covered = 0
         for chunk in chunks:
             offsets_value = getattr(chunk, "offsets", None)
@@ -308,9 +382,11 @@ def check_metadata(metadata: Metadata, url: str) -> None:
                 raise bad(f"{fqn} has a chunk outside its size {list(size)}")
             covered += shape.elements(sizes_value, sizes)
         # torch's planner reads only the chunks listed: one missing would leave part of
-        # the destination as it was, silently. Saved chunks never overlap, so together
-        # they hold exactly the tensor's elements.
-        if covered != shape.elements(size_value, size):
+        # the destination as it was, silently. Chunks that do not overlap and hold as
+        # many elements as the tensor cover it.
+        if covered != shape.elements(size_value, size) or (
+            len(chunks) > 1 and not _disjoint([(c.offsets, c.sizes) for c in chunks])
+        ):
             raise bad(f"the chunks of {fqn} do not cover its size {list(size)}")
     storage = getattr(metadata, "storage_data", None)
     if storage is not None:
@@ -335,17 +411,22 @@ def check_metadata(metadata: Metadata, url: str) -> None:
                 or not _texts(getattr(info, "transform_descriptors", None))
             ):
                 raise bad(f"storage entry of {index.fqn}: {_describe(info)}")
+        _check_spans(storage.values(), bad)
     planner = getattr(metadata, "planner_data", None)
+    # A path's integers index lists of the saved state; each element of such a list is
+    # an item of its own, so an index is below the number of items (a planner that
+    # rebuilds the state, torch's _EmptyStateDictLoadPlanner, makes lists that long).
+    items = len(state)
     if planner is not None and (
         not isinstance(planner, dict)
         or not all(
             isinstance(k, str)
             and isinstance(v, (tuple, list))
-            and all(isinstance(p, (str, int)) for p in v)
+            and all(type(p) is str or (type(p) is int and 0 <= p < items) for p in v)
             for k, v in planner.items()
         )
     ):
-        raise bad("planner_data is not a map of names to paths")
+        raise bad("planner_data is not a map of names to paths (names, and list indices)")
     _check_megatron_fields(metadata, bad)
     meta = getattr(metadata, "storage_meta", None)
     save_id = getattr(meta, "save_id", None)
@@ -361,13 +442,24 @@ class ChunkIndex:
     def __init__(self, metadata: Metadata) -> None:
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
         self._single: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        # One tuple per shape object (the writer shares equal shapes): the index then
+        # costs a few references per chunk, whatever the shapes' dimensions.
+        tuples: dict[int, tuple[int, ...]] = {}
+
+        def as_tuple(shape: Any) -> tuple[int, ...]:
+            found = tuples.get(id(shape))
+            if found is None:
+                found = tuples[id(shape)] = tuple(shape)
+            return found
+
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 dtype = md.properties.dtype
                 for chunk in md.chunks:
-                    self._chunks[(fqn, tuple(chunk.offsets))] = (tuple(chunk.sizes), dtype)
+                    entry = (as_tuple(chunk.sizes), dtype)
+                    self._chunks[(fqn, as_tuple(chunk.offsets))] = entry
                 if len(md.chunks) == 1:
-                    self._single[fqn] = (tuple(md.chunks[0].sizes), dtype)
+                    self._single[fqn] = (as_tuple(md.chunks[0].sizes), dtype)
 
     def get(self, index: MetadataIndex) -> tuple[tuple[int, ...], torch.dtype] | None:
         """Sizes and dtype of the saved chunk ``index`` names, or None."""

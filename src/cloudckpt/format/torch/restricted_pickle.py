@@ -368,12 +368,15 @@ class RestrictedUnpickler:
         elif kind is OrderedDict:
             if type(state) is not dict:
                 raise Refused(f"BUILD of an OrderedDict from {type(state).__name__}")
+            _check_attributes(inst, state)
             inst.__dict__.update(state)
         elif id(kind) in self._classes:
-            setstate = getattr(inst, "__setstate__", None)
+            # The class's own __setstate__, never one the pickle put on the instance
+            # (a first BUILD can set any attribute: torch's unpickler then calls it)
+            setstate = getattr(kind, "__setstate__", None)
             if setstate is not None:
                 self._settled()  # it may read a tensor it is given
-                setstate(state)
+                setstate(inst, state)
                 return
             slotstate = None
             if isinstance(state, tuple) and len(state) == 2:
@@ -383,8 +386,10 @@ class RestrictedUnpickler:
             if (state and type(state) is not dict) or (slotstate and type(slotstate) is not dict):
                 raise Refused(f"BUILD of {_describe(inst)} from a state that is not a dict")
             if state:
+                _check_attributes(inst, state)
                 inst.__dict__.update(state)
             if slotstate:
+                _check_attributes(inst, slotstate)
                 for k, v in slotstate.items():
                     setattr(inst, k, v)
         else:
@@ -953,6 +958,15 @@ def _check_constructor(func: Any, args: tuple[Any, ...], op: str) -> None:
 def _size_like(value: Any) -> bool:
     """An integer (a bool, an int subclass, anything with ``__index__``) or a size."""
     return isinstance(value, (int, torch.Size)) or hasattr(type(value), "__index__")
+
+
+def _check_attributes(inst: Any, state: dict[Any, Any]) -> None:
+    """A BUILD state sets attributes by name: plain names only. A dunder name would set
+    what the machine itself looks up (``__setstate__``) or change the object's class
+    (``__class__`` through setattr); no writer's state holds one."""
+    for key in state:
+        if type(key) is not str or (key.startswith("__") and key.endswith("__")):
+            raise Refused(f"BUILD of {_describe(inst)} setting the attribute {key!r:.60}")
 
 
 def _set_tensor(tensor: torch.Tensor, state: Any) -> None:
