@@ -105,6 +105,7 @@ import time
 import traceback
 import types
 import warnings
+import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -368,7 +369,13 @@ def _canon(v: Any) -> str:
     if isinstance(v, tuple):
         return "(" + ",".join(_canon(x) for x in v) + ")"
     if isinstance(v, torch.Tensor):
-        return f"T:{v.dtype}:{tuple(v.shape)}"
+        # a set of tensors iterates in the order of their ids: everything that tells two
+        # apart goes in the key (set(t) of a meta tensor: rows that differ in offset only)
+        geometry = _probe(lambda: (tuple(v.stride()), v.storage_offset()))
+        values = _probe(
+            lambda: zlib.crc32(v.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        )
+        return f"T:{v.dtype}:{tuple(v.shape)}:{geometry}:{values}"
     return t.__qualname__
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import array
 import io
+import pickle
+import struct
 import sys
 import threading
 import zipfile
@@ -285,3 +287,27 @@ def test_a_rebuild_that_reads_tensors_sees_their_bytes(tmp_path):
     late the network brings them."""
     found = in_child(_nested, tmp_path)
     assert all(found.values()), found
+
+
+def _text(value: str) -> bytes:
+    return b"X" + struct.pack("<I", len(value)) + value.encode()
+
+
+def test_a_storage_where_a_persistent_id_names_its_kind_is_never_formatted(tmp_path):
+    """Found by ``make fuzz`` (seed 11, cases 10250 and 56773): a persistent id whose
+    first field is a storage the pickle loaded (a million floats). Telling it from
+    ``"storage"`` called ``str()`` on it, which formats every element: 100 MiB and
+    seconds from 30 bytes of pickle, before the refusal. torch refuses it too."""
+    storage_id = (
+        b"(" + _text("storage") + b"ctorch\nFloatStorage\n" + _text("0") + _text("cpu")
+        + b"J" + struct.pack("<i", 1 << 20) + b"tQ"
+    )  # fmt: skip
+    pkl = b"\x80\x02(" + storage_id + _text("x") + b"tQ."  # (storage, "x") as an id
+    path = tmp_path / "pid.pt"
+    path.write_bytes(craft.torch_archive(pkl, {"0": bytes(4 * MiB)}))
+    found = in_child(_peak, lambda: cloudckpt.load(str(path)))
+    assert found.get("refused") == "UnsafeCheckpointError", found
+    assert "persistent id" in found["message"]
+    assert found["peak"] < 48 * MiB, found
+    with pytest.raises(pickle.UnpicklingError):  # torch refuses it as well
+        torch.load(path, weights_only=True)

@@ -69,9 +69,19 @@ __all__ = [
 ]
 
 
-def as_text(value: Any) -> str:
-    """A pickle's text field, which Python 2 pickles wrote as bytes."""
-    return value.decode("ascii") if isinstance(value, bytes) else str(value)
+def as_text(value: Any) -> str | None:
+    """A pickle's text field, which Python 2 pickles wrote as bytes; None for anything
+    else (bytes that are not ASCII included). Never ``str(value)``: a field holding a
+    storage of a million elements would be formatted element by element (100 MiB and
+    seconds, from a few bytes of pickle)."""
+    if type(value) is str:
+        return value
+    if type(value) is bytes:
+        try:
+            return value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    return None
 
 
 #: How deep tuples may nest in a pickle (torch.save's nest a few levels; CPython crashes
@@ -840,14 +850,17 @@ def check_extent(nbytes: int, offset: Any, size: Any, stride: Any, itemsize: int
     reaches past a storage of ``nbytes``: ``torch.load``'s storages cannot grow, but a
     storage cloudckpt made can, and ``set_`` would resize it to what the file asks."""
     if type(offset) is not int or offset < 0:
-        raise ValueError(f"storage offset {offset!r} is not a non-negative integer")
+        what = repr(offset) if type(offset) is int else _describe(offset)  # no repr of a storage
+        raise ValueError(f"storage offset {what} is not a non-negative integer")
     if len(size) != len(stride):
-        raise ValueError(f"size {tuple(size)} and stride {tuple(stride)} differ in length")
+        raise ValueError(f"size and stride differ in length ({len(size)} and {len(stride)})")
     last = offset
     empty = False
     for n, step in zip(size, stride, strict=True):
         if type(n) is not int or type(step) is not int or n < 0 or step < 0:
-            raise ValueError(f"size {tuple(size)} or stride {tuple(stride)} is not valid")
+            bad = n if type(n) is not int or n < 0 else step
+            what = repr(bad) if type(bad) is int else _describe(bad)  # no str of a storage
+            raise ValueError(f"a size or stride of a tensor is {what}, not a count")
         empty = empty or n == 0
         last += (n - 1) * step
     if not empty and (last + 1) * itemsize > nbytes:

@@ -134,11 +134,13 @@ def parse_persistent_id(saved_id: Any, url: str) -> StorageRef:
             f"{url}: a persistent id in data.pkl names {type(storage_type).__name__}, "
             "not a storage class"
         )
-    if type(key) not in (str, bytes) or type(location) not in (str, bytes):
+    key_text, location_text = as_text(key), as_text(location)
+    if key_text is None or location_text is None:
         raise CorruptCheckpointError(f"{url}: malformed storage reference in data.pkl")
     if type(numel) is not int or numel < 0:
-        raise CorruptCheckpointError(f"{url}: bad element count {numel!r} for storage {key!r}")
-    return StorageRef(as_text(key), dtype, as_text(location), numel * dtype.itemsize)
+        count = repr(numel) if type(numel) is int else type(numel).__name__  # no repr of a storage
+        raise CorruptCheckpointError(f"{url}: bad element count {count} for storage {key_text!r}")
+    return StorageRef(key_text, dtype, location_text, numel * dtype.itemsize)
 
 
 _TypedStorage = torch.storage.TypedStorage
