@@ -33,7 +33,6 @@ from typing import Any
 from .engine.background import SaveLine
 from .engine.copy import copy_tree
 from .engine.handle import SaveHandle, in_flight
-from .engine.remove import remove_checkpoint
 from .errors import (
     AlreadyExistsError,
     ConfigError,
@@ -41,15 +40,15 @@ from .errors import (
     DistributedSaveError,
 )
 from .format.commit import read_committed
-from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
+from .manager import MARKER_NAME, CheckpointInfo
 from .manager.folders import checked_step as _checked_step
-from .manager.folders import files_under as _files_under
+from .manager.folders import commit_folder
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
 from .manager.folders import step_prefix as _step_prefix
-from .manager.marker import check_files, commit_step, marker_key
+from .manager.marker import check_files, marker_key
 from .options import TransferOptions
-from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
+from .ranks.collectives import is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
 from .store.local import LocalStore
 
@@ -157,9 +156,15 @@ def save_state(
         shutil.rmtree(folder, ignore_errors=True)
         raise
     metadata = {"world_size": world_size()}
+
+    def commit(on: Any) -> CheckpointInfo:  # on every rank, its leftovers cleared first
+        return commit_folder(
+            manager, chosen, folder, kind=KIND, metadata=metadata, group=on, clear_first=True
+        )
+
     if not async_save:
         try:
-            return _upload_and_commit(manager, chosen, folder, metadata, group)
+            return commit(group)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     background = drain_group() if is_distributed() else None
@@ -167,72 +172,13 @@ def save_state(
 
     def run() -> CheckpointInfo:
         try:
-            return _upload_and_commit(manager, chosen, folder, metadata, background)
+            return commit(background)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
     _line.add(handle, manager.root_url)
     _line.start(handle, run, name=f"cloudckpt-accelerate-{chosen}")
     return handle
-
-
-def _upload_and_commit(
-    manager: CheckpointManager,
-    step: int,
-    folder: Path,
-    metadata: Mapping[str, Any],
-    group: Any,
-) -> CheckpointInfo:
-    """Upload each file of every rank's ``folder`` once (the lowest rank holding a name
-    uploads it), then, once every rank's upload succeeded, commit the step (rank 0)
-    and apply the manager's retention."""
-    store, options = manager.store, manager.options
-    prefix, url = _step_prefix(manager, step), manager.step_url(step)
-    names: list[str] = []
-    error: BaseException | None = None
-    try:
-        names = _files_under(folder)
-    except Exception as exc:
-        error = exc
-    agreement = agree(error, names, group=group)
-    if error is not None:
-        raise error
-    agreement.raise_failures(f"the listing of each rank's files for {url}", DistributedSaveError)
-    me = rank() if group is not None else 0
-    owner: dict[str, int] = {}
-    for index, listed in enumerate(agreement.values):
-        for name in listed:
-            owner.setdefault(name, index)
-    mine = [n for n in names if owner[n] == me]
-    on_first(
-        lambda: remove_checkpoint(store, prefix, options),
-        group,
-        what=f"clearing leftovers under {url}",
-        error_type=DistributedSaveError,
-    )
-    try:
-        for name in set(names) - set(mine):  # another rank uploads the same file
-            (folder / name).unlink()
-        if mine:
-            copy_tree(LocalStore(folder), "", store, prefix, options, exclude=(MARKER_NAME,))
-    except Exception as exc:
-        error = exc
-    settle(
-        error,
-        f"the upload of each rank's files to {url}",
-        group=group,
-        error_type=DistributedSaveError,
-    )
-
-    def commit() -> CheckpointInfo:  # every rank's files are in the bucket
-        info = commit_step(store, prefix, step, KIND, {}, metadata)
-        try:
-            manager.apply_retention()
-        except Exception as exc:
-            log.warning("retention under %s failed (step %d is committed): %s", url, step, exc)
-        return info
-
-    return on_first(commit, group, what=f"the commit of {url}", error_type=DistributedSaveError)
 
 
 def load_state(

@@ -73,13 +73,13 @@ from .errors import (
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
 from .manager.folders import checked_step as _checked_step
-from .manager.folders import files_under as _files_under
+from .manager.folders import commit_folder
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
 from .manager.folders import step_prefix as _step_prefix
-from .manager.marker import check_files, commit_step, marker_key
+from .manager.marker import check_etag, check_files, check_remote, marker_key
 from .options import TransferOptions
-from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
+from .ranks.collectives import is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
 from .store import Store, Target
 from .store.local import LocalStore
@@ -147,33 +147,6 @@ def _require_deepspeed() -> Any:
             "cloudckpt.deepspeed needs deepspeed (pip install 'cloudckpt[deepspeed]')"
         ) from exc
     return deepspeed
-
-
-def _check_etag(url: str, step: int, found: str | None, recorded: str | None) -> None:
-    """CorruptCheckpointError naming ``url`` and ``step`` when the object's ETag is not
-    the one its marker recorded (as ``cloudckpt verify`` and ``hf.fetch_latest`` check):
-    another step's file of the same size, or one rewritten since the commit."""
-    if recorded and found and recorded.strip('"') != found.strip('"'):
-        raise CorruptCheckpointError(
-            f"{url} changed since step {step} was committed (ETag differs from its "
-            "marker's): not the file the marker committed"
-        )
-
-
-def _check_remote(manager: CheckpointManager, prefix: str, info: CheckpointInfo) -> None:
-    """Every file of ``info`` (its marker aside) is under ``prefix`` in the bucket at the
-    size and ETag its marker records."""
-    found = {o.key[len(prefix) :]: o for o in manager.store.list(prefix)}
-    for f in info.files:
-        if f.name == MARKER_NAME:
-            continue
-        url = manager.store.url(prefix + f.name)
-        o = found.get(f.name)
-        if o is None:
-            raise NotFoundError(f"{url} is missing: its marker {info.url} lists it")
-        if o.size != f.size:
-            raise CorruptCheckpointError(f"{url} holds {o.size} bytes, its marker says {f.size}")
-        _check_etag(url, info.step, o.etag, f.etag)
 
 
 def _checked_tag(tag: Any) -> str:
@@ -249,6 +222,8 @@ class _Bucket:
         self.error: BaseException | None = None
         #: With ``stage``: each file's snapshot, written later by :meth:`write_staged`.
         self.staged: list[tuple[str, Snapshot]] | None = [] if stage else None
+        #: Each file written under ``prefix`` (a save), with its size: what the commit lists.
+        self.written: dict[str, int] = {}
         #: Objects read ahead of DeepSpeed's load: name -> [object, reads left].
         self.ready: dict[str, list[Any]] = {}
 
@@ -271,7 +246,8 @@ class _Bucket:
             if self.staged is not None:  # copied now, written in the background
                 self.staged.append((name, snapshot(state_dict, get_pool())))
             else:
-                write_object(state_dict, self.store, self.prefix + name, self.options)
+                saved = write_object(state_dict, self.store, self.prefix + name, self.options)
+                self.written[name] = saved.size
         except Exception as exc:
             self.error = exc
 
@@ -281,13 +257,14 @@ class _Bucket:
         try:
             while self.staged:
                 name, snap = self.staged[0]
-                write_object(
+                saved = write_object(
                     snap.materialize(),
                     self.store,
                     self.prefix + name,
                     self.options,
                     size_hint=snap.nbytes,
                 )
+                self.written[name] = saved.size
                 self.staged.pop(0)
                 snap.release(get_pool())
         finally:
@@ -313,7 +290,7 @@ class _Bucket:
                 f"{url} holds {found.size} bytes, its marker says {expected}"
             )
         if self.step is not None:
-            _check_etag(url, self.step, found.etag, self.etags.get(name))
+            check_etag(url, self.step, found.etag, self.etags.get(name))
         with _deepspeed_globals(self.weights_only):
             return load_object(
                 Target(url, self.store, key, self.options),
@@ -469,6 +446,8 @@ def save_checkpoint(
                     save_latest=False,
                     exclude_frozen_parameters=exclude_frozen_parameters,
                 )
+            if rank() == 0:  # DeepSpeed's own ``latest``, uploaded with the folder
+                (folder / LATEST).write_text(name)
         except Exception as exc:
             error = exc
         settle(
@@ -484,11 +463,23 @@ def save_checkpoint(
             "zero_stage": int(engine.zero_optimization_stage()),
             "deepspeed_version": str(deepspeed.__version__),
         }
+
+        def commit(on: Any) -> CheckpointInfo:  # on every rank, after every rank's writes
+            return commit_folder(
+                manager,
+                chosen,
+                folder,
+                kind=KIND,
+                metadata=metadata,
+                group=on,
+                metrics=metrics,
+                written=bucket.written,
+                retain=lambda: _retain(manager, chosen, restored),
+            )
+
         if not async_save:
             try:
-                return _upload_and_commit(
-                    manager, chosen, folder, name, metrics, metadata, group, restored
-                )
+                return commit(group)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
     except BaseException:
@@ -511,9 +502,7 @@ def save_checkpoint(
                 group=background,
                 error_type=DistributedSaveError,
             )
-            return _upload_and_commit(
-                manager, chosen, folder, name, metrics, metadata, background, restored
-            )
+            return commit(background)
         finally:
             bucket.release()
             shutil.rmtree(folder, ignore_errors=True)
@@ -521,65 +510,6 @@ def save_checkpoint(
     _line.add(handle, manager.root_url)
     _line.start(handle, run, name=f"cloudckpt-deepspeed-{chosen}")
     return handle
-
-
-def _upload_and_commit(
-    manager: CheckpointManager,
-    step: int,
-    folder: Path,
-    tag: str,
-    metrics: Mapping[str, float] | None,
-    metadata: Mapping[str, Any],
-    group: Any,
-    restored: int | None = None,
-) -> CheckpointInfo:
-    """Upload what DeepSpeed wrote into each rank's local ``folder`` (the recovery
-    scripts; rank 0 adds ``latest``), each name once (the lowest rank holding it), then,
-    once every rank's upload succeeded, commit the step (rank 0) and apply retention
-    (never to ``step`` nor to the step ``restored`` from)."""
-    store, options = manager.store, manager.options
-    prefix, url = _step_prefix(manager, step), manager.step_url(step)
-    names: list[str] = []
-    error: BaseException | None = None
-    try:
-        if rank() == 0:
-            (folder / LATEST).write_text(tag)
-        names = _files_under(folder)
-    except Exception as exc:
-        error = exc
-    agreement = agree(error, names, group=group)
-    if error is not None:
-        raise error
-    agreement.raise_failures(f"the listing of each rank's files for {url}", DistributedSaveError)
-    me = rank() if group is not None else 0
-    owner: dict[str, int] = {}
-    for index, listed in enumerate(agreement.values):
-        for name in listed:
-            owner.setdefault(name, index)
-    mine = [n for n in names if owner[n] == me]
-    try:
-        for name in set(names) - set(mine):  # another rank uploads the same file
-            (folder / name).unlink()
-        if mine:
-            copy_tree(LocalStore(folder), "", store, prefix, options, exclude=(MARKER_NAME,))
-    except Exception as exc:
-        error = exc
-    settle(
-        error,
-        f"the upload of each rank's local files to {url}",
-        group=group,
-        error_type=DistributedSaveError,
-    )
-
-    def commit() -> CheckpointInfo:  # every rank's files are in the bucket
-        info = commit_step(store, prefix, step, KIND, dict(metrics or {}), metadata)
-        try:
-            _retain(manager, step, restored)
-        except Exception as exc:
-            log.warning("retention under %s failed (step %d is committed): %s", url, step, exc)
-        return info
-
-    return on_first(commit, group, what=f"the commit of {url}", error_type=DistributedSaveError)
 
 
 def _retain(manager: CheckpointManager, saved: int, restored: int | None) -> list[int]:
@@ -767,7 +697,7 @@ def load_checkpoint(
             if stage3_module:
                 # DeepSpeed rebuilds the module from every rank's files itself
                 # (zero_to_fp32's reader, straight from disk): fetch the whole step.
-                _check_remote(manager, prefix, info)
+                check_remote(manager.store, prefix, info)
                 fetched = LocalStore(folder)
                 copy_tree(
                     manager.store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME,)

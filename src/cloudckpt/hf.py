@@ -61,7 +61,7 @@ from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
 from .manager.folders import files_under as _files_under
 from .manager.folders import open_run
-from .manager.marker import commit_step, root_prefix, step_dir
+from .manager.marker import check_remote, commit_step, root_prefix, step_dir
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
@@ -425,8 +425,9 @@ class CallbackBase:
         if step not in self._cleared:  # a killed run's leftovers: never taken as ours
             remove_checkpoint(store, prefix, options)
             self._cleared.add(step)
-        copy_tree(LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,))
-        commit_step(store, prefix, step, KIND, {}, {"folder": staged.name})
+        copied = copy_tree(LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,))
+        written = {e.name: e.size for e in copied.entries}
+        commit_step(store, prefix, step, KIND, {}, {"folder": staged.name}, files=written)
         with self._lock:
             self._committed.add(step)
         shutil.rmtree(staged, ignore_errors=True)
@@ -497,12 +498,8 @@ class CallbackBase:
         )
 
         def commit() -> None:  # the first rank, once every rank's files are in the bucket
-            there = {o.key[len(prefix) :] for o in store.list(prefix)}
-            lost = sorted(expected - there)
-            if lost:
-                raise NotFoundError(f"{url} lacks {lost[:5]} after every rank's upload")
             metadata = {"folder": staged.name, "world_size": self._world}
-            commit_step(store, prefix, step, KIND, {}, metadata)
+            commit_step(store, prefix, step, KIND, {}, metadata, files=dict.fromkeys(expected))
             try:
                 self.manager.apply_retention()
             except Exception as exc:
@@ -632,7 +629,7 @@ def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str
             ) from exc
         return str(target)
     store, prefix = manager.store, info.url[len(manager.store.url("")) :]
-    _check_remote(manager, prefix, info)
+    check_remote(store, prefix, info)
     # Made with no link inside local_dir (UnsafePathError); written below it the same way.
     partial = LocalStore(local).make_dirs(f".{name}.cloudckpt-fetch/")
     fetched = LocalStore(partial)
@@ -646,19 +643,6 @@ def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str
             verify_archive(fetched, f.name, local_options, expected_size=f.size)
     partial.rename(target)
     return str(target)
-
-
-def _check_remote(manager: CheckpointManager, prefix: str, info: CheckpointInfo) -> None:
-    """Every file the marker lists is in the bucket at its size and ETag
-    (CorruptCheckpointError naming it otherwise)."""
-    found = {o.key[len(prefix) :]: o for o in manager.store.list(prefix)}
-    for f in info.files:
-        o = found.get(f.name)
-        url = manager.store.url(prefix + f.name)
-        if o is None or o.size != f.size:
-            raise CorruptCheckpointError(f"{url} is missing or not the size its marker says")
-        if f.etag and o.etag and f.etag.strip('"') != o.etag.strip('"'):
-            raise CorruptCheckpointError(f"{url} changed since it was committed (ETag differs)")
 
 
 def _check_sizes(store: LocalStore, info: CheckpointInfo) -> None:

@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-import cloudckpt.accelerate as cloud_accelerate
+import cloudckpt.manager.folders as cloud_folders
 from cloudckpt.accelerate import load_state, save_state
 from cloudckpt.errors import CloudCkptError, StorageError
 
@@ -66,24 +66,24 @@ def main() -> None:
         if info is not None:
             start, resumed_from = info.step, info.step
     if args.kill_before_commit is not None:
-        real_commit = cloud_accelerate.commit_step
+        real_commit = cloud_folders.commit_step
 
-        def commit_or_die(store, prefix, step, *rest):  # type: ignore[no-untyped-def]
+        def commit_or_die(store, prefix, step, *rest, **kw):  # type: ignore[no-untyped-def]
             if step == args.kill_before_commit:
                 os.kill(os.getpid(), signal.SIGKILL)  # every rank's payload is uploaded
-            return real_commit(store, prefix, step, *rest)
+            return real_commit(store, prefix, step, *rest, **kw)
 
-        cloud_accelerate.commit_step = commit_or_die  # type: ignore[assignment]
+        cloud_folders.commit_step = commit_or_die  # type: ignore[assignment]
     if args.fail_upload is not None:
         bad_rank, bad_step = (int(v) for v in args.fail_upload.split(":"))
-        real_copy = cloud_accelerate.copy_tree
+        real_copy = cloud_folders.copy_tree
 
         def copy_or_fail(src, src_prefix, dst, dst_prefix, *rest, **kw):  # type: ignore[no-untyped-def]
             if accelerator.process_index == bad_rank and f"step-{bad_step:09d}/" in dst_prefix:
                 raise StorageError(f"refused upload to {dst_prefix}")
             return real_copy(src, src_prefix, dst, dst_prefix, *rest, **kw)
 
-        cloud_accelerate.copy_tree = copy_or_fail  # type: ignore[assignment]
+        cloud_folders.copy_tree = copy_or_fail  # type: ignore[assignment]
     losses = []
     handles = []
     for step in range(start + 1, args.max_steps + 1):

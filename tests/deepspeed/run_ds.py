@@ -99,6 +99,7 @@ def main() -> None:
     torch.set_num_threads(1)
     deepspeed = start_deepspeed()
     import cloudckpt.deepspeed as cloud_ds
+    import cloudckpt.manager.folders as cloud_folders
     from cloudckpt.deepspeed import load_checkpoint, save_checkpoint
     from cloudckpt.errors import CloudCkptError, StorageError
 
@@ -130,14 +131,14 @@ def main() -> None:
         return real_load(target, *a, **kw)
 
     cloud_ds.load_object = load  # type: ignore[assignment]
-    real_commit = cloud_ds.commit_step
+    real_commit = cloud_folders.commit_step
 
-    def commit(store, prefix, step, *rest):  # type: ignore[no-untyped-def]
+    def commit(store, prefix, step, *rest, **kw):  # type: ignore[no-untyped-def]
         if step == args.kill_before_commit:
             os.kill(os.getpid(), signal.SIGKILL)  # every rank's files are in the bucket
-        return real_commit(store, prefix, step, *rest)
+        return real_commit(store, prefix, step, *rest, **kw)
 
-    cloud_ds.commit_step = commit  # type: ignore[assignment]
+    cloud_folders.commit_step = commit  # type: ignore[assignment]
     resumed_from = None
     try:
         if args.resume or args.resume_strict or args.load_step is not None:

@@ -32,7 +32,9 @@ __all__ = [
     "CheckpointInfo",
     "DamagedMarker",
     "FileEntry",
+    "check_etag",
     "check_files",
+    "check_remote",
     "commit_step",
     "decode_marker",
     "encode_marker",
@@ -240,21 +242,26 @@ def commit_step(
     metadata: Mapping[str, Any],
     when: float | None = None,
     ranks: int = 0,
+    files: Mapping[str, int | None] | None = None,
 ) -> CheckpointInfo:
     """Commit the step whose payload is under ``prefix`` (ends in ``/``): list its
     objects, then write its marker recording their sizes and ETags (after the payload).
 
     ``when`` is the commit time to record (default now): a drained copy keeps the time
     of its local commit, so a retried drain writes the same marker bytes. ``ranks``:
-    how many processes saved it, recorded when not 0.
+    how many processes saved it, recorded when not 0. ``files``: the names this save
+    wrote, each with the size it wrote where known; the marker then records exactly
+    those (any other object under ``prefix`` is another save's and left out), and one
+    missing or of another size fails the commit (see :func:`_written`).
     """
-    objects = list(store.list(prefix))
-    files = tuple(
+    listed = [o for o in store.list(prefix) if o.key != prefix + MARKER_NAME]
+    if files is not None:
+        listed = _written(store, prefix, step, listed, files)
+    entries = tuple(
         FileEntry(o.key[len(prefix) :], o.size, o.etag.strip('"') if o.etag else None)
-        for o in objects
-        if o.key != prefix + MARKER_NAME
+        for o in listed
     )
-    if not files:
+    if not entries:
         raise NotFoundError(f"the payload of step {step} is missing under {store.url(prefix)}")
     from .._version import __version__
 
@@ -262,9 +269,9 @@ def commit_step(
         step=step,
         url=store.url(prefix),
         time=time.time() if when is None else when,
-        size=sum(f.size for f in files),
+        size=sum(f.size for f in entries),
         kind=kind,
-        files=files,
+        files=entries,
         metrics=dict(metrics),
         metadata=dict(metadata),
         library_version=__version__,
@@ -272,6 +279,46 @@ def commit_step(
     )
     write_marker(store, prefix + MARKER_NAME, info)
     return info
+
+
+def _written(
+    store: Store,
+    prefix: str,
+    step: int,
+    listed: Sequence[ObjectInfo],
+    files: Mapping[str, int | None],
+) -> list[ObjectInfo]:
+    """The objects of ``listed`` that are this save's ``files`` (in listing order).
+
+    A name of ``files`` not listed is NotFoundError, one listed at another size than
+    this save wrote CorruptCheckpointError: another save of the step removed or
+    rewrote it, and committing would record its bytes as this save's. Objects not in
+    ``files`` are left out with a WARNING naming them."""
+    mine = [o for o in listed if o.key[len(prefix) :] in files]
+    found = {o.key[len(prefix) :]: o for o in mine}
+    for name, size in sorted(files.items()):
+        url = store.url(prefix + name)
+        o = found.get(name)
+        if o is None:
+            raise NotFoundError(
+                f"{url}, written by this save of step {step}, is missing at its commit "
+                "(another save of the step may have removed it); nothing committed"
+            )
+        if size is not None and o.size != size:
+            raise CorruptCheckpointError(
+                f"{url} holds {o.size} bytes at the commit of step {step}, whose save "
+                f"wrote {size} (another save of the step rewrote it); nothing committed"
+            )
+    others = sorted(o.key[len(prefix) :] for o in listed if o.key[len(prefix) :] not in files)
+    if others:
+        log.warning(
+            "left out of the marker of step %d under %s, not written by this save: %s%s",
+            step,
+            store.url(prefix),
+            ", ".join(others[:5]),
+            f" and {len(others) - 5} more" if len(others) > 5 else "",
+        )
+    return mine
 
 
 def check_files(store: Store, prefix: str, info: CheckpointInfo, skip: Sequence[str] = ()) -> None:
@@ -287,6 +334,34 @@ def check_files(store: Store, prefix: str, info: CheckpointInfo, skip: Sequence[
                 f"{store.url(prefix + f.name)} holds {found.size} bytes, its marker "
                 f"({info.url}) says {f.size}"
             )
+
+
+def check_etag(url: str, step: int, found: str | None, recorded: str | None) -> None:
+    """CorruptCheckpointError naming ``url`` and ``step`` when the object's ETag is not
+    the one its marker recorded (as ``cloudckpt verify`` checks): another step's file
+    of the same size, or one rewritten since the commit."""
+    if recorded and found and recorded.strip('"') != found.strip('"'):
+        raise CorruptCheckpointError(
+            f"{url} changed since step {step} was committed (ETag differs from its "
+            "marker's): not the file the marker committed"
+        )
+
+
+def check_remote(store: Store, prefix: str, info: CheckpointInfo) -> None:
+    """Every file the marker ``info`` lists is under ``prefix`` of ``store`` at its size
+    and ETag (one listing, before a download): else NotFoundError naming the file and
+    the marker, or CorruptCheckpointError naming the file."""
+    found = {o.key[len(prefix) :]: o for o in store.list(prefix)}
+    for f in info.files:
+        if f.name == MARKER_NAME:
+            continue
+        url = store.url(prefix + f.name)
+        o = found.get(f.name)
+        if o is None:
+            raise NotFoundError(f"{url} is missing: its marker {info.url} lists it")
+        if o.size != f.size:
+            raise CorruptCheckpointError(f"{url} holds {o.size} bytes, its marker says {f.size}")
+        check_etag(url, info.step, o.etag, f.etag)
 
 
 def read_marker(store: Store, key: str) -> CheckpointInfo | None:
