@@ -376,7 +376,15 @@ def _canon(v: Any) -> str:
             lambda: zlib.crc32(v.detach().contiguous().view(-1).view(torch.uint8).numpy())
         )
         return f"T:{v.dtype}:{tuple(v.shape)}:{geometry}:{values}"
+    if isinstance(v, torch.UntypedStorage | torch.storage.TypedStorage):
+        kind = _probe(lambda: (str(getattr(v, "dtype", "untyped")), v.nbytes(), v.device.type))
+        return f"S:{kind}:{_probe(lambda: zlib.crc32(_storage_bytes(_untyped(v)) or b''))}"
     return t.__qualname__
+
+
+def _untyped(s: Any) -> torch.UntypedStorage:
+    """The untyped storage behind a storage of either kind."""
+    return s if isinstance(s, torch.UntypedStorage) else s.untyped()
 
 
 def _storage_bytes(s: torch.UntypedStorage) -> bytes | None:
