@@ -9,6 +9,7 @@ holding a temp file open.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import signal
 import subprocess
@@ -50,7 +51,14 @@ _HOLD = textwrap.dedent(
 
 
 def temps(under: Path) -> list[Path]:
-    return sorted(p for p in under.rglob(".*.cloudckpt-*.part") if p.is_file())
+    """The temp files under ``under``; a folder a background drain removes meanwhile is
+    skipped (``os.walk`` ignores it where ``Path.rglob`` raises)."""
+    return sorted(
+        Path(folder) / name
+        for folder, _, names in os.walk(under)
+        for name in names
+        if fnmatch.fnmatch(name, ".*.cloudckpt-*.part")
+    )
 
 
 def spawn(code: str, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
