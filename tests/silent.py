@@ -14,6 +14,14 @@ from typing import Any
 
 import pytest
 
+#: The deadline the bounded tests give an operation against it, and how long past it
+#: one may still run: starting the store's client and the scheduler's cancel grace, on a
+#: loaded machine. Without the deadline, the first unanswered request alone would take
+#: the 10 s metadata timeout and its retries (tens of seconds).
+DEADLINE = 3.0
+SLACK = 8.0
+BOUND = DEADLINE + SLACK
+
 #: Credentials for a store pointed at it (never checked: nothing answers).
 CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
 
@@ -111,7 +119,7 @@ class SilentServer(LoopbackServer):
             return
 
 
-def run_bounded(fn: Callable[[], Any], bound: float) -> tuple[BaseException | None, float]:
+def run_bounded(fn: Callable[[], Any], bound: float = BOUND) -> tuple[BaseException | None, float]:
     """Run ``fn`` in a daemon thread: what it raised and the seconds it took. Fails the
     test, showing where the thread is, if it is still running ``bound`` seconds after it
     started (a request that outlived its deadline)."""

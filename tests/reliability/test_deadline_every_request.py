@@ -5,8 +5,8 @@ never answers (the default 120 s ``request_timeout`` left as it is), each operat
 raises ``DeadlineExceededError`` naming the URL soon after its deadline; before, a load
 sat in its first HEAD until the socket's read timeout (120 s), whatever its deadline.
 
-Each operation runs in a daemon thread joined for at most ``BOUND`` seconds, so a test
-fails there (not after minutes) when a request outlives the deadline. ``BOUND`` is
+Each operation runs in a daemon thread joined for at most ``silent.BOUND`` seconds, so a test
+fails there (not after minutes) when a request outlives the deadline. ``silent.BOUND`` is
 generous (a busy machine); what it separates is seconds from minutes.
 """
 
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,19 +27,7 @@ from cloudckpt.options import MiB, TransferOptions
 from cloudckpt.store.deadline import CLEANUP_GRACE, Deadline, deadline_scope, within
 from cloudckpt.store.memory import MemoryStore
 from faults import FaultyStore
-from silent import CREDS, SilentServer, run_bounded
-
-DEADLINE = 3.0
-#: Past the deadline: starting the store's client and the scheduler's cancel grace, on a
-#: loaded machine. Without the deadline, the first unanswered request alone would take
-#: the 10 s metadata timeout and its retries (tens of seconds).
-SLACK = 8.0
-BOUND = DEADLINE + SLACK
-
-
-def _bounded(fn: Callable[[], Any], bound: float = BOUND) -> tuple[BaseException | None, float]:
-    """:func:`silent.run_bounded`, by default for ``BOUND`` seconds."""
-    return run_bounded(fn, bound)
+from silent import BOUND, CREDS, DEADLINE, SLACK, SilentServer, run_bounded
 
 
 def _deadline_error(error: BaseException | None, url: str) -> str:
@@ -69,10 +55,10 @@ BACKENDS = {
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_a_load_s_first_head_is_bounded(silent: SilentServer, backend: str) -> None:
+def test_a_load_s_first_head_isrun_bounded(silent: SilentServer, backend: str) -> None:
     url, options, module = BACKENDS[backend]
     pytest.importorskip(module)
-    error, seconds = _bounded(
+    error, seconds = run_bounded(
         lambda: cloudckpt.load(url, storage_options=options(silent.url), deadline=DEADLINE)
     )
     message = _deadline_error(error, url)
@@ -81,9 +67,9 @@ def test_a_load_s_first_head_is_bounded(silent: SilentServer, backend: str) -> N
     assert silent.requests  # it got there, and no answer
 
 
-def test_a_load_of_some_keys_is_bounded(silent: SilentServer) -> None:
+def test_a_load_of_some_keys_isrun_bounded(silent: SilentServer) -> None:
     url = "s3://silent-keys/run/c.pt"
-    error, _ = _bounded(
+    error, _ = run_bounded(
         lambda: cloudckpt.load(
             url, keys=["model"], storage_options=silent.storage_options(), deadline=DEADLINE
         )
@@ -91,13 +77,13 @@ def test_a_load_of_some_keys_is_bounded(silent: SilentServer) -> None:
     _deadline_error(error, url)
 
 
-def test_a_load_s_directory_reads_are_bounded() -> None:
+def test_a_load_s_directory_reads_arerun_bounded() -> None:
     """The HEAD is answered (a 64 MiB object); the first range read (the archive's tail,
     its directory) gets no answer."""
     server = SilentServer(answer_heads=64 * MiB)
     try:
         url = "s3://silent-tail/run/c.pt"
-        error, _ = _bounded(
+        error, _ = run_bounded(
             lambda: cloudckpt.load(url, storage_options=server.storage_options(), deadline=DEADLINE)
         )
         message = _deadline_error(error, url)
@@ -107,7 +93,7 @@ def test_a_load_s_directory_reads_are_bounded() -> None:
         server.close()
 
 
-def test_a_copy_from_a_silent_bucket_is_bounded(
+def test_a_copy_from_a_silent_bucket_isrun_bounded(
     silent: SilentServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = "s3://silent-cp/run/c.pt"
@@ -119,7 +105,7 @@ def test_a_copy_from_a_silent_bucket_is_bounded(
         "--state-dir", str(tmp_path / "state"),
     ]  # fmt: skip
     box: dict[str, int] = {}
-    error, _ = _bounded(lambda: box.setdefault("code", main(argv)))
+    error, _ = run_bounded(lambda: box.setdefault("code", main(argv)))
     assert error is None
     assert box["code"] == 1
     err = capsys.readouterr().err
@@ -127,7 +113,7 @@ def test_a_copy_from_a_silent_bucket_is_bounded(
     assert not (tmp_path / "c.pt").exists()
 
 
-def test_a_recursive_copy_s_listing_is_bounded(
+def test_a_recursive_copy_s_listing_isrun_bounded(
     silent: SilentServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = "s3://silent-cpr/run/"
@@ -139,7 +125,7 @@ def test_a_recursive_copy_s_listing_is_bounded(
         "--state-dir", str(tmp_path / "state"),
     ]  # fmt: skip
     box: dict[str, int] = {}
-    error, _ = _bounded(lambda: box.setdefault("code", main(argv)))
+    error, _ = run_bounded(lambda: box.setdefault("code", main(argv)))
     assert error is None
     assert box["code"] == 1
     err = capsys.readouterr().err
@@ -147,17 +133,17 @@ def test_a_recursive_copy_s_listing_is_bounded(
     assert silent.requests and silent.requests[0].startswith("GET ")  # the listing
 
 
-def test_a_manager_s_listing_and_marker_reads_are_bounded(silent: SilentServer) -> None:
+def test_a_manager_s_listing_and_marker_reads_arerun_bounded(silent: SilentServer) -> None:
     manager = cloudckpt.CheckpointManager(
         "s3://silent-mgr/run", storage_options=silent.storage_options(), deadline=DEADLINE
     )
-    error, _ = _bounded(manager.latest)
+    error, _ = run_bounded(manager.latest)
     _deadline_error(error, "s3://silent-mgr/run")
-    error, _ = _bounded(lambda: manager.info(7))
+    error, _ = run_bounded(lambda: manager.info(7))
     _deadline_error(error, "s3://silent-mgr/run")
 
 
-def test_a_save_whose_abort_meets_a_silent_store_is_bounded() -> None:
+def test_a_save_whose_abort_meets_a_silent_store_isrun_bounded() -> None:
     """The upload starts, its parts and then its abort get no answer: the save raises
     within its deadline plus the cleanup's grace, naming the object."""
     server = SilentServer(answer_uploads=True)
@@ -165,7 +151,7 @@ def test_a_save_whose_abort_meets_a_silent_store_is_bounded() -> None:
         url = "s3://silent-save/run/c.pt"
         g = torch.Generator().manual_seed(0)
         state = {f"t{i}": torch.randn(3 * MiB // 4, generator=g) for i in range(4)}  # 12 MiB
-        error, _ = _bounded(
+        error, _ = run_bounded(
             lambda: cloudckpt.save(
                 state,
                 url,

@@ -9,14 +9,13 @@ Against a server that accepts connections and never answers (the default 120 s
 raises ``DeadlineExceededError`` naming the request soon after the deadline; before,
 a manager save against a silent endpoint took minutes (158 s with ``deadline=6``).
 The style is tests/reliability/test_deadline_every_request.py's: each operation runs in
-a daemon thread joined for at most ``BOUND`` seconds.
+a daemon thread joined for at most ``silent.BOUND`` seconds.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,19 +29,7 @@ from cloudckpt.errors import DeadlineExceededError
 from cloudckpt.store import memory
 from dcp_compat import SINGLE
 from faults import FaultyStore
-from silent import SilentServer, run_bounded
-
-DEADLINE = 3.0
-#: Past the deadline: starting the store's client and the scheduler's cancel grace, on a
-#: loaded machine. Without the deadline, the first unanswered request alone would take
-#: the 10 s metadata timeout and its retries (tens of seconds).
-SLACK = 8.0
-BOUND = DEADLINE + SLACK
-
-
-def _bounded(fn: Callable[[], Any], bound: float = BOUND) -> tuple[BaseException | None, float]:
-    """:func:`silent.run_bounded`, by default for ``BOUND`` seconds."""
-    return run_bounded(fn, bound)
+from silent import DEADLINE, SilentServer, run_bounded
 
 
 def _deadline_error(error: BaseException | None, url: str) -> str:
@@ -63,13 +50,13 @@ def _state() -> dict[str, torch.Tensor]:
 # -- CheckpointManager ------------------------------------------------------------------------
 
 
-def test_a_manager_save_against_a_silent_store_is_bounded(silent: SilentServer) -> None:
+def test_a_manager_save_against_a_silent_store_isrun_bounded(silent: SilentServer) -> None:
     """Its first request, the read of the step's marker (is it committed already?),
     gets no answer: the save raises at the deadline."""
     manager = cloudckpt.CheckpointManager(
         "s3://silent-msave/run", storage_options=silent.storage_options(), deadline=DEADLINE
     )
-    error, _ = _bounded(lambda: manager.save(1, _state()))
+    error, _ = run_bounded(lambda: manager.save(1, _state()))
     _deadline_error(error, "s3://silent-msave/run")
     assert silent.requests
 
@@ -86,10 +73,10 @@ def _stalled_marker_manager(bucket: str, keep_last: int | None = None) -> tuple[
     return manager, release
 
 
-def test_a_manager_save_whose_commit_stalls_is_bounded() -> None:
+def test_a_manager_save_whose_commit_stalls_isrun_bounded() -> None:
     manager, release = _stalled_marker_manager("deadline-mcommit")
     try:
-        error, _ = _bounded(lambda: manager.save(1, _state()))
+        error, _ = run_bounded(lambda: manager.save(1, _state()))
         message = _deadline_error(
             error, "memory://deadline-mcommit/run/step-000000001/_CHECKPOINT.json"
         )
@@ -108,19 +95,19 @@ def test_a_manager_async_save_does_not_hold_its_caller_past_the_deadline(
         "s3://silent-masync/run", storage_options=silent.storage_options(), deadline=DEADLINE
     )
     box: dict[str, Any] = {}
-    error, _ = _bounded(lambda: box.setdefault("handle", manager.async_save(1, _state())))
+    error, _ = run_bounded(lambda: box.setdefault("handle", manager.async_save(1, _state())))
     if error is None:
-        error, _ = _bounded(box["handle"].result)
+        error, _ = run_bounded(box["handle"].result)
     _deadline_error(error, "s3://silent-masync/run")
 
 
-def test_a_manager_async_save_whose_commit_stalls_is_bounded() -> None:
+def test_a_manager_async_save_whose_commit_stalls_isrun_bounded() -> None:
     """The handle's commit (the marker PUT, in the save's thread) ends at the deadline
     the call started."""
     manager, release = _stalled_marker_manager("deadline-macommit")
     try:
         handle = manager.async_save(1, _state())
-        error, _ = _bounded(handle.result)
+        error, _ = run_bounded(handle.result)
         _deadline_error(error, "memory://deadline-macommit/run/step-000000001/_CHECKPOINT.json")
     finally:
         release.set()
@@ -129,26 +116,26 @@ def test_a_manager_async_save_whose_commit_stalls_is_bounded() -> None:
 # -- DCP --------------------------------------------------------------------------------------
 
 
-def test_a_dcp_save_s_marker_removal_is_bounded(silent: SilentServer) -> None:
+def test_a_dcp_save_s_marker_removal_isrun_bounded(silent: SilentServer) -> None:
     """``prepare_global_plan`` removes an earlier ``.metadata`` before any data is
     written: that request, with no answer, ends at the deadline the save started."""
     url = "s3://silent-dcp/run/step-1"
     writer = CloudStorageWriter(url, storage_options=silent.storage_options(), deadline=DEADLINE)
-    error, _ = _bounded(lambda: dcp.save(_state(), storage_writer=writer, **SINGLE))
+    error, _ = run_bounded(lambda: dcp.save(_state(), storage_writer=writer, **SINGLE))
     _deadline_error(error, url)
 
 
-def test_a_dcp_async_save_s_marker_removal_is_bounded(silent: SilentServer) -> None:
+def test_a_dcp_async_save_s_marker_removal_isrun_bounded(silent: SilentServer) -> None:
     if not hasattr(dcp, "async_save"):
         pytest.skip("no dcp.async_save in this torch")
     url = "s3://silent-dcpa/run/step-1"
     writer = CloudStorageWriter(url, storage_options=silent.storage_options(), deadline=DEADLINE)
     box: dict[str, Any] = {}
-    error, _ = _bounded(
+    error, _ = run_bounded(
         lambda: box.setdefault("f", dcp.async_save(_state(), storage_writer=writer, **SINGLE))
     )
     if error is None:
-        error, _ = _bounded(box["f"].result)
+        error, _ = run_bounded(box["f"].result)
     _deadline_error(error, url)
 
 
@@ -159,7 +146,7 @@ def test_a_dcp_load_s_metadata_reads_share_one_deadline(silent: SilentServer) ->
     url = "s3://silent-dcpl/run/step-1"
     reader = CloudStorageReader(url, storage_options=silent.storage_options(), deadline=deadline)
     state = {"w": torch.zeros(1024)}
-    error, seconds = _bounded(
+    error, seconds = run_bounded(
         lambda: dcp.load(state, storage_reader=reader, **SINGLE), 3 * deadline
     )
     assert error is not None
