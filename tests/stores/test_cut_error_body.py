@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -23,34 +22,20 @@ from cloudckpt.errors import CloudCkptError, RetriesExhaustedError
 from cloudckpt.manager import CheckpointManager
 from cloudckpt.options import resolve_options
 from cloudckpt.store import open_url
+from silent import CREDS, LoopbackServer
 
 SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
-CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
 
 
-class CutErrorServer:
+class CutErrorServer(LoopbackServer):
     """HEAD: an object of 4096 bytes; anything else: 503 with its body cut short."""
 
     def __init__(self) -> None:
         self.gets = 0
-        self._sock = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self._stopped = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-
-    def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -74,10 +59,6 @@ class CutErrorServer:
                 + SLOWDOWN
             )
             conn.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._stopped.set()
-        self._sock.close()
 
 
 @pytest.fixture
