@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.serialization import _get_layout
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..dtype_names import DTYPES
 from ..torch.restricted_pickle import PROTOCOL4_OPCODES, Policy, run_restricted
 from .layout import MAX_COUNT, MAX_DIMS, StorageInfo, is_count
 
@@ -118,11 +119,6 @@ _GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-def _dtypes() -> dict[str, torch.dtype]:
-    """``torch.<name>`` for every dtype torch has, as a pickle names them."""
-    return {f"torch.{n}": v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
-
-
 def _refuse(module: str, name: str) -> Exception:
     return UnsafeCheckpointError(
         f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
@@ -132,7 +128,10 @@ def _refuse(module: str, name: str) -> Exception:
 
 #: What a ``.metadata`` pickle may hold: the classes above, dtypes, protocol 2-5 opcodes.
 _POLICY = Policy(
-    globals={**{f"{m}.{n}": o for (m, n), o in _GLOBALS.items()}, **_dtypes()},
+    globals={
+        **{f"{m}.{n}": o for (m, n), o in _GLOBALS.items()},
+        **{f"torch.{n}": v for n, v in DTYPES.items()},  # as a pickle names them
+    },
     opcodes=PROTOCOL4_OPCODES,
     refuse_global=_refuse,
     map_python2_names=False,
