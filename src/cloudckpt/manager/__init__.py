@@ -3,6 +3,7 @@
 ``marker`` (layout and the commit marker), ``retention`` (keep policies), ``gc``
 (garbage collection; removing a checkpoint is ``engine/remove.py``), ``payload``
 (single object or DCP directory), ``tiers`` (a local tier drained to the bucket),
+``tiered`` (what a manager with a local tier does beside the bucket: drains, ranks),
 ``choose`` (the step a restore on several ranks loads, a pure function), ``peers``
 (each local directory's copy on the next node).
 """

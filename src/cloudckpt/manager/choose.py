@@ -4,7 +4,7 @@ With a local tier on several ranks, every rank must load the same step. Each ran
 says what its directory holds whole (:class:`RankHolds`); the bucket's committed steps
 come from one listing. :func:`choose_step` turns those facts into the step every rank
 loads and the directories that must first get it back from their peer copy; it sends
-no request and runs no collective. ``CheckpointManager._restore_ranks`` gathers the
+no request and runs no collective. ``TieredRun.restore_ranks`` (manager/tiered.py) gathers the
 facts (one ``agree``), calls it, and acts on the answer (the peer transfer, the load,
 the fallback to the bucket when a local copy fails to load).
 

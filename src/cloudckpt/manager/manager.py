@@ -29,45 +29,36 @@ import logging
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
 from ..engine.background import SaveLine
-from ..engine.drain import complete_directories, directory_owner
 from ..engine.handle import SaveHandle, in_flight
 from ..engine.remove import remove_checkpoint
 from ..errors import (
     AlreadyExistsError,
     ConfigError,
     CorruptCheckpointError,
-    DistributedLoadError,
     DistributedSaveError,
     NotFoundError,
 )
 from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..ranks.collectives import (
-    agree,
     barrier,
     is_distributed,
     on_first,
     rank,
     settle,
-    world_size,
 )
 from ..ranks.groups import checkpoint_group, drain_group
-from ..store import Store, Target, open_target
+from ..store import Store, open_target
 from ..store.deadline import Deadline, deadline_scope, start_deadline, within
 from ..store.local import LocalStore
-from ..store.overlay import OverlayStore
-from . import peers
-from .choose import RankHolds, choose_step
 from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage
 from .marker import (
-    MARKER_NAME,
     CheckpointInfo,
     DamagedMarker,
     commit_step,
@@ -86,7 +77,8 @@ from .payload import (
     rank_failures,
 )
 from .retention import KeepEveryNSteps, KeepLast, KeepTopK, RetentionPolicy, to_delete
-from .tiers import LOCAL, REMOTE, Drainer, LocalTier, merge_tiers
+from .tiered import TieredRun
+from .tiers import LOCAL, Drainer, LocalTier, merge_tiers
 
 __all__ = ["CheckpointManager", "ManagedSaveHandle"]
 
@@ -183,29 +175,29 @@ class CheckpointManager:
         self._lock = threading.Lock()
         #: This manager's DCP and Megatron saves in flight (engine/background.py).
         self._ranked_saves = SaveLine()
-        self._tier: LocalTier | None = None
-        self._drainer: Drainer | None = None
-        self._drain_owner: bool | None = None
-        #: The steps the drainer last saw committed in the bucket (its listing, its commits).
-        self._in_bucket: set[int] = set()
+        #: The local tier, its drainer and what it learned of the bucket (manager/tiered.py).
+        self._tiered: TieredRun | None = None
         if local_dir is not None:
-            self._tier = LocalTier(
+            tier = LocalTier(
                 local_dir, self.root_url, self.options, keep_local, drain_every_n_steps or 1
             )
-            self._drainer = Drainer(
-                self._drain_step,
-                self._tier.url,
-                self.root_url,
-                prepare=self._find_undrained,
-                probe=self._probe,
-                solo=lambda: not self._ranked_tier(),  # several ranks: collective drains
-            )
+            self._tiered = TieredRun(self, tier, bool(replicate_to_peer))
         elif keep_local is not None or drain_every_n_steps is not None or replicate_to_peer:
             raise ConfigError(
                 "keep_local=, drain_every_n_steps= and replicate_to_peer= need local_dir="
             )
         #: Each local directory's steps are also kept by the next one (docs/tiers.md).
         self.replicate_to_peer = bool(replicate_to_peer)
+
+    @property
+    def _tier(self) -> LocalTier | None:
+        """The local tier, if any."""
+        return None if self._tiered is None else self._tiered.tier
+
+    @property
+    def _drainer(self) -> Drainer[int] | None:
+        """The local tier's drainer, if any."""
+        return None if self._tiered is None else self._tiered.drainer
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, kind={self.kind.name!r})"
@@ -249,7 +241,8 @@ class CheckpointManager:
             )
         with self._lock:
             self._cache.update(cache)
-        self._learn(found)
+        if self._tiered is not None:
+            self._tiered.learn(found)
         return found, damaged
 
     def _scan(self) -> tuple[builtins.list[CheckpointInfo], builtins.list[DamagedMarker]]:
@@ -340,14 +333,15 @@ class CheckpointManager:
         with self._lock:
             self._pending.add(step)
         url, options = self._target(step)
-        if self._ranked_tier():
+        tiered = self._tiered
+        if tiered is not None and tiered.ranked():
             try:
                 self.kind.save(state, url, options)
-                info = self._commit_ranks(step, metrics, metadata or {})
+                info = tiered.commit_ranks(step, metrics, metadata or {})
             finally:
                 with self._lock:
                     self._pending.discard(step)
-            self._retain_local()
+            tiered.retain_local()
             return info
         try:
             self.kind.save(state, url, options)
@@ -510,8 +504,8 @@ class CheckpointManager:
             if error is not None:
                 error = _named_failure(error, handle.url)
             settle(error, f"the save of {handle.url}", group=group, error_type=DistributedSaveError)
-            if ranked:
-                return self._commit_ranks(step, metrics, metadata)
+            if self._tiered is not None and ranked:
+                return self._tiered.commit_ranks(step, metrics, metadata)
             return on_first(lambda: self._commit_save(step, metrics, metadata), group, what=what)
 
         pending.add_done_callback(
@@ -531,19 +525,13 @@ class CheckpointManager:
         tier and of what the drainer learned of the bucket, never of the bucket: a save
         does not wait for it (a step another process committed there that the drainer
         has not seen yet is found by its drain, which keeps the bucket's, WARNING)."""
-        tier = self._tier
+        tiered = self._tiered
 
         def check() -> None:
-            if tier is not None:
-                if tier.info(step) is not None:
-                    raise AlreadyExistsError(
-                        f"step {step} is already committed at {tier.step_url(step)}"
-                    )
-                with self._lock:
-                    there = step in self._in_bucket
-            else:
-                there = read_committed(self.store, marker_key(self.root_key, step)) is not None
-            if there:
+            if tiered is not None:
+                tiered.refuse_committed(step)
+                return
+            if read_committed(self.store, marker_key(self.root_key, step)) is not None:
                 raise AlreadyExistsError(
                     f"step {step} is already committed at {self.step_url(step)}; "
                     "delete it first to overwrite"
@@ -557,15 +545,12 @@ class CheckpointManager:
         the bucket). With a local tier nothing here asks the bucket: crash leftovers are
         swept from the tier (the drainer, started after the commit, finds the drains an
         earlier process left, in its own thread)."""
-        tier = self._tier
-        if tier is not None:
-            tier.check_ready(self.kind)
-            tier.settle()  # the files the last save's retention dropped are gone first
-            tier.sweep()
+        tiered = self._tiered
+        if tiered is not None:
+            tiered.before_save(self.kind)
         self._refuse_committed(step)
-        if tier is not None:
-            peer = self.replicate_to_peer and self._ranked_tier()
-            tier.check_room(state, copies=2 if peer else 1, waiting=self._waiting)
+        if tiered is not None:
+            tiered.check_room(state)
 
     def _target(self, step: int) -> tuple[str, TransferOptions]:
         """Where a save writes ``step``'s payload: the local tier if any, else the bucket."""
@@ -601,358 +586,23 @@ class CheckpointManager:
         starts last, so a synchronous save does not share the CPUs with it; ``defer``
         (such a save): the files of the steps local retention drops are removed after
         it returns (:meth:`LocalTier.retain`)."""
-        if self._tier is None or self._drainer is None:
+        if self._tiered is None:
             self._retain_quietly()
-            return
-        self._retain_local(defer=defer)  # the new step is kept: due and not drained, or newest
-        if not self._ranked_tier():  # several ranks: drain() retries, all ranks in step
-            self._drainer.retry_failed()  # and, the first time, finds earlier drains
-        if self._tier.due(step):
-            self._drainer.submit(step)
+        else:
+            self._tiered.after_commit(step, defer=defer)
 
     # -- the local tier ------------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every step due for the bucket is committed there (nothing to do
         without a local tier). Failed drains are tried again first; the error of one
-        that fails again is raised (naming its step); TimeoutError after ``timeout`` s."""
-        if self._tier is None or self._drainer is None:
-            return
-        if self._ranked_tier():
-            # The saves in flight commit and the background drains end on every rank;
-            # then one collective pass drains what is left (failed, or an earlier job's).
-            self._await_in_flight()
-            self._drainer.wait(timeout)
-            self._drain_ranks()
-            return
-        self._drainer.retry_failed()  # and finds what an earlier process left, first
-        failed = self._drainer.wait(timeout)
-        self._tier.settle()  # and the files the last save's retention dropped are gone
-        if failed:
-            raise failed[min(failed)]
-        if self._drainer.prepare_error is not None:
-            raise self._drainer.prepare_error
+        that fails again is raised (naming its step); TimeoutError after ``timeout`` s.
+        With several ranks, call it on every rank (docs/tiers.md, "Several ranks")."""
+        if self._tiered is not None:
+            self._tiered.drain(timeout)
 
-    def _find_undrained(self) -> builtins.list[int]:
-        """The drainer's first work (in its thread, never a save's): list the bucket,
-        learn its committed steps, record in the tier's journals the local commits it
-        holds, and return this run's local steps that are due, not committed there and
-        not drained before (drains an earlier process left unfinished; a step whose
-        journal records its bucket commit was removed there since, by retention or a
-        delete, and is not sent again)."""
-        tier = self._tier
-        if tier is None or not tier.owned or self._ranked_tier():
-            return []  # several ranks: drain() on every rank drains them together
-        remote = self._list_local()  # learns the bucket's steps too
-        local = tier.list()
-        there = {c.step: c for c in remote}
-        for c in local:
-            found = there.get(c.step)
-            if found is not None and found.time == c.time and not tier.drained(c):
-                tier.record(c.step, c, committed=True)
-        return tier.waiting(there, local)
-
-    def _probe(self) -> None:
-        """During an outage, before the drainer sends anything else: one listing request
-        to the bucket, not retried, bounded by the manager's ``deadline``."""
-        quick = self.store.with_retry(replace(self.store.retry, max_attempts=1))
-        with deadline_scope(self.options.deadline):
-            next(iter(quick.list(root_prefix(self.root_key))), None)
-
-    def _learn(self, remote: Sequence[CheckpointInfo]) -> None:
-        """Note the bucket's committed steps (a listing made by this process, or heard
-        from the first rank): what a save asks instead of the bucket."""
-        with self._lock:
-            self._in_bucket = {c.step for c in remote}
-
-    def _waiting(self) -> builtins.list[int]:
-        """The local steps due for the bucket and not drained (the tier's journals, what
-        the drainer learned and holds): kept by local retention; named when full."""
-        tier, drainer = self._tier, self._drainer
-        assert tier is not None and drainer is not None
-        with self._lock:
-            there = set(self._in_bucket)
-        return sorted(set(tier.waiting(there)) | drainer.unfinished())
-
-    def _drain_step(self, step: int) -> None:
-        """The drainer's work: copy ``step`` to the bucket and commit it there with the
-        local commit's metrics, metadata and time; then retention in both tiers."""
-        assert self._tier is not None
-        if self._ranked_tier():
-            self._drain_ranked_queued(step)
-            return
-        with self._lock:
-            self._pending.add(step)  # gc leaves the bucket's uncommitted step alone
-        try:
-            drained = self._tier.drain_step(
-                step,
-                self.store,
-                self._step_prefix(step),
-                self.options,
-                lambda local: self._commit(step, local.metrics, local.metadata, local.time),
-            )
-        finally:
-            with self._lock:
-                self._pending.discard(step)
-        with self._lock:
-            self._in_bucket.add(step)  # committed there: by this drain, or another save
-        if drained:
-            self._retain_quietly()
-        self._retain_local()
-
-    def _retain_local(self, defer: bool = False) -> None:
-        """Local retention (and the sweep of crash leftovers); never a step due and not
-        drained (the tier's journals and what the drainer holds: no bucket request),
-        being saved, or restored. ``defer``: the dropped steps' files are removed by a
-        thread of their own (:meth:`LocalTier.retain`)."""
-        tier, drainer = self._tier, self._drainer
-        assert tier is not None and drainer is not None
-
-        def protected() -> set[int]:
-            with self._lock:
-                keep = set(self._pending)
-            keep.update(self._waiting())
-            if self.restored_step is not None:
-                keep.add(self.restored_step)
-            return keep
-
-        try:
-            tier.retain(protected, defer=defer)
-        except Exception as exc:
-            log.warning("retention in the local tier %s failed: %s", tier.url, exc)
-
-    # -- a local tier on several ranks (kind="dcp" or "megatron") --------------------------
     def _ranked_tier(self) -> bool:
         """Whether a local tier serves several ranks: each rank keeps its own files."""
-        return self._tier is not None and world_size() > 1
-
-    def _commit_ranks(
-        self, step: int, metrics: Mapping[str, float], metadata: Mapping[str, Any]
-    ) -> CheckpointInfo:
-        """After a save into each rank's local tier: every directory gets the files the
-        coordinator alone wrote (the kind's ``coordinator_files``, in commit order), then
-        its first rank commits it locally; raises on every rank if any rank failed."""
-        tier = self._tier
-        assert tier is not None
-        group = checkpoint_group()
-        owner, coordinators = directory_owner(tier.path, group)
-        prefix = tier.step_prefix(step)
-        names = self.kind.coordinator_files
-        complete_directories(
-            tier.store,
-            prefix,
-            names,
-            owner=owner,
-            coordinators=coordinators,
-            group=group,
-            what=f"step {step}'s coordinator files ({', '.join(names)})",
-        )
-        error: BaseException | None = None
-        try:  # every directory is whole: each commits (a step some rank lacks is skipped)
-            if owner:
-                tier.commit(step, self.kind.name, metrics, metadata)
-        except Exception as exc:
-            error = exc
-        settle(error, f"the local commit of step {step}", group=group)
-        if self.replicate_to_peer:
-            self._replicate(step, group)
-        info = tier.info(step)
-        if info is None:
-            raise NotFoundError(f"step {step} is not committed in the local tier {tier.url}")
-        return replace(info, tiers=(LOCAL,))
-
-    def _replicate(self, step: int, group: Any) -> None:
-        """Send each directory's copy of ``step`` to the next directory (every rank).
-        A failure is a WARNING, on every rank alike: the step is committed locally."""
-        assert self._tier is not None
-        try:
-            peers.replicate(self._tier, step, group, peers.ring(self._tier, group))
-        except Exception as exc:
-            log.warning("the peer copy of step %d failed (it is committed locally): %s", step, exc)
-
-    def _drain_ranks(self) -> None:
-        """drain() on every rank: each directory's first rank copies its files of every
-        due step not in the bucket; once all are there the coordinator copies the
-        kind's coordinator files (commit markers last) and commits the bucket's marker,
-        step by step, oldest first."""
-        tier = self._tier
-        assert tier is not None
-        group = checkpoint_group()
-        owner, _ = directory_owner(tier.path, group)
-        remote = on_first(self._list_local, group, what="the bucket listing")
-        self._learn(remote)
-        mine = tier.waiting(c.step for c in remote)  # not one retention removed since
-        lists = agree(value=mine, group=group).values
-        common = set(lists[0]).intersection(*lists[1:])
-        for r, steps in enumerate(lists):
-            if set(steps) - common:
-                log.warning(
-                    "step(s) %s of rank %d are not in every rank's local tier: not drained",
-                    sorted(set(steps) - common),
-                    r,
-                )
-        for step in sorted(common):
-            self._drain_ranked_step(step, group, owner)
-        on_first(self._retain_quietly, group, what=f"retention under {self.root_url}")
-        self._retain_local()
-
-    def _drain_ranked_queued(self, step: int) -> None:
-        """The drainer's work with several ranks (after an ``async_save``): every rank's
-        drainer takes the same steps in the same order and drains each together, on a
-        group of their own (ranks/groups.drain_group); a step ``drain()`` already sent is
-        skipped. A failure is raised on every rank and left for ``drain()``."""
-        group = drain_group()
-        if self._drain_owner is None:
-            assert self._tier is not None
-            self._drain_owner = directory_owner(self._tier.path, group)[0]
-        remote = on_first(self._list_local, group, what="the bucket listing")
-        self._learn(remote)
-        if step not in {c.step for c in remote}:
-            self._drain_ranked_step(step, group, self._drain_owner)
-            on_first(self._retain_quietly, group, what=f"retention under {self.root_url}")
-        self._retain_local()
-
-    def _drain_ranked_step(self, step: int, group: Any, owner: bool) -> None:
-        """Drain ``step`` on every rank of ``group``: the first rank deletes what under
-        the bucket's uncommitted step is none of any directory's files; each directory's
-        first rank (``owner``) sends its files but the coordinator's, keeping only the
-        objects proven its own (LocalTier.send_payload); then the coordinator sends its
-        files, the commit markers last, and commits; each owner journals the commit."""
-        tier = self._tier
-        assert tier is not None
-        prefix, url = self._step_prefix(step), self.step_url(step)
-        local = tier.info(step)
-        with self._lock:
-            self._pending.add(step)
-        try:
-            mine = [f.name for f in local.files] if owner and local is not None else []
-            names: set[str] = set().union(*agree(value=mine, group=group).values)
-            error: BaseException | None = None
-            try:  # a collective: every rank reaches it
-                on_first(
-                    lambda: tier.remove_strays(self.store, prefix, names),
-                    group,
-                    what=f"clearing leftovers under {url}",
-                )
-            except Exception as exc:
-                error = exc
-            try:
-                if error is None and local is None:
-                    raise NotFoundError(f"step {step} is not committed in {tier.url}")
-                if error is None and owner and local is not None:
-                    # each directory holds the coordinator's files: sent once, last
-                    skip = (MARKER_NAME, *self.kind.coordinator_files)
-                    tier.send_payload(step, local, self.store, prefix, self.options, skip)
-            except Exception as exc:
-                error = exc
-            settle(error, f"the drain of step {step} to {url}", group=group)
-
-            def commit() -> CheckpointInfo:  # every rank's files are in the bucket
-                assert local is not None  # copy_tree writes the commit markers last
-                tier.send_payload(step, local, self.store, prefix, self.options, (MARKER_NAME,))
-                return self._commit(step, local.metrics, local.metadata, local.time)
-
-            on_first(commit, group, what=f"the commit of {url}")
-            with self._lock:
-                self._in_bucket.add(step)
-            if owner and local is not None:
-                try:
-                    tier.record(step, local, committed=True)
-                except Exception as exc:  # the bucket has it; a later listing learns it
-                    log.warning("recording the drain of step %d failed: %s", step, exc)
-        finally:
-            with self._lock:
-                self._pending.discard(step)
-
-    def _restore_ranks(
-        self, step: int | None, map_location: Any, weights_only: bool, state: Any
-    ) -> Any:
-        """Every rank loads the same step: the ranks agree on what each holds and
-        :func:`~.choose.choose_step` picks it (the newest, or ``step``, that each rank
-        has whole locally or that the bucket has; the rules are in manager/choose.py).
-        A directory lacking it gets it from its peer copy first. A rank holding it
-        whole reads each file from its local copy where that copy has it, else from the
-        bucket's committed copy (another node's files after a change of world size, a
-        tensor only the coordinator saved); a rank without its local copy reads the
-        bucket's (WARNING). A load that fails on any rank is read from the bucket by
-        every rank, when the bucket has the step."""
-        tier = self._tier
-        assert tier is not None
-        world = world_size()
-        group = checkpoint_group() if world > 1 else None
-        listed, damaged = on_first(self._scan_local, group, what="the bucket listing")
-        remote = {c.step for c in listed}
-        mine_damaged: builtins.list[DamagedMarker] = []
-        whole = set(tier.whole_steps(mine_damaged))
-        saved_by = tier.saved_by()
-        other_world = frozenset(s for s in whole if saved_by.get(s, world) != world)
-        ringed = self.replicate_to_peer and group is not None
-        layout = peers.ring(tier, group) if ringed else None
-        held = peers.held(tier) if layout is not None else {}
-        mine = RankHolds(frozenset(whole), held, other_world, tuple(mine_damaged))
-        holds = agree(value=mine, group=group).values
-        if step is not None:
-            self._check_step(step)
-        # The same on every rank: the bucket's (one listing) and every directory's.
-        damaged += [d for h in holds for d in h.damaged if d.step not in remote]
-        choice = choose_step(holds, remote, step=step, ring=layout, root_url=self.root_url)
-        if choice is None:  # every rank computed the same: all return None together
-            if damaged:
-                raise self._damaged_error(damaged)
-            return self._start_fresh()
-        chosen, fill = choice.step, choice.fill
-        if step is None:
-            self._warn_fallback(chosen, damaged)
-        if layout is not None and fill:
-            for owner in fill:
-                if owner == layout.me:
-                    log.warning(
-                        "step %d is not whole in the local tier %s of rank %d; copying it "
-                        "back from its peer, rank %d",
-                        chosen,
-                        tier.url,
-                        rank(),
-                        layout.ranks[layout.holder_of(owner) or 0],
-                    )
-            peers.receive_missing(tier, chosen, group, layout, fill)
-            whole = set(tier.whole_steps())
-        error: BaseException | None = None
-        result: Any = None
-        try:  # every rank reaches the agreement below, whichever copy it reads
-            if chosen in whole:
-                by = saved_by.get(chosen)
-                result = self._restore_tiered(
-                    chosen, chosen in remote, by, map_location, weights_only, state
-                )
-            else:
-                log.warning(
-                    "step %d is not whole in the local tier %s of rank %d; reading it from %s",
-                    chosen,
-                    tier.url,
-                    rank(),
-                    self.step_url(chosen),
-                )
-                result = self._restore_bucket(chosen, map_location, weights_only, state)
-        except (CorruptCheckpointError, NotFoundError, DistributedLoadError) as exc:
-            error = exc  # DCP raises on every rank at once: each rank gets here
-        said = None if error is None else f"{type(error).__name__}: {error}"
-        failures = {r: t for r, t in enumerate(agree(value=said, group=group).values) if t}
-        if failures and chosen not in remote:
-            raise error or DistributedLoadError.of(
-                f"the load of step {chosen} from the local tiers (not in the bucket)", failures
-            )
-        if failures:
-            log.warning(
-                "step %d failed while loading (%s); every rank reads it from %s",
-                chosen,
-                "; ".join(f"rank {r}: {t}" for r, t in failures.items()),
-                self.step_url(chosen),
-            )
-            if error is not None:  # its frames hold what the failed load had read
-                traceback.clear_frames(error.__traceback__)
-            error = None
-            result = self._restore_bucket(chosen, map_location, weights_only, state)
-        self.restored_step = chosen
-        return result
+        return self._tiered is not None and self._tiered.ranked()
 
     def _restore_bucket(self, step: int, map_location: Any, weights_only: bool, state: Any) -> Any:
         """Load ``step`` from the bucket (a restore that has chosen it there)."""
@@ -963,89 +613,6 @@ class CheckpointManager:
             weights_only=weights_only,
             state=state,
         )
-
-    def _restore_tiered(
-        self,
-        step: int,
-        in_bucket: bool,
-        saved_by: int | None,
-        map_location: Any,
-        weights_only: bool,
-        state: Any,
-    ) -> Any:
-        """Load ``step`` on this rank through a view of its local copy over the bucket's
-        (store/overlay.py): each file from the local copy when the local marker lists it
-        (checked whole before), else from the bucket's committed copy (``in_bucket``;
-        without it such a file is a NotFoundError naming it and the step). Logs at INFO
-        what the bucket served."""
-        tier = self._tier
-        assert tier is not None and isinstance(self.kind, (DcpPayload, MegatronPayload))
-        info = tier.info(step)
-        if info is None:
-            raise NotFoundError(f"step {step} is not committed in the local tier {tier.url}")
-        world = world_size()
-        if saved_by is not None and saved_by != world:
-            hint = (
-                f"it was saved by {saved_by} ranks and this job has {world}: drain it from "
-                f"a job of {saved_by} ranks, or restore it on {saved_by} ranks"
-            )
-        else:
-            hint = "another node's local tier may hold it: drain the step to read it here"
-        view = OverlayStore(
-            tier.store,
-            tier.step_prefix(step),
-            [f.name for f in info.files],
-            self.store if in_bucket else None,
-            self._step_prefix(step),
-            what=f"step {step}",
-            hint=hint,
-            also=self._peer_copies(step),
-        )
-        url = tier.step_url(step)
-        result = self.kind.load(
-            Target(url, view, "", tier.options, url),
-            tier.options,
-            map_location=map_location,
-            weights_only=weights_only,
-            state=state,
-            local=True,
-        )
-        files, nbytes = view.remote_reads
-        log.info(
-            "step %d: rank %d read %d file(s), %d bytes, from the bucket at %s; the rest "
-            "from its local tier %s",
-            step,
-            rank(),
-            files,
-            nbytes,
-            self.step_url(step),
-            tier.url,
-        )
-        return result
-
-    def _peer_copies(self, step: int) -> builtins.list[tuple[str, builtins.list[str]]]:
-        """The whole copies of ``step`` this directory keeps for its peer (with
-        ``replicate_to_peer``): each prefix and the names its marker lists, read before
-        the bucket when this directory's own copy lacks a file."""
-        tier = self._tier
-        if tier is None or not self.replicate_to_peer:
-            return []
-        found = []
-        for source, steps in peers.held(tier).items():
-            prefix = peers.peer_prefix(source, step)
-            copy = read_marker(tier.store, prefix + MARKER_NAME) if step in steps else None
-            if copy is not None:
-                found.append((prefix, [f.name for f in copy.files]))
-        return found
-
-    def _restores_ranked(self) -> bool:
-        """Whether a restore in a job of one process takes the path of several ranks
-        (:meth:`_restore_ranks`): the local tier holds steps several ranks saved, each
-        directory with its own ranks' files only."""
-        tier = self._tier
-        if tier is None or not isinstance(self.kind, (DcpPayload, MegatronPayload)):
-            return False
-        return bool(tier.saved_by())
 
     # -- retention -----------------------------------------------------------------------
     def _retain_quietly(self) -> builtins.list[int]:
@@ -1073,8 +640,8 @@ class CheckpointManager:
         doomed = to_delete(found, self.policies, protected)
         for step in doomed:
             remove_checkpoint(self.store, self._step_prefix(step), self.options)
-            with self._lock:
-                self._in_bucket.discard(step)
+            if self._tiered is not None:
+                self._tiered.left_bucket(step)
         return doomed
 
     def delete(self, step: int) -> None:
@@ -1084,13 +651,9 @@ class CheckpointManager:
 
         def remove() -> None:
             removed = remove_checkpoint(self.store, self._step_prefix(step), self.options)
-            with self._lock:
-                self._in_bucket.discard(step)
-            tier = self._tier
-            if tier is not None and tier.owned:
-                tier.settle()
-                removed += remove_checkpoint(tier.store, tier.step_prefix(step), tier.options)
-                tier.forget(step)
+            if self._tiered is not None:
+                self._tiered.left_bucket(step)
+                removed += self._tiered.delete(step)
             if removed == 0:
                 raise NotFoundError(f"no checkpoint for step {step} at {self.step_url(step)}")
 
@@ -1108,8 +671,8 @@ class CheckpointManager:
         grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
         with self._lock:
             protected = set(self._pending)
-        if self._drainer is not None:
-            protected |= self._drainer.unfinished()
+        if self._tiered is not None:
+            protected |= self._tiered.drainer.unfinished()
         report = on_first(
             lambda: collect_garbage(
                 self.store,
@@ -1121,18 +684,10 @@ class CheckpointManager:
             ),
             what=f"garbage collection under {self.root_url}",
         )
-        tier = self._tier
-        if tier is not None and tier.owned:
-            tier.settle()  # a step retention is removing is not garbage
-            local = collect_garbage(
-                tier.store,
-                "",
-                tier.options,
-                grace_seconds=grace,
-                dry_run=dry_run,
-                protected=protected,
-                trust_locks=True,  # node-local: a temp file whose lock is free is dead
-            )
+        local = None
+        if self._tiered is not None:
+            local = self._tiered.collect_garbage(grace, dry_run, protected)
+        if local is not None:
             report.prefixes += local.prefixes
             report.uploads += local.uploads
             report.skipped_young += local.skipped_young
@@ -1163,9 +718,10 @@ class CheckpointManager:
         naming them when no valid step is left (never "starting fresh");
         ``restore(step=N)`` of one raises CorruptCheckpointError.
         """
-        if self._ranked_tier() or self._restores_ranked():
+        tiered = self._tiered
+        if tiered is not None and tiered.restores_ranked():
             self._await_in_flight()
-            return self._restore_ranks(step, map_location, weights_only, state)
+            return tiered.restore_ranks(step, map_location, weights_only, state)
         if step is None:
             found, damaged = self._scan()
             if not found:
@@ -1187,8 +743,8 @@ class CheckpointManager:
                 local=local,
             )
 
-        if self._tier is not None and LOCAL in info.tiers:
-            result = self._restore_local(info, load)
+        if tiered is not None and LOCAL in info.tiers:
+            result = tiered.restore_local(info, load)
         else:
             result = load(info.url, self.options)
         self.restored_step = info.step
@@ -1199,33 +755,6 @@ class CheckpointManager:
         said at INFO (docs/manager.md, "Nothing to restore yet")."""
         log.info("no committed checkpoint under %s: starting fresh", self.root_url)
         return None
-
-    def _restore_local(self, info: CheckpointInfo, load: Callable[..., Any]) -> Any:
-        """Load ``info``'s step from the local tier (its files mapped where the kind can:
-        ``local=True``); when the local copy fails a check (a missing file, a wrong size,
-        a corrupt record), say so at WARNING and load the same step from the bucket (the
-        error is raised when the bucket lacks it)."""
-        assert self._tier is not None
-        local = self._tier.step_url(info.step)
-        try:
-            self._tier.check_files(self._tier.info(info.step) or info)
-            return load(local, self._tier.options, local=True)
-        except (CorruptCheckpointError, NotFoundError) as exc:
-            if REMOTE not in info.tiers:
-                raise
-            log.warning(
-                "step %d: the local copy at %s failed a check (%s: %s); loading it from %s",
-                info.step,
-                local,
-                type(exc).__name__,
-                exc,
-                self.step_url(info.step),
-            )
-            # The failed load's frames hold what it had read (in a cycle through its
-            # transfer group): freed now, not at the next full collection, so the
-            # bucket's copy is not read beside it.
-            traceback.clear_frames(exc.__traceback__)
-        return load(self.step_url(info.step), self.options)
 
 
 def _moved_on(deadline: Deadline | None, since: float) -> Deadline | None:
