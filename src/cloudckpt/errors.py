@@ -21,7 +21,8 @@ builtin a caller would already catch (``FileNotFoundError``, ``PermissionError``
     │   │   └── ThrottledError                    the store asked for fewer requests
     │   ├── RetriesExhaustedError                 transient faults outlasted retries
     │   ├── DeadlineExceededError                 a save or load outlasted its deadline
-    │   └── LocalTierFullError                    a manager's local tier lacks the room
+    │   └── NoSpaceError                          a filesystem ran out of space mid-write
+    │       └── LocalTierFullError                a manager's local tier lacks the room
     ├── SerializationError (TypeError)
     │   └── UnpicklableError                      state holds a closure/lambda/handle
     ├── CorruptCheckpointError (ValueError)       bytes on storage are not a checkpoint
@@ -59,6 +60,7 @@ __all__ = [
     "InvalidURLError",
     "LocalTierFullError",
     "MissingKeyError",
+    "NoSpaceError",
     "NotAPrefixError",
     "NotAnObjectError",
     "NotFoundError",
@@ -166,9 +168,16 @@ class DeadlineExceededError(StorageError):
     upload aborted, nothing committed). The message names the requests still running."""
 
 
-class LocalTierFullError(StorageError):
-    """A save to a manager's local tier (``local_dir``) would not fit in its free space:
-    refused before anything is written, naming the directory and the bytes needed."""
+class NoSpaceError(StorageError):
+    """A write to the filesystem ran out of space (or quota) midway: the temp file is
+    removed and nothing is committed. The message names the file."""
+
+
+class LocalTierFullError(NoSpaceError):
+    """A save to a manager's local tier (``local_dir``) does not fit in its free space:
+    refused before anything is written when the room check sees it, naming the
+    directory, the bytes needed and the steps that wait for the bucket (or, when the
+    space ran out during the write, its temp file removed and nothing committed)."""
 
 
 class SerializationError(CloudCkptError, TypeError):

@@ -25,6 +25,7 @@ bucket, so saves go on at local speed while the bucket is away.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import threading
@@ -344,7 +345,8 @@ class CheckpointManager:
             tiered.retain_local()
             return info
         try:
-            self.kind.save(state, url, options)
+            with self._room():
+                self.kind.save(state, url, options)
             barrier()
             info = on_first(
                 lambda: self._commit_save(step, metrics, metadata or {}),
@@ -416,7 +418,8 @@ class CheckpointManager:
         in_flight.add(handle)
 
         def commit() -> CheckpointInfo:
-            inner.result()
+            with self._room():
+                inner.result()
             return self._commit_save(step, metrics, metadata or {})
 
         inner.add_done_callback(
@@ -599,6 +602,11 @@ class CheckpointManager:
         With several ranks, call it on every rank (docs/tiers.md, "Several ranks")."""
         if self._tiered is not None:
             self._tiered.drain(timeout)
+
+    def _room(self) -> contextlib.AbstractContextManager[None]:
+        """Around a write to the local tier: running out of space there is
+        LocalTierFullError naming the steps that wait for the bucket."""
+        return contextlib.nullcontext() if self._tiered is None else self._tiered.room()
 
     def _ranked_tier(self) -> bool:
         """Whether a local tier serves several ranks: each rank keeps its own files."""

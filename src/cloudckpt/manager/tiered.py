@@ -11,16 +11,24 @@ loads from it, which this module reaches through :class:`Bucket`, the manager's 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
 from ..engine.drain import Drainer, complete_directories, directory_owner
 from ..engine.remove import remove_checkpoint
-from ..errors import AlreadyExistsError, CorruptCheckpointError, DistributedLoadError, NotFoundError
+from ..errors import (
+    AlreadyExistsError,
+    CorruptCheckpointError,
+    DistributedLoadError,
+    LocalTierFullError,
+    NoSpaceError,
+    NotFoundError,
+)
 from ..options import TransferOptions
 from ..ranks.collectives import agree, on_first, rank, settle, world_size
 from ..ranks.groups import checkpoint_group, drain_group
@@ -149,6 +157,18 @@ class TieredRun:
         """LocalTierFullError before anything is written, naming the steps that wait."""
         copies = 2 if self.replicate_to_peer and self.ranked() else 1
         self.tier.check_room(state, copies=copies, waiting=self.waiting)
+
+    @contextlib.contextmanager
+    def room(self) -> Iterator[None]:
+        """Around a save's write to the tier: a write that runs out of space (another
+        program filled the disk, or the state is larger than the room check saw) is
+        LocalTierFullError naming the steps that wait for the bucket, like the check."""
+        try:
+            yield
+        except LocalTierFullError:
+            raise
+        except NoSpaceError as exc:
+            raise self.tier.full(str(exc), self.waiting()) from None
 
     def after_commit(self, step: int, defer: bool = False) -> None:
         """After a save's local commit: local retention, then queue the step's drain if

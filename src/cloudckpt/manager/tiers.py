@@ -237,13 +237,17 @@ class LocalTier:
         try:
             check_free(self.path, max(last, tensor_bytes(state)) * copies)
         except LocalTierFullError as exc:
-            steps = list(waiting())
-            if not steps:
-                raise
-            raise LocalTierFullError(
-                f"{exc}; {len(steps)} step(s) wait for the bucket and are kept until "
-                f"drained: {steps}"
-            ) from None
+            raise self.full(str(exc), waiting()) from None
+
+    def full(self, why: str, waiting: Sequence[int]) -> LocalTierFullError:
+        """The error of a save the tier has no room for: ``why``, and the ``waiting``
+        steps (due for the bucket, not drained: kept until they are)."""
+        if not waiting:
+            return LocalTierFullError(why)
+        return LocalTierFullError(
+            f"{why}; {len(waiting)} step(s) wait for the bucket and are kept until "
+            f"drained: {list(waiting)}"
+        )
 
     def commit(
         self, step: int, kind: str, metrics: Mapping[str, float], metadata: Mapping[str, Any]

@@ -46,6 +46,7 @@ from ..errors import (
     AlreadyExistsError,
     CloudCkptError,
     CorruptCheckpointError,
+    NoSpaceError,
     NotAnObjectError,
     NotAPrefixError,
     NotFoundError,
@@ -144,6 +145,8 @@ class LocalStore(Store):
             return AccessDeniedError(f"permission denied: {url} ({exc.strerror})")
         if exc.errno == errno.EISDIR:
             return NotAnObjectError(f"{url} is a directory, not a checkpoint object")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return NoSpaceError(f"no space left for {url}: {exc.strerror or exc}")
         return StorageError(f"filesystem error on {url}: {exc.strerror or exc}")
 
     # -- reads ---------------------------------------------------------------------------
