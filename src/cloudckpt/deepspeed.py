@@ -77,7 +77,7 @@ from .manager.folders import commit_folder
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
 from .manager.folders import step_prefix as _step_prefix
-from .manager.marker import check_etag, check_files, check_remote, marker_key
+from .manager.marker import Written, check_etag, check_files, check_remote, marker_key
 from .options import TransferOptions
 from .ranks.collectives import is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
@@ -222,8 +222,8 @@ class _Bucket:
         self.error: BaseException | None = None
         #: With ``stage``: each file's snapshot, written later by :meth:`write_staged`.
         self.staged: list[tuple[str, Snapshot]] | None = [] if stage else None
-        #: Each file written under ``prefix`` (a save), with its size: what the commit lists.
-        self.written: dict[str, int] = {}
+        #: Each file written under ``prefix`` (a save), its size and ETag: what the commit lists.
+        self.written: dict[str, Written] = {}
         #: Objects read ahead of DeepSpeed's load: name -> [object, reads left].
         self.ready: dict[str, list[Any]] = {}
 
@@ -247,7 +247,7 @@ class _Bucket:
                 self.staged.append((name, snapshot(state_dict, get_pool())))
             else:
                 saved = write_object(state_dict, self.store, self.prefix + name, self.options)
-                self.written[name] = saved.size
+                self.written[name] = Written(saved.size, saved.etag)
         except Exception as exc:
             self.error = exc
 
@@ -264,7 +264,7 @@ class _Bucket:
                     self.options,
                     size_hint=snap.nbytes,
                 )
-                self.written[name] = saved.size
+                self.written[name] = Written(saved.size, saved.etag)
                 self.staged.pop(0)
                 snap.release(get_pool())
         finally:

@@ -60,8 +60,8 @@ from .errors import (
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
 from .manager.folders import files_under as _files_under
-from .manager.folders import open_run
-from .manager.marker import check_remote, commit_step, root_prefix, step_dir
+from .manager.folders import gathered, open_run, written_by
+from .manager.marker import Written, check_remote, commit_step, root_prefix, step_dir
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
@@ -426,7 +426,7 @@ class CallbackBase:
             remove_checkpoint(store, prefix, options)
             self._cleared.add(step)
         copied = copy_tree(LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,))
-        written = {e.name: e.size for e in copied.entries}
+        written = written_by(copied)
         commit_step(store, prefix, step, KIND, {}, {"folder": staged.name}, files=written)
         with self._lock:
             self._committed.add(step)
@@ -483,23 +483,26 @@ class CallbackBase:
         with self._lock:
             error = self._stage_errors.get(step)
             expected = set(self._expected.get(step, ()))
+        mine: dict[str, Written] = {}
         if error is None:
             try:
                 if not staged.is_dir():
                     raise NotFoundError(f"the staged copy {staged} of {staged.name} is missing")
-                copy_tree(LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,))
+                mine = written_by(
+                    copy_tree(
+                        LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,)
+                    )
+                )
             except Exception as exc:
                 error = exc
-        settle(
-            error,
-            f"the upload of each rank's files to {url}",
-            group=group,
-            error_type=DistributedSaveError,
-        )
+        # Each name the ranks staged, with the size and ETag its rank's upload got.
+        files: dict[str, Written | None] = dict.fromkeys(expected)
+        for each in gathered(error, mine, group, f"the upload of each rank's files to {url}"):
+            files.update(each)
 
         def commit() -> None:  # the first rank, once every rank's files are in the bucket
             metadata = {"folder": staged.name, "world_size": self._world}
-            commit_step(store, prefix, step, KIND, {}, metadata, files=dict.fromkeys(expected))
+            commit_step(store, prefix, step, KIND, {}, metadata, files=files)
             try:
                 self.manager.apply_retention()
             except Exception as exc:

@@ -189,9 +189,10 @@ def main() -> None:
             mine = me == bad_rank and f"step-{bad_step:09d}/" in dst_prefix
             if mine and args.fail_upload:
                 raise StorageError(f"refused upload to {dst_prefix}")
-            real_copy(src, src_prefix, dst, dst_prefix, *rest, **kw)
+            copied = real_copy(src, src_prefix, dst, dst_prefix, *rest, **kw)
             if mine:
                 os.kill(os.getpid(), signal.SIGKILL)  # kill -9 mid-save: no commit yet
+            return copied
 
         cloudckpt.hf.copy_tree = copy_then_die  # type: ignore[assignment]
     opts = json.loads(args.storage_options)

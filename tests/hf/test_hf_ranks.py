@@ -324,3 +324,40 @@ def test_two_ranks_commit_once_agree_on_failures_and_retry_together(tmp_path):
     # Each rank's staging folder held only its own files, and is empty again.
     for r in (0, 1):
         assert not any((tmp_path / f"out-{r}" / ".cloudckpt-upload" / f"rank-{r}").iterdir())
+
+
+def _rewritten_before_the_commit(rank, world, root, results):  # run_ranks: a gloo rank
+    """Another run's save rewrites rank 0's ``model.safetensors`` (another size) between
+    the ranks' uploads and the commit: the step fails on both ranks, nothing committed."""
+    import cloudckpt.hf as hf
+
+    out = root / f"out-{rank}"
+    callback = hf.CallbackBase(str(root / "bucket" / "run"))
+    args = SimpleNamespace(world_size=world, output_dir=str(out), save_total_limit=None)
+    state = SimpleNamespace(best_model_checkpoint=None, global_step=4)
+    callback.on_train_begin(args, state, None)
+    folder = out / "checkpoint-4"
+    folder.mkdir(parents=True)
+    for name in [f"rng_state_{rank}.pth"] + (["model.safetensors"] if rank == 0 else []):
+        (folder / name).write_bytes(f"{name} of this run".encode())
+    real = hf.commit_step
+
+    def theirs_first(store, prefix, *rest, **kw):  # the first rank, just before its commit
+        store.put(prefix + "model.safetensors", b"the other run's weights, another size")
+        return real(store, prefix, *rest, **kw)
+
+    hf.commit_step = theirs_first
+    callback.on_save(args, state, None)
+    callback._drainer.wait()
+    results.put((rank, sorted(callback._failed), sorted(callback._committed)))
+
+
+def test_a_file_rewritten_before_a_two_rank_commit_fails_it(tmp_path):
+    import multiprocessing
+
+    from ranks import run_ranks
+
+    results = multiprocessing.get_context("fork").SimpleQueue()
+    run_ranks(_rewritten_before_the_commit, 2, tmp_path, results, timeout=120)
+    assert sorted(results.get() for _ in range(2)) == [(0, [4], []), (1, [4], [])]
+    assert CheckpointManager(str(tmp_path / "bucket" / "run")).list() == []

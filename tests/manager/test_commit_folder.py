@@ -15,9 +15,9 @@ import pytest
 from cloudckpt.engine.remove import remove_checkpoint
 from cloudckpt.errors import CorruptCheckpointError, NotFoundError
 from cloudckpt.format.commit import read_committed
-from cloudckpt.manager import CheckpointInfo, CheckpointManager
+from cloudckpt.manager import CheckpointInfo, CheckpointManager, folders
 from cloudckpt.manager.folders import commit_folder, run_group, step_prefix
-from cloudckpt.manager.marker import check_remote, marker_key
+from cloudckpt.manager.marker import Written, check_remote, marker_key
 from servers import S3Server, unique_bucket_name
 
 STEP = 3
@@ -95,6 +95,41 @@ def test_a_file_another_save_rewrote_fails_the_commit(
         CorruptCheckpointError, match=re.escape(name) + " holds 28 bytes.* wrote 720 "
     ):
         save(m, tmp_path, written=written)
+    assert nothing_committed(m)
+
+
+def test_a_streamed_file_another_save_rewrote_at_the_same_size_fails_the_commit(
+    moto_server: S3Server, tmp_path: Path
+) -> None:
+    """Two runs saving one step with the same shapes write files of the same sizes: the
+    ETag each write got tells ours from theirs (DeepSpeed's streamed files)."""
+    m = run(moto_server, "commit-same-size")
+    written = {
+        name: Written(len(data), m.store.put(step_prefix(m, STEP) + name, data))
+        for name, data in STREAMED.items()
+    }
+    name, data = next(iter(STREAMED.items()))
+    m.store.put(step_prefix(m, STEP) + name, b"T" * len(data))  # theirs, the same size
+    with pytest.raises(CorruptCheckpointError, match=re.escape(name) + " is not the object"):
+        save(m, tmp_path, written=written)
+    assert nothing_committed(m)
+
+
+def test_an_uploaded_file_rewritten_at_the_same_size_before_the_commit_fails_it(
+    moto_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another run's save lands on a file of ours between our upload and our commit."""
+    m = run(moto_server, "commit-same-size-upload")
+    real = folders.commit_step
+    name = "model.safetensors"
+
+    def theirs_first(*args: Any, **kwargs: Any) -> CheckpointInfo:
+        m.store.put(step_prefix(m, STEP) + name, b"T" * len(FOLDER[name]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(folders, "commit_step", theirs_first)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(name) + " is not the object"):
+        save(m, tmp_path)
     assert nothing_committed(m)
 
 

@@ -111,6 +111,8 @@ class CopyResult:
     seconds: float
     #: Bytes a previous, interrupted run had already copied (0 for a fresh copy).
     resumed_bytes: int
+    #: The ETag the destination store gave the object (None: it gave none).
+    etag: str | None = None
 
     @property
     def moved_bytes(self) -> int:
@@ -314,16 +316,20 @@ def copy_object(
             state.add_moved(n)
             advance(n)
 
+        etag: str | None = None
         if isinstance(dst, LocalStore):
             resumed = _download(src, info, dst, dst_key, options, advance, moved, state)
         else:
-            resumed = _upload(src, info, dst, dst_key, options, state_dir, advance, moved, state)
+            resumed, etag = _upload(
+                src, info, dst, dst_key, options, state_dir, advance, moved, state
+            )
     return CopyResult(
         src=src_url,
         dst=dst.url(dst_key),
         size=info.size,
         seconds=time.perf_counter() - started,
         resumed_bytes=resumed,
+        etag=etag,
     )
 
 
@@ -666,19 +672,19 @@ def _upload(
     advance: Callable[[int], None],
     moved: Callable[[int], None],
     state: CopyState,
-) -> int:
+) -> tuple[int, str | None]:
     """Copy to an object store through the sink ``save`` uses (its part size, buffers,
     byte budget and commit), each part read from the source in the thread that uploads
     it. A journal records the open upload and its stored parts, so an interrupted copy
-    continues where it stopped."""
+    continues where it stopped. Returns the bytes resumed and the ETag the store gave."""
     dst_url = dst.url(dst_key)
     # The rule save uses (io/sink.py), so a profile's part_size means the same here.
     part_size = choose_part_size(info.size, options.part_size, options.write_concurrency)
     if info.size <= part_size:
         data = src.get_range(info.key, 0, info.size) if info.size else b""
-        dst.put(dst_key, data)
+        etag = dst.put(dst_key, data)
         moved(info.size)
-        return 0
+        return 0, etag
 
     state_dir = state_dir or default_state_dir()
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -773,7 +779,7 @@ def _upload(
         raise
     with contextlib.suppress(OSError):
         journal_path.unlink()
-    return resumed
+    return resumed, sink.etag
 
 
 # -- a whole prefix ------------------------------------------------------------------------
@@ -792,6 +798,8 @@ class TreeEntry:
     skip: bool = False
     #: A commit marker (:data:`COMMIT_MARKERS`): copied after every other object.
     marker: bool = False
+    #: A skipped entry's destination ETag, as listed (proven the source's bytes).
+    there: str | None = None
 
 
 @dataclass(frozen=True)
@@ -807,6 +815,9 @@ class TreeCopyResult:
     resumed_bytes: int = 0
     #: Bytes this run transferred.
     moved_bytes: int = 0
+    #: The destination's ETag of each entry by name: the one the store gave the object
+    #: this copy made, or a skipped entry's as listed (None: the store gave none).
+    etags: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def copied(self) -> list[TreeEntry]:
@@ -874,6 +885,7 @@ def plan_tree(
             size=o.size,
             skip=d is not None and same_object(src, o, dst, d),
             marker=rank is not None,
+            there=None if d is None else d.etag,
         )
         entries.append(((-1 if rank is None else rank, rel), entry))
     return [e for _, e in sorted(entries, key=lambda item: item[0])]
@@ -893,13 +905,15 @@ def _copy_small(
     options: TransferOptions,
     advance: Callable[[int], None],
     state: CopyState,
-) -> None:
+) -> dict[str, str | None]:
     """Copy ``entries`` (each at most :func:`_small_limit`), ``write_concurrency`` at a
     time on the I/O threads: each read whole, checked against the listed size, and
     written in one atomic put (a filesystem destination through a temp file, never
-    through a link). A failure cancels the rest and is raised."""
+    through a link). A failure cancels the rest and is raised. Returns each entry's
+    ETag as the destination store gave it, by name."""
+    etags: dict[str, str | None] = {}
     if not entries:
-        return
+        return etags
     lock = threading.Lock()
 
     def one(e: TreeEntry) -> None:
@@ -911,16 +925,18 @@ def _copy_small(
                 f"{src.url(e.src_key)} changed during the copy: {len(data)} bytes read, "
                 f"{e.size} listed; run the copy again"
             )
-        dst.put(e.dst_key, data)
+        etag = dst.put(e.dst_key, data)
         state.add_moved(len(data))
         advance(len(data))
         with lock:
             state.copied += 1
+            etags[e.name] = etag
 
     group = TransferGroup(options, options.write_concurrency)
     for e in entries:
         group.submit(functools.partial(one, e), f"copy {src.url(e.src_key)}")
     group.wait()
+    return etags
 
 
 def copy_tree(
@@ -965,7 +981,8 @@ def copy_tree(
         resumed = 0
         small = _small_limit(options)
         quick = [e for e in todo if not e.marker and e.size <= small]
-        _copy_small(src, dst, quick, options, advance, state)
+        etags = {e.name: e.there for e in entries if e.skip}
+        etags.update(_copy_small(src, dst, quick, options, advance, state))
         for e in [e for e in todo if e.marker or e.size > small]:
             result = copy_object(
                 src,
@@ -978,6 +995,7 @@ def copy_tree(
                 state=state,
             )
             resumed += result.resumed_bytes
+            etags[e.name] = result.etag
             state.copied += 1
     return TreeCopyResult(
         src_url,
@@ -986,4 +1004,5 @@ def copy_tree(
         time.perf_counter() - started,
         resumed_bytes=resumed,
         moved_bytes=state.moved_bytes,
+        etags=etags,
     )

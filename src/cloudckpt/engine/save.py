@@ -29,6 +29,9 @@ class SaveResult:
     url: str
     size: int
     seconds: float
+    #: The ETag the store gave the object (None: it gave none): what tells this save's
+    #: object from another write of the same key (a commit checks it).
+    etag: str | None = None
 
     @property
     def throughput(self) -> float:
@@ -56,8 +59,8 @@ def _write_object(
         raise_if_unpicklable(obj, exc, target)
         raise
     if plan is not None:
-        size = _write_plan(plan, store, key, opts, size_hint or plan.size_hint)
-        return SaveResult(url=target, size=size, seconds=time.perf_counter() - started)
+        size, etag = _write_plan(plan, store, key, opts, size_hint or plan.size_hint)
+        return SaveResult(target, size, time.perf_counter() - started, etag)
     # torch.save writes what the archive builder does not (format/torch/archive_writer.py).
     # Large CPU storages are sent from their own memory (no copy, no part buffers); the
     # caller keeps them unchanged until this returns, as a sync save always required.
@@ -80,13 +83,14 @@ def _write_object(
                 raise error from None
             raise_if_unpicklable(obj, exc, target)
             raise
-    return SaveResult(url=target, size=size, seconds=time.perf_counter() - started)
+    return SaveResult(target, size, time.perf_counter() - started, sink.etag)
 
 
 def _write_plan(
     plan: ArchivePlan, store: Store, key: str, opts: TransferOptions, size_hint: int
-) -> int:
-    """Send a built archive's pieces; commit on success, abort on any failure."""
+) -> tuple[int, str | None]:
+    """Send a built archive's pieces; commit on success, abort on any failure. Returns
+    the size and the ETag the store gave the object."""
     with progress_bar(f"save {key.rsplit('/', 1)[-1]}", size_hint, opts.progress) as advance:
         sink = BorrowingSink(store, key, opts, size_hint=size_hint, on_progress=advance)
         try:
@@ -94,7 +98,7 @@ def _write_plan(
             # until this returns, as a sync save always required) or a copied chunk.
             for view, owner in plan.pieces(BORROW_MIN):
                 sink.write_borrowed(view, owner)
-            return sink.commit()
+            return sink.commit(), sink.etag
         except BaseException as exc:
             sink.abort_after(exc)  # nothing wraps the sink's failures here: exc is the one
             raise

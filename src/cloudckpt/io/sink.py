@@ -104,6 +104,8 @@ class ObjectSink:
         self._on_part = on_part
         self._closed = False
         self.bytes_written = 0
+        #: The ETag the store gave the object once committed (None: none given, or not yet).
+        self.etag: str | None = None
         #: The failure that stopped writing; torch.save may wrap it, save() re-raises it.
         self.error: BaseException | None = None
 
@@ -240,7 +242,7 @@ class ObjectSink:
         self._closed = True
         if self._upload is None:
             data = memoryview(self._buf)[: self._fill] if self._buf is not None else b""
-            self._last_request(lambda: self.store.put(self.key, data), "put")
+            self._last_request(lambda: self._made(self.store.put(self.key, data)), "put")
             if self._buf is not None:
                 self._release_buffer(self._buf)
                 self._buf = None
@@ -255,8 +257,14 @@ class ObjectSink:
         self._group.wait()
         parts = sorted(self._parts, key=lambda p: p.number)
         upload = self._upload
-        self._last_request(lambda: self.store.complete_multipart(upload, parts), "complete")
+        self._last_request(
+            lambda: self._made(self.store.complete_multipart(upload, parts)), "complete"
+        )
         return self.bytes_written
+
+    def _made(self, etag: str | None) -> None:
+        """Note the ETag the store gave the object this sink made (None: none given)."""
+        self.etag = etag
 
     def _last_request(self, request: Callable[[], None], what: str) -> None:
         """The request that makes the object visible, run in the group: the deadline
@@ -364,7 +372,7 @@ class BorrowingSink(ObjectSink):
             self._seal_small()
             data = b"".join(self._views)
             self._views, self._owners, self._pending = [], [], 0
-            self._last_request(lambda: self.store.put(self.key, data), "put")
+            self._last_request(lambda: self._made(self.store.put(self.key, data)), "put")
             if self._on_progress is not None:
                 self._on_progress(len(data))
             return self.bytes_written

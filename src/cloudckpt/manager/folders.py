@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..engine.copy import copy_tree
+from ..engine.copy import TreeCopyResult, copy_tree
 from ..engine.remove import remove_checkpoint
 from ..errors import ConfigError, DistributedSaveError
 from ..options import TransferOptions
@@ -19,15 +19,17 @@ from ..ranks.collectives import agree, is_distributed, on_first, rank
 from ..ranks.groups import checkpoint_group
 from ..store.local import LocalStore
 from .manager import CheckpointManager
-from .marker import MARKER_NAME, CheckpointInfo, commit_step, root_prefix, step_dir
+from .marker import MARKER_NAME, CheckpointInfo, Written, commit_step, root_prefix, step_dir
 
 __all__ = [
     "checked_step",
     "commit_folder",
     "files_under",
+    "gathered",
     "open_run",
     "run_group",
     "step_prefix",
+    "written_by",
 ]
 
 log = logging.getLogger("cloudckpt")
@@ -77,7 +79,7 @@ def commit_folder(
     metadata: Mapping[str, Any],
     group: Any,
     metrics: Mapping[str, float] | None = None,
-    written: Mapping[str, int] | None = None,
+    written: Mapping[str, Written | int] | None = None,
     clear_first: bool = False,
     retain: Callable[[], object] | None = None,
 ) -> CheckpointInfo:
@@ -87,9 +89,11 @@ def commit_folder(
     committed :class:`CheckpointInfo`. A collective: every rank calls it.
 
     The marker records exactly the files this save's ranks wrote: what they uploaded
-    and what each already ``written`` under the prefix itself (name to size); an object
-    another save put under the prefix is left out, and one of this save's files removed
-    or rewritten at another size by another save fails the commit.
+    and what each already ``written`` under the prefix itself (name to its size, or to a
+    :class:`~.marker.Written`: size and ETag); an object
+    another save put under the prefix is left out, and one of this save's files removed,
+    or rewritten by another save (another size, or another ETag than its upload got),
+    fails the commit.
     ``clear_first``: the first rank removes what is under the prefix before any upload
     (an earlier, uncommitted try). ``retain``: run on the first rank after the commit
     (default the manager's ``apply_retention``); its failure is a WARNING, the step
@@ -104,7 +108,7 @@ def commit_folder(
         names = files_under(folder)
     except Exception as exc:
         error = exc
-    listings = _gathered(error, names, group, f"the listing of each rank's files for {url}")
+    listings = gathered(error, names, group, f"the listing of each rank's files for {url}")
     me = rank() if group is not None else 0
     owner: dict[str, int] = {}
     for index, listed in enumerate(listings):
@@ -118,7 +122,7 @@ def commit_folder(
             what=f"clearing leftovers under {url}",
             error_type=DistributedSaveError,
         )
-    uploaded: dict[str, int] = dict(written or {})
+    uploaded: dict[str, Written | int] = dict(written or {})
     try:
         for name in set(names) - set(mine):  # another rank uploads the same file
             (folder / name).unlink()
@@ -126,11 +130,11 @@ def commit_folder(
             copied = copy_tree(
                 LocalStore(folder), "", store, prefix, options, exclude=(MARKER_NAME,)
             )
-            uploaded.update((e.name, e.size) for e in copied.entries)
+            uploaded.update(written_by(copied))
     except Exception as exc:
         error = exc
-    files: dict[str, int | None] = {}
-    for each in _gathered(error, uploaded, group, f"the upload of each rank's files to {url}"):
+    files: dict[str, Written | int | None] = {}
+    for each in gathered(error, uploaded, group, f"the upload of each rank's files to {url}"):
         for name, size in each.items():
             files.setdefault(name, size)
 
@@ -145,7 +149,13 @@ def commit_folder(
     return on_first(commit, group, what=f"the commit of {url}", error_type=DistributedSaveError)
 
 
-def _gathered(error: BaseException | None, value: Any, group: Any, what: str) -> tuple[Any, ...]:
+def written_by(copied: TreeCopyResult) -> dict[str, Written]:
+    """What a copy to the bucket wrote, for the commit: each object's size and the ETag
+    the store gave it (or, for one it kept, its listed ETag: proven the same bytes)."""
+    return {e.name: Written(e.size, copied.etags.get(e.name)) for e in copied.entries}
+
+
+def gathered(error: BaseException | None, value: Any, group: Any, what: str) -> tuple[Any, ...]:
     """Every rank's ``value``, in rank order, once every rank's part of ``what``
     succeeded: else a failed rank raises its own ``error``, the others
     DistributedSaveError naming it."""

@@ -32,6 +32,7 @@ __all__ = [
     "CheckpointInfo",
     "DamagedMarker",
     "FileEntry",
+    "Written",
     "check_etag",
     "check_files",
     "check_remote",
@@ -40,6 +41,7 @@ __all__ = [
     "encode_marker",
     "list_checkpoints",
     "marker_key",
+    "multipart_etag",
     "parse_step",
     "read_marker",
     "root_prefix",
@@ -242,7 +244,7 @@ def commit_step(
     metadata: Mapping[str, Any],
     when: float | None = None,
     ranks: int = 0,
-    files: Mapping[str, int | None] | None = None,
+    files: Mapping[str, Written | int | None] | None = None,
 ) -> CheckpointInfo:
     """Commit the step whose payload is under ``prefix`` (ends in ``/``): list its
     objects, then write its marker recording their sizes and ETags (after the payload).
@@ -250,9 +252,10 @@ def commit_step(
     ``when`` is the commit time to record (default now): a drained copy keeps the time
     of its local commit, so a retried drain writes the same marker bytes. ``ranks``:
     how many processes saved it, recorded when not 0. ``files``: the names this save
-    wrote, each with the size it wrote where known; the marker then records exactly
-    those (any other object under ``prefix`` is another save's and left out), and one
-    missing or of another size fails the commit (see :func:`_written`).
+    wrote, each with what it knows of it (:class:`Written`: the size, and the ETag its
+    upload got; or the size alone); the marker then records exactly those (any other
+    object under ``prefix`` is another save's and left out), and one missing, of another
+    size or of another ETag fails the commit (see :func:`_written`).
     """
     listed = [o for o in store.list(prefix) if o.key != prefix + MARKER_NAME]
     if files is not None:
@@ -281,22 +284,44 @@ def commit_step(
     return info
 
 
+_MULTIPART_ETAG = re.compile(r"[0-9a-fA-F]{32}-[0-9]+")
+
+
+def multipart_etag(etag: str) -> bool:
+    """Whether ``etag`` has the form of an S3 multipart upload's (``<md5>-<parts>``).
+    A store may answer an upload with one form and list another (rclone lists the
+    content's MD5): ETags of two forms are not compared, the size alone is."""
+    return _MULTIPART_ETAG.fullmatch(etag.strip('"')) is not None
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a save knows of one file it wrote, for its commit (:func:`commit_step`):
+    the size, and the ETag the store gave its upload (None: not known, or none given)."""
+
+    size: int | None
+    etag: str | None = None
+
+
 def _written(
     store: Store,
     prefix: str,
     step: int,
     listed: Sequence[ObjectInfo],
-    files: Mapping[str, int | None],
+    files: Mapping[str, Written | int | None],
 ) -> list[ObjectInfo]:
     """The objects of ``listed`` that are this save's ``files`` (in listing order).
 
-    A name of ``files`` not listed is NotFoundError, one listed at another size than
-    this save wrote CorruptCheckpointError: another save of the step removed or
-    rewrote it, and committing would record its bytes as this save's. Objects not in
-    ``files`` are left out with a WARNING naming them."""
+    A name of ``files`` not listed is NotFoundError; one listed at another size, or
+    with another ETag than the store gave this save's upload of it, is
+    CorruptCheckpointError: another save of the step removed or rewrote it, and
+    committing would record its bytes as this save's (two runs saving one step with the
+    same shapes write files of the same sizes: only the ETag tells them apart). Objects
+    not in ``files`` are left out with a WARNING naming them."""
     mine = [o for o in listed if o.key[len(prefix) :] in files]
     found = {o.key[len(prefix) :]: o for o in mine}
-    for name, size in sorted(files.items()):
+    for name, given in sorted(files.items()):
+        wrote = given if isinstance(given, Written) else Written(given)
         url = store.url(prefix + name)
         o = found.get(name)
         if o is None:
@@ -304,10 +329,17 @@ def _written(
                 f"{url}, written by this save of step {step}, is missing at its commit "
                 "(another save of the step may have removed it); nothing committed"
             )
-        if size is not None and o.size != size:
+        if wrote.size is not None and o.size != wrote.size:
             raise CorruptCheckpointError(
                 f"{url} holds {o.size} bytes at the commit of step {step}, whose save "
-                f"wrote {size} (another save of the step rewrote it); nothing committed"
+                f"wrote {wrote.size} (another save of the step rewrote it); nothing committed"
+            )
+        there, made = (o.etag or "").strip('"'), (wrote.etag or "").strip('"')
+        if made and there and there != made and multipart_etag(made) == multipart_etag(there):
+            raise CorruptCheckpointError(
+                f"{url} is not the object this save of step {step} wrote, at its commit "
+                f"(ETag {there}, its upload's {made}: another save of the step rewrote it); "
+                "nothing committed"
             )
     others = sorted(o.key[len(prefix) :] for o in listed if o.key[len(prefix) :] not in files)
     if others:

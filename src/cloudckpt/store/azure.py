@@ -358,9 +358,9 @@ class AzureStore(Store):
         return result
 
     # -- writes ----------------------------------------------------------------------------
-    def _put(self, key: str, view: memoryview, if_none_match: bool) -> None:
+    def _put(self, key: str, view: memoryview, if_none_match: bool) -> str | None:
         body = _body(view)
-        self._call(
+        made = self._call(
             "put",
             key,
             lambda c: c.get_blob_client(key).upload_blob(
@@ -372,6 +372,7 @@ class AzureStore(Store):
                 **self._creating,
             ),
         )
+        return _made_etag(made)
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
@@ -410,13 +411,16 @@ class AzureStore(Store):
         )
         return UploadedPart(number=number, etag=block_id, size=view.nbytes)
 
-    def _complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+    def _complete_multipart(
+        self, upload: MultipartUpload, parts: Sequence[UploadedPart]
+    ) -> str | None:
         blocks = [BlobBlock(block_id=p.etag) for p in sorted(parts, key=lambda p: p.number)]
-        self._call(
+        made = self._call(
             "complete",
             upload.key,
             lambda c: c.get_blob_client(upload.key).commit_block_list(blocks, **self._creating),
         )
+        return _made_etag(made)
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
         """Discard staged blocks where the service allows it.
@@ -550,6 +554,13 @@ def _if_match() -> Any:
 
 def _block_id(upload_id: str, number: int) -> str:
     return f"{upload_id}-{number:0{_BLOCK_ID_DIGITS}d}"
+
+
+def _made_etag(made: Any) -> str | None:
+    """The ETag of the blob an upload or block-list commit made (its answer's ``etag``),
+    unquoted as :func:`_info` gives it."""
+    etag = made.get("etag") if isinstance(made, dict) else None
+    return (etag or "").strip('"') or None
 
 
 def _upload_of(block_id: str) -> str | None:

@@ -266,10 +266,12 @@ class Store(ABC):
         if sum(v.nbytes for v in views):
             self._retrying("read", key, self._read_into, key, start, views)
 
-    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> None:
-        """Store ``data`` at ``key`` atomically; with ``if_none_match`` only if absent."""
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False) -> str | None:
+        """Store ``data`` at ``key`` atomically; with ``if_none_match`` only if absent.
+        Returns the new object's ETag, unquoted, as listings give it (None: the store
+        gives none): what tells this write's object from another write of the key."""
         check_key(key, self.root_url)
-        self._retrying("put", key, self._put, key, byte_view(data), if_none_match)
+        return self._retrying("put", key, self._put, key, byte_view(data), if_none_match)
 
     def delete(self, key: str) -> None:
         """Remove one object; absent objects are not an error."""
@@ -328,9 +330,12 @@ class Store(ABC):
             offset,
         )
 
-    def complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
-        """Make the object visible, made of ``parts`` in order."""
-        self._retrying(
+    def complete_multipart(
+        self, upload: MultipartUpload, parts: Sequence[UploadedPart]
+    ) -> str | None:
+        """Make the object visible, made of ``parts`` in order; returns its ETag as
+        :meth:`put` does (None also when a retry found the first attempt had completed)."""
+        return self._retrying(
             "complete multipart upload", upload.key, self._complete_multipart, upload, parts
         )
 
@@ -368,7 +373,8 @@ class Store(ABC):
         """Fill flat byte ``buffers`` (at least one byte in all) from ``start``."""
 
     @abstractmethod
-    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None: ...
+    def _put(self, key: str, data: memoryview, if_none_match: bool) -> str | None:
+        """Store ``data``; the new object's ETag, unquoted (None: the store gives none)."""
 
     @abstractmethod
     def _delete(self, key: str) -> None:
@@ -404,7 +410,8 @@ class Store(ABC):
     @abstractmethod
     def _complete_multipart(
         self, upload: MultipartUpload, parts: Sequence[UploadedPart]
-    ) -> None: ...
+    ) -> str | None:
+        """Complete ``upload``; the new object's ETag, unquoted, as :meth:`_put`."""
 
     @abstractmethod
     def _abort_multipart(self, upload: MultipartUpload) -> None:

@@ -368,8 +368,8 @@ class GCSStore(Store):
             raise TransientError(f"put {self.url(key)}: CRC32C mismatch after upload")
         return meta
 
-    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
-        self._upload(key, data, if_none_match=if_none_match, final=True)
+    def _put(self, key: str, data: memoryview, if_none_match: bool) -> str | None:
+        return _info(self._upload(key, data, if_none_match=if_none_match, final=True)).etag
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
@@ -389,14 +389,16 @@ class GCSStore(Store):
         size = byte_view(data).nbytes
         return UploadedPart(number=number, etag=str(meta.get("generation", "")), size=size)
 
-    def _complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+    def _complete_multipart(
+        self, upload: MultipartUpload, parts: Sequence[UploadedPart]
+    ) -> str | None:
         folder = _upload_dir(upload.key, upload.upload_id)
         sources = [
             {"name": folder + f"part-{p.number:05d}", "generation": p.etag}
             for p in sorted(parts, key=lambda p: p.number)
         ]
         if not sources:  # an empty object: compose needs at least one source
-            self._upload(upload.key, b"", if_none_match=False, final=True)
+            made = self._upload(upload.key, b"", if_none_match=False, final=True)
         else:
             level = 0
             while len(sources) > _COMPOSE_FANIN:
@@ -408,10 +410,11 @@ class GCSStore(Store):
                     for i, group in enumerate(groups)
                 ]
                 level += 1
-            self._compose(sources, upload.key, upload.key)
+            made = self._compose(sources, upload.key, upload.key)
         # The object is committed; leftovers are only untidy (gc finds them), never an error.
         with contextlib.suppress(StorageError):
             self._abort_multipart(upload)
+        return _info(made).etag
 
     def _compose(self, sources: Sequence[dict[str, Any]], dest: str, key: str) -> dict[str, Any]:
         body = {

@@ -98,12 +98,13 @@ class MemoryStore(Store):
                 items.append(ObjectInfo(key=key, size=len(data), mtime=mtime, etag=_etag(data)))
         return items, (page[-1] if len(keys) > _PAGE else None)
 
-    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
+    def _put(self, key: str, data: memoryview, if_none_match: bool) -> str | None:
         value = bytes(data)
         with self._data.lock:
             if if_none_match and key in self._data.objects:
                 raise AlreadyExistsError(f"{self.url(key)} already exists")
             self._data.objects[key] = (value, time.time())
+        return _etag(value)
 
     def _delete(self, key: str) -> None:
         with self._data.lock:
@@ -130,7 +131,9 @@ class MemoryStore(Store):
             self._parts_of(upload)[number] = value
         return UploadedPart(number=number, etag=f"{number}-{len(value)}", size=len(value))
 
-    def _complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+    def _complete_multipart(
+        self, upload: MultipartUpload, parts: Sequence[UploadedPart]
+    ) -> str | None:
         with self._data.lock:
             stored = self._parts_of(upload)
             chunks = []
@@ -146,8 +149,10 @@ class MemoryStore(Store):
                         "than 5 MiB and not the last"
                     )
                 chunks.append(value)
-            self._data.objects[upload.key] = (b"".join(chunks), time.time())
+            made = b"".join(chunks)
+            self._data.objects[upload.key] = (made, time.time())
             del self._data.uploads[upload.upload_id]
+        return _etag(made)
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
         with self._data.lock:

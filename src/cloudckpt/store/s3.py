@@ -380,9 +380,10 @@ class S3Store(Store):
         return items, more or None
 
     # -- writes --------------------------------------------------------------------------
-    def _put(self, key: str, data: memoryview, if_none_match: bool) -> None:
+    def _put(self, key: str, data: memoryview, if_none_match: bool) -> str | None:
         extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_none_match else {}
-        self._call("put_object", key, Key=key, Body=data, **extra)
+        resp = self._call("put_object", key, Key=key, Body=data, **extra)
+        return _etag(resp.get("ETag"))
 
     def _delete(self, key: str) -> None:
         self._call("delete_object", key, Key=key)
@@ -414,9 +415,11 @@ class S3Store(Store):
         )
         return UploadedPart(number=number, etag=resp["ETag"], size=len(body))
 
-    def _complete_multipart(self, upload: MultipartUpload, parts: Sequence[UploadedPart]) -> None:
+    def _complete_multipart(
+        self, upload: MultipartUpload, parts: Sequence[UploadedPart]
+    ) -> str | None:
         try:
-            self._call(
+            resp = self._call(
                 "complete_multipart_upload",
                 upload.key,
                 Key=upload.key,
@@ -436,6 +439,8 @@ class S3Store(Store):
             if found != size:
                 raise
             upload.backend = "completed-on-earlier-attempt"
+            return None  # whose ETag the listing shows is not known from here
+        return _etag(resp.get("ETag"))
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
         # A 404 means the upload is already gone, which is what we wanted.
