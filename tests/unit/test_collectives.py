@@ -253,3 +253,38 @@ def _runs_on_cloudckpt_s_groups(me: int, world: int) -> None:
 
 def test_collectives_run_on_cloudckpt_s_own_groups_destroyed_at_exit() -> None:
     run_ranks(_runs_on_cloudckpt_s_groups, 3, timeout=120)
+
+
+def _a_rank_dies(rank: int, world: int, results: Any, step: str) -> None:
+    """After one collective together (cloudckpt's own group is made), rank 1's process
+    leaves, as a killed one would (no error sent); rank 0 reaches ``step``'s collective
+    and reports what it raised. Each ends with _exit: the launcher's closing barrier
+    cannot run without the dead rank."""
+    import os
+
+    settle(None, "the save of step 4")
+    if rank == 1:
+        os._exit(0)
+    try:
+        if step == "settle":
+            settle(None, "the upload of step 4", error_type=DistributedSaveError)
+        elif step == "on_first":
+            on_first(lambda: 1, what="the commit of step 4", error_type=DistributedSaveError)
+        else:
+            barrier(what="the barrier before the commit of step 4")
+        results.put(("returned", ""))
+    except BaseException as exc:
+        results.put((type(exc).__name__, str(exc)))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("step", ["settle", "on_first", "barrier"])
+def test_a_rank_that_died_is_a_typed_error_naming_the_step(step: str) -> None:
+    import multiprocessing
+
+    results = multiprocessing.get_context("fork").SimpleQueue()
+    run_ranks(_a_rank_dies, 2, results, step, timeout=120)
+    name, text = results.get()
+    assert name == ("CollectiveError" if step == "barrier" else "DistributedSaveError"), text
+    assert "step 4 failed: the collective with the other ranks broke off" in text, text
+    assert "may have died" in text

@@ -159,7 +159,7 @@ def gathered(error: BaseException | None, value: Any, group: Any, what: str) -> 
     """Every rank's ``value``, in rank order, once every rank's part of ``what``
     succeeded: else a failed rank raises its own ``error``, the others
     DistributedSaveError naming it."""
-    agreement = agree(error, value, group=group)
+    agreement = agree(error, value, group=group, what=what, error_type=DistributedSaveError)
     if error is not None:
         raise error
     agreement.raise_failures(what, DistributedSaveError)

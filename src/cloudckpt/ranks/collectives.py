@@ -26,9 +26,10 @@ here a failed rank keeps its own error and traceback, and the others get its tex
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -103,10 +104,29 @@ def _text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def barrier(group: Any = None) -> None:
+@contextlib.contextmanager
+def _peers(what: str, error_type: type[CollectiveError] = CollectiveError) -> Iterator[None]:
+    """Around one collective: a failure of its transport (a rank's process died or left:
+    gloo's "Connection closed by peer", a timeout) is ``error_type`` saying ``what``
+    could not finish, with the backend's first line; never the backend's bare error."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:  # torch's DistBackendError is one
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise error_type(
+            f"{what} failed: the collective with the other ranks broke off ({type(exc).__name__}: "
+            f"{first}); a rank's process may have died or left the job",
+            {},
+        ) from exc
+
+
+def barrier(group: Any = None, *, what: str = "a barrier of the ranks") -> None:
     """Wait until every rank of ``group`` (None: the world) got here."""
     if not _alone(group):
-        torch_distributed().barrier(group=dedicated(group))
+        with _peers(what):
+            torch_distributed().barrier(group=dedicated(group))
 
 
 # -- act on the first rank ----------------------------------------------------------------
@@ -137,7 +157,8 @@ def on_first(
         except Exception as exc:  # sent to the others, raised here below
             failed = exc
             box[0] = ("error", _pickled(exc), _text(exc))
-    torch_distributed().broadcast_object_list(box, src=first, group=dedicated(group))
+    with _peers(what, error_type):
+        torch_distributed().broadcast_object_list(box, src=first, group=dedicated(group))
     if failed is not None:
         raise failed
     if torch_distributed().get_rank() == first:
@@ -203,10 +224,18 @@ class Agreement:
             raise error_type.of(what, self.failures)
 
 
-def agree(error: BaseException | None = None, value: Any = None, *, group: Any = None) -> Agreement:
+def agree(
+    error: BaseException | None = None,
+    value: Any = None,
+    *,
+    group: Any = None,
+    what: str = "an agreement of the ranks",
+    error_type: type[CollectiveError] = CollectiveError,
+) -> Agreement:
     """Every rank of ``group`` (None: the world) passes its outcome (``error`` or None)
     and a ``value``; every rank gets the same :class:`Agreement` (one
     ``all_gather_object``). Never raises for another rank's failure: see :func:`settle`.
+    A rank that left the collective (its process died) is ``error_type`` naming ``what``.
 
     A value that cannot be pickled counts as this rank's failure (sent as None), so no
     rank waits for it.
@@ -220,7 +249,8 @@ def agree(error: BaseException | None = None, value: Any = None, *, group: Any =
     if _alone(group):
         return Agreement({} if mine is None else {rank(): mine}, (value,))
     got: list[Any] = [None] * torch_distributed().get_world_size(group)
-    torch_distributed().all_gather_object(got, (mine, value), group=dedicated(group))
+    with _peers(what, error_type):
+        torch_distributed().all_gather_object(got, (mine, value), group=dedicated(group))
     failures = {_global(group, i): text for i, (text, _) in enumerate(got) if text is not None}
     return Agreement(failures, tuple(v for _, v in got))
 
@@ -235,7 +265,7 @@ def settle(
     """Raise on every rank of ``group`` if any rank's part of ``what`` failed (a
     collective): a failed rank its own ``error``, the others ``error_type`` naming each
     failed rank and its error."""
-    agreement = agree(error, group=group)
+    agreement = agree(error, group=group, what=what, error_type=error_type)
     if error is not None:
         raise error
     agreement.raise_failures(what, error_type)
