@@ -46,7 +46,7 @@ from .manager.folders import commit_folder
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
 from .manager.folders import step_prefix as _step_prefix
-from .manager.marker import check_files, marker_key
+from .manager.marker import check_files, check_remote, marker_key
 from .options import TransferOptions
 from .ranks.collectives import is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
@@ -232,6 +232,7 @@ def load_state(
         error: BaseException | None = None
         try:
             fetched = LocalStore(folder)
+            check_remote(manager.store, prefix, info)  # sizes and ETags, naming the object
             copy_tree(
                 manager.store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME, *others)
             )

@@ -214,3 +214,30 @@ def test_a_ranks_failed_upload_fails_every_rank_and_commits_nothing(moto_server,
     assert failed[0]["error"] == "DistributedSaveError"
     assert "rank 1" in failed[0]["message"] and "refused upload" in failed[0]["message"]
     assert committed(moto_server, url) == [4]
+
+
+def test_another_steps_file_copied_over_is_refused_naming_it(moto_server, tmp_path):
+    """Step 2's ``model.safetensors`` copied over step 4's (the same size): load_state
+    checks each file against the marker's ETag before the download and names the
+    bucket's object; nothing is loaded."""
+    import torch
+    from accelerate import Accelerator
+
+    from cloudckpt.accelerate import load_state, save_state
+    from cloudckpt.errors import CorruptCheckpointError
+
+    bucket = moto_server.make_bucket(unique_bucket_name("accel-swap"))
+    url, options = f"s3://{bucket}/run", moto_server.storage_options()
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 4))
+    for step in (2, 4):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        save_state(accelerator, url, step=step, storage_options=options)
+    m = CheckpointManager(url, storage_options=options)
+    m.store.put(
+        "run/step-000000004/model.safetensors", m.store.get("run/step-000000002/model.safetensors")
+    )
+    with pytest.raises(CorruptCheckpointError, match=r"step-000000004/model\.safetensors changed"):
+        load_state(accelerator, url, storage_options=options)
+    assert torch.equal(model.weight, torch.full((4, 4), 4.0))  # nothing loaded

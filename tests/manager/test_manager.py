@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from cloudckpt.errors import AlreadyExistsError, NotFoundError, StorageError
+from cloudckpt.errors import AlreadyExistsError, CorruptCheckpointError, NotFoundError, StorageError
 from cloudckpt.manager import MARKER_NAME, CheckpointManager
 from cloudckpt.manager.marker import root_prefix
 from conftest import StoreTarget
@@ -235,3 +235,25 @@ def test_retention_in_a_directory_leaves_no_empty_step_folders(tmp_path: Any) ->
     assert sorted(p.name for p in root.iterdir()) == ["step-000000003"]
     m.delete(3)
     assert root.is_dir() and list(root.iterdir()) == []  # the root itself stays
+
+
+def test_another_steps_file_copied_over_is_refused_at_restore(store_url: StoreTarget) -> None:
+    """Step 5's ``state.pt`` copied over step 10's (the same size, valid records): the
+    restore checks each file against its marker's ETag first and names the file, where
+    the store keeps ETags (the filesystem keeps none: the same size passes there, and
+    a record's CRC-32 is what a load checks)."""
+    m = manager(store_url)
+    m.save(5, state(5))
+    m.save(10, state(10))
+    prefix = root_prefix(m.root_key)
+    m.store.put(f"{prefix}step-000000010/state.pt", m.store.get(f"{prefix}step-000000005/state.pt"))
+    if store_url.name == "file":
+        assert torch.equal(m.restore()["w"], state(5)["w"])  # what no ETag can tell
+        return
+    with pytest.raises(
+        CorruptCheckpointError, match=r"step-000000010/state\.pt changed since step 10"
+    ):
+        m.restore()
+    with pytest.raises(CorruptCheckpointError, match=r"state\.pt changed since step 10"):
+        m.restore(step=10)
+    assert torch.equal(m.restore(step=5)["w"], state(5)["w"])

@@ -62,6 +62,7 @@ from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage
 from .marker import (
     CheckpointInfo,
     DamagedMarker,
+    check_remote,
     commit_step,
     list_checkpoints,
     marker_key,
@@ -754,9 +755,18 @@ class CheckpointManager:
         if tiered is not None and LOCAL in info.tiers:
             result = tiered.restore_local(info, load)
         else:
-            result = load(info.url, self.options)
+            result = self._load_committed(info, load)
         self.restored_step = info.step
         return result
+
+    def _load_committed(self, info: CheckpointInfo, load: Callable[..., Any]) -> Any:
+        """``load`` the bucket's copy of ``info``'s step, once one listing showed every
+        file its marker lists there at the marker's size and ETag (as ``cloudckpt
+        verify`` checks): another step's file copied over one of them, or one rewritten
+        since the commit, is CorruptCheckpointError naming it, never loaded."""
+        with deadline_scope(self.options.deadline):
+            check_remote(self.store, self._step_prefix(info.step), info)
+        return load(self.step_url(info.step), self.options)
 
     def _start_fresh(self) -> None:
         """What a restore of the newest checkpoint returns when the run has none: None,

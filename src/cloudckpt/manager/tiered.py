@@ -82,6 +82,7 @@ class Bucket(Protocol):
     def _restore_bucket(
         self, step: int, map_location: Any, weights_only: bool, state: Any
     ) -> Any: ...
+    def _load_committed(self, info: CheckpointInfo, load: Callable[..., Any]) -> Any: ...
 
 
 class TieredRun:
@@ -614,7 +615,7 @@ class TieredRun:
             # transfer group): freed now, not at the next full collection, so the
             # bucket's copy is not read beside it.
             traceback.clear_frames(exc.__traceback__)
-        return load(bucket.step_url(info.step), bucket.options)
+        return bucket._load_committed(info, load)
 
     # -- removals ------------------------------------------------------------------------
     def delete(self, step: int) -> int:
