@@ -257,3 +257,32 @@ def test_another_steps_file_copied_over_is_refused_at_restore(store_url: StoreTa
     with pytest.raises(CorruptCheckpointError, match=r"state\.pt changed since step 10"):
         m.restore(step=10)
     assert torch.equal(m.restore(step=5)["w"], state(5)["w"])
+
+
+@pytest.mark.parametrize("kind", ["object", "dcp"])
+def test_a_crashed_saves_leftovers_stay_out_of_the_next_commit(
+    store_url: StoreTarget, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save of step 2 on two ranks died before its commit and left rank 1's file; the
+    restarted job saves step 2 again on one rank: its marker lists the files this save
+    wrote, not the dead save's (a WARNING names what is left out)."""
+    import logging
+
+    m = manager(store_url, kind=kind)
+    prefix = f"{root_prefix(m.root_key)}step-000000002/"
+    m.store.put(prefix + "__1_0.distcp", b"the dead save's rank 1 data")
+    caplog.set_level(logging.WARNING, logger="cloudckpt")
+    info = m.save(2, {"w": torch.arange(8.0)} if kind == "dcp" else state(2))
+    names = sorted(f.name for f in info.files)
+    assert "__1_0.distcp" not in names
+    if kind == "object":
+        assert names == ["state.pt"]
+    else:
+        assert names == [".cloudckpt-layout.json", ".metadata", "__0_0.distcp"]
+    assert m.info(2).files == info.files
+    assert any(
+        "__1_0.distcp" in r.getMessage() and "left out" in r.getMessage() for r in caplog.records
+    )
+    out = {"w": torch.zeros(8)} if kind == "dcp" else None
+    restored = m.restore(state=out)
+    assert torch.equal(restored["w"], torch.arange(8.0) if kind == "dcp" else state(2)["w"])

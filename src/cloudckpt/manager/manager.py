@@ -62,6 +62,7 @@ from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage
 from .marker import (
     CheckpointInfo,
     DamagedMarker,
+    Written,
     check_remote,
     commit_step,
     list_checkpoints,
@@ -74,6 +75,8 @@ from .payload import (
     DcpPayload,
     MegatronPayload,
     PayloadKind,
+    Wrote,
+    dcp_files,
     described,
     payload_kind,
     rank_failures,
@@ -347,10 +350,10 @@ class CheckpointManager:
             return info
         try:
             with self._room():
-                self.kind.save(state, url, options)
+                wrote = self.kind.save(state, url, options)
             barrier()
             info = on_first(
-                lambda: self._commit_save(step, metrics, metadata or {}),
+                lambda: self._commit_save(step, metrics, metadata or {}, wrote),
                 what=f"the commit of {url}",
             )
         finally:
@@ -420,8 +423,9 @@ class CheckpointManager:
 
         def commit() -> CheckpointInfo:
             with self._room():
-                inner.result()
-            return self._commit_save(step, metrics, metadata or {})
+                saved = inner.result()
+            wrote = {self.kind.filename: Written(saved.size, saved.etag)}  # type: ignore[attr-defined]
+            return self._commit_save(step, metrics, metadata or {}, wrote)
 
         inner.add_done_callback(
             lambda _inner: self._finish(handle, commit, retain=True, deadline=deadline)
@@ -510,7 +514,10 @@ class CheckpointManager:
             settle(error, f"the save of {handle.url}", group=group, error_type=DistributedSaveError)
             if self._tiered is not None and ranked:
                 return self._tiered.commit_ranks(step, metrics, metadata)
-            return on_first(lambda: self._commit_save(step, metrics, metadata), group, what=what)
+            wrote = dcp_files(pending.result()) if isinstance(pending, Future) else None
+            return on_first(
+                lambda: self._commit_save(step, metrics, metadata, wrote), group, what=what
+            )
 
         pending.add_done_callback(
             lambda _done: self._finish(
@@ -565,12 +572,17 @@ class CheckpointManager:
         return self.step_url(step), self.options
 
     def _commit_save(
-        self, step: int, metrics: Mapping[str, float], metadata: Mapping[str, Any]
+        self,
+        step: int,
+        metrics: Mapping[str, float],
+        metadata: Mapping[str, Any],
+        wrote: Wrote = None,
     ) -> CheckpointInfo:
-        """Commit a save where it was written: the local tier if any, else the bucket."""
+        """Commit a save where it was written: the local tier if any, else the bucket
+        (exactly the files the save ``wrote``, where it says)."""
         if self._tier is not None:
             return self._tier.commit(step, self.kind.name, metrics, metadata)
-        return self._commit(step, metrics, metadata)
+        return self._commit(step, metrics, metadata, files=wrote)
 
     def _commit(
         self,
@@ -578,11 +590,15 @@ class CheckpointManager:
         metrics: Mapping[str, float],
         metadata: Mapping[str, Any],
         when: float | None = None,
+        files: Wrote = None,
     ) -> CheckpointInfo:
-        """List the step's objects in the bucket and write its marker (rank 0, after
-        the payload); ``when``: the commit time to record (default now)."""
+        """Write the step's marker in the bucket (rank 0, after the payload), recording
+        ``files`` (the save's own, each checked there: manager/marker.commit_step), else
+        every object listed under the step; ``when``: the commit time (default now)."""
         prefix = self._step_prefix(step)
-        return commit_step(self.store, prefix, step, self.kind.name, metrics, metadata, when)
+        return commit_step(
+            self.store, prefix, step, self.kind.name, metrics, metadata, when, files=files
+        )
 
     def _after_commit(self, step: int, defer: bool = False) -> None:
         """After a save's commit: bucket retention; with a local tier, local retention,
@@ -763,9 +779,15 @@ class CheckpointManager:
         """``load`` the bucket's copy of ``info``'s step, once one listing showed every
         file its marker lists there at the marker's size and ETag (as ``cloudckpt
         verify`` checks): another step's file copied over one of them, or one rewritten
-        since the commit, is CorruptCheckpointError naming it, never loaded."""
-        with deadline_scope(self.options.deadline):
-            check_remote(self.store, self._step_prefix(info.step), info)
+        since the commit, is CorruptCheckpointError naming it, never loaded. The first
+        rank lists; every rank hears the outcome."""
+        prefix = self._step_prefix(info.step)
+
+        def check() -> None:
+            with deadline_scope(self.options.deadline):
+                check_remote(self.store, prefix, info)
+
+        on_first(check, what=f"the check of {self.step_url(info.step)} against its marker")
         return load(self.step_url(info.step), self.options)
 
     def _start_fresh(self) -> None:

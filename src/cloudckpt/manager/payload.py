@@ -4,7 +4,9 @@ Megatron-core ``dist_checkpointing`` directory.
 A payload kind writes the bytes of one checkpoint under its step prefix and reads them
 back; it never writes the marker (the manager does, last, on rank 0). Call order on
 save: ``kind.save(...)`` on every rank (a kind decides which ranks write), then the
-manager lists the prefix and commits. On restore: ``kind.load(...)`` on every rank.
+manager commits: exactly the files the save says it wrote (``save``'s answer: names,
+with sizes and ETags where known), else whatever it lists under the prefix. On restore:
+``kind.load(...)`` on every rank.
 
 A kind whose ranks each write their own files declares ``coordinator_files``: the files
 its first rank alone writes, in the order they commit. A local tier on several ranks
@@ -15,6 +17,7 @@ drains them last; a kind without them (``()``) takes a local tier on one process
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,15 +26,24 @@ from ..errors import ConfigError, DistributedLoadError
 from ..options import TransferOptions
 from ..ranks.collectives import on_first, rank
 from ..store import Target
+from .marker import Written
 
 if TYPE_CHECKING:  # imports torch and megatron-core: only when a save runs
     from ..megatron.save import MegatronSaveHandle
+
+#: The files a save wrote under its prefix, each with what it knows of it (a
+#: :class:`~.marker.Written`, a size, or None), for a commit of exactly those (an
+#: earlier crashed save's leftovers under the prefix stay out of the marker); None:
+#: not known, the commit lists the prefix.
+Wrote = Mapping[str, "Written | int | None"] | None
 
 __all__ = [
     "DcpPayload",
     "MegatronPayload",
     "ObjectPayload",
     "PayloadKind",
+    "Wrote",
+    "dcp_files",
     "described",
     "payload_kind",
     "rank_failures",
@@ -52,7 +64,9 @@ class PayloadKind(Protocol):
         """The files only the first rank writes, commit last (empty: one writer only)."""
         ...
 
-    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None: ...
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> Wrote:
+        """Write the payload; the files it wrote (:data:`Wrote`; None: not known)."""
+        ...
 
     def load(
         self,
@@ -84,11 +98,12 @@ class ObjectPayload:
         """None: one process writes the whole payload."""
         return ()
 
-    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> Wrote:
         from ..engine.save import save  # imports torch: not at import (the CLI lists fast)
 
         url = prefix_url + self.filename
-        on_first(lambda: save(state, url, options=options), what=f"the save of {url}")
+        saved = on_first(lambda: save(state, url, options=options), what=f"the save of {url}")
+        return {self.filename: Written(saved.size, saved.etag)}
 
     def load(
         self,
@@ -137,12 +152,12 @@ class DcpPayload:
             ) from exc
         return cloud_dcp
 
-    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> Wrote:
         import torch.distributed.checkpoint as dcp
 
         writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
         with paused_gc():  # DCP's planners: a few objects per item (_runtime/gcpause.py)
-            dcp.save(state, storage_writer=writer)
+            return dcp_files(dcp.save(state, storage_writer=writer))
 
     def async_save(
         self, state: Any, prefix_url: str, options: TransferOptions, process_group: Any
@@ -213,10 +228,11 @@ class MegatronPayload:
 
         return (LAYOUT_NAME, METADATA_NAME, COMMON_NAME, CONFIG_NAME)
 
-    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> Wrote:
         from .. import megatron  # imports torch and megatron-core: only when used
 
         megatron.save(state, prefix_url, options=options)
+        return None  # megatron writes files of its own beside DCP's: the commit lists
 
     def async_save(
         self, state: Any, prefix_url: str, options: TransferOptions, process_group: Any
@@ -260,6 +276,24 @@ class MegatronPayload:
             if error is exc:
                 raise
             raise error from exc
+
+
+def dcp_files(metadata: Any) -> Wrote:
+    """The files a DCP save through cloudckpt's writer committed, from the ``Metadata``
+    it returned: every data file its storage entries name, the layout index and
+    ``.metadata`` (None when the metadata names none: another writer's)."""
+    from ..format.dcp.layout import LAYOUT_NAME, METADATA_NAME  # imports torch
+
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict) or not storage:
+        return None
+    names = {LAYOUT_NAME, METADATA_NAME}
+    for info in storage.values():
+        path = getattr(info, "relative_path", None)
+        if not isinstance(path, str) or not path:
+            return None
+        names.add(path)
+    return dict.fromkeys(sorted(names))
 
 
 def rank_failures(error: BaseException) -> dict[int, BaseException]:

@@ -39,7 +39,7 @@ from . import peers
 from .choose import RankHolds, choose_step
 from .gc import GcReport, collect_garbage
 from .marker import MARKER_NAME, CheckpointInfo, DamagedMarker, read_marker, root_prefix
-from .payload import DcpPayload, MegatronPayload, PayloadKind
+from .payload import DcpPayload, MegatronPayload, PayloadKind, Wrote
 from .tiers import LOCAL, REMOTE, LocalTier
 
 __all__ = ["Bucket", "TieredRun"]
@@ -73,6 +73,7 @@ class Bucket(Protocol):
         metrics: Mapping[str, float],
         metadata: Mapping[str, Any],
         when: float | None = None,
+        files: Wrote = None,
     ) -> CheckpointInfo: ...
     def _retain_quietly(self) -> builtins.list[int]: ...
     def _await_in_flight(self) -> None: ...
@@ -251,7 +252,9 @@ class TieredRun:
                 bucket.store,
                 bucket._step_prefix(step),
                 bucket.options,
-                lambda local: bucket._commit(step, local.metrics, local.metadata, local.time),
+                lambda local: bucket._commit(
+                    step, local.metrics, local.metadata, local.time, files=_sizes(local)
+                ),
             )
         finally:
             with bucket._lock:
@@ -377,8 +380,11 @@ class TieredRun:
         with bucket._lock:
             bucket._pending.add(step)
         try:
-            mine = [f.name for f in local.files] if owner and local is not None else []
-            names: set[str] = set().union(*agree(value=mine, group=group).values)
+            mine = _sizes(local) if owner and local is not None else {}
+            sizes: dict[str, int | None] = {}
+            for each in agree(value=mine, group=group).values:
+                sizes.update(each)
+            names = set(sizes)
             error: BaseException | None = None
             try:  # a collective: every rank reaches it
                 on_first(
@@ -402,7 +408,7 @@ class TieredRun:
             def commit() -> CheckpointInfo:  # every rank's files are in the bucket
                 assert local is not None  # copy_tree writes the commit markers last
                 tier.send_payload(step, local, bucket.store, prefix, bucket.options, (MARKER_NAME,))
-                return bucket._commit(step, local.metrics, local.metadata, local.time)
+                return bucket._commit(step, local.metrics, local.metadata, local.time, files=sizes)
 
             on_first(commit, group, what=f"the commit of {url}")
             self._entered_bucket(step)
@@ -647,3 +653,9 @@ class TieredRun:
             protected=protected,
             trust_locks=True,  # node-local: a temp file whose lock is free is dead
         )
+
+
+def _sizes(local: CheckpointInfo) -> dict[str, int | None]:
+    """The files a local commit lists, with their sizes: what its drain commits in the
+    bucket, exactly (an earlier save's leftovers there stay out of the marker)."""
+    return {f.name: f.size for f in local.files}
