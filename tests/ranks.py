@@ -7,6 +7,7 @@ rank fails or the group outlives ``timeout`` seconds.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -30,6 +31,9 @@ _GLOO_TEARDOWN_HANGS = tuple(int(v) for v in torch.__version__.split(".")[:2]) <
 def _entry(rank: int, fn: Any, world_size: int, port: int, args: tuple[Any, ...]) -> None:
     # A forked child must not use the parent's OpenMP pool (GNU OpenMP hangs there).
     torch.set_num_threads(1)
+    # Its collections leave the heap it inherited alone: by the middle of a session that
+    # is gigabytes, and each full collection in a rank would touch (and copy) all of it.
+    gc.freeze()
     os.environ["MASTER_ADDR"] = HOST
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(

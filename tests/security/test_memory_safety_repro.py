@@ -20,6 +20,7 @@ what must hold and, where torch refuses or bounds it, that torch does.
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing
 import os
@@ -54,6 +55,9 @@ def _child_main(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> Non
     # A forked child cannot use the OpenMP threads of a parent that ran parallel torch
     # ops (in a whole test session it has): one thread, so no op waits for them.
     torch.set_num_threads(1)
+    # Nor should its collections walk the heap it inherited (gigabytes by the middle of
+    # a session): each full collection would touch, and copy, every page of it.
+    gc.freeze()
     try:
         result = ("ok", fn(*args))
     except BaseException as exc:  # reported to the parent, whatever it is
