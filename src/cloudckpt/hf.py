@@ -47,6 +47,7 @@ from typing import Any
 from ._lazy import lazy_attributes
 from .engine.copy import copy_tree
 from .engine.drain import Drainer, directory_owner
+from .engine.proof import matches_etag, md5_etag
 from .engine.remove import remove_checkpoint
 from .errors import (
     AlreadyExistsError,
@@ -574,7 +575,8 @@ def fetch_latest(
     The files go into a hidden folder beside it, are checked against the marker (sizes,
     ETags, every torch archive's CRC-32s) and the folder is renamed into place once
     whole; an interrupted fetch resumes there. A ``checkpoint-N`` already in
-    ``local_dir`` is returned when its files match the marker's sizes, else refused
+    ``local_dir`` is returned when its files match the marker's sizes (and hash to its
+    MD5 ETags, where the store gives those), else refused
     (:class:`~cloudckpt.errors.AlreadyExistsError`). ``local_dir`` may be a link; nothing
     inside it is followed: a ``checkpoint-N``, its hidden folder or a folder below them
     that is a symbolic link is refused (:class:`~cloudckpt.errors.UnsafePathError`).
@@ -626,6 +628,7 @@ def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str
     if target.exists():
         try:
             _check_sizes(LocalStore(target), info)
+            _check_hashes(LocalStore(target), info)
         except (CorruptCheckpointError, NotFoundError) as exc:
             raise AlreadyExistsError(
                 f"{target} exists and is not {info.url} ({exc}); move it away to fetch"
@@ -646,6 +649,19 @@ def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str
             verify_archive(fetched, f.name, local_options, expected_size=f.size)
     partial.rename(target)
     return str(target)
+
+
+def _check_hashes(store: LocalStore, info: CheckpointInfo) -> None:
+    """Every file the marker lists with an S3-style MD5 ETag (S3 and the stores that
+    answer like it) hashes to it under ``store`` (engine/proof.py): a folder of another
+    run's step of the same sizes is not the bucket's. An opaque ETag (GCS, Azure) proves
+    nothing about local bytes: such a file is taken by its size (docs/integrations.md)."""
+    for f in info.files:
+        if md5_etag(f.etag) and not matches_etag(store, f.name, f.size, f.etag):
+            raise CorruptCheckpointError(
+                f"{store.url(f.name)} holds other bytes than the bucket's (its MD5 is not "
+                f"the ETag {f.etag} its marker {info.url} records)"
+            )
 
 
 def _check_sizes(store: LocalStore, info: CheckpointInfo) -> None:

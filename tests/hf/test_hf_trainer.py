@@ -4,6 +4,7 @@ run killed by ``kill -9`` and resumed, retention in the bucket, fetching."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from cloudckpt import CheckpointManager
 from cloudckpt.cli import main as cli_main
 from cloudckpt.errors import (
     AccessDeniedError,
+    AlreadyExistsError,
     BucketNotFoundError,
     ConfigError,
     InvalidURLError,
@@ -151,6 +153,16 @@ def test_fetch_latest_ignores_an_uncommitted_newer_folder(
     assert [p.name for p in (tmp_path / "fetched").iterdir()] == ["checkpoint-4"]
     # A second fetch finds the folder whole and returns it as it is.
     assert fetch_latest(url, tmp_path / "fetched", storage_options=opts) == path
+    # Another run's checkpoint-4 of the same sizes is not the bucket's: its bytes are
+    # hashed against the marker's MD5 ETags, and it is refused, never returned.
+    stale = tmp_path / "stale" / "checkpoint-4"
+    shutil.copytree(path, stale)
+    weights = stale / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # the same size, another value
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AlreadyExistsError, match=r"model\.safetensors holds other bytes"):
+        fetch_latest(url, tmp_path / "stale", storage_options=opts)
 
     # A Trainer resumes from there: its history up to step 4 is the first run's.
     resumed = tiny_trainer(str(tmp_path / "fetched"), 6)

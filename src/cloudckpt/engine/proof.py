@@ -31,7 +31,7 @@ from ..options import MiB
 from ..store import ObjectInfo, Store
 from ..store.local import LocalStore
 
-__all__ = ["MAX_PART_SIZES", "matches_etag", "proven_same", "same_bytes"]
+__all__ = ["MAX_PART_SIZES", "matches_etag", "md5_etag", "proven_same", "same_bytes"]
 
 _MD5 = re.compile(r"([0-9a-f]{32})(?:-([1-9][0-9]{0,4}))?")
 #: Most part sizes one multipart ETag is tried with (each costs one MD5 of the bytes).
@@ -96,6 +96,12 @@ class _Parts:
 def _chunks(size: int) -> list[tuple[int, int]]:
     """(start, length) of each piece of ``size`` bytes read at a time."""
     return [(start, min(_CHUNK, size - start)) for start in range(0, size, _CHUNK)]
+
+
+def md5_etag(etag: str | None) -> bool:
+    """Whether ``etag`` is an S3-style MD5 ETag (:func:`matches_etag` can check bytes
+    against it), not an opaque identity of one write."""
+    return _parse(etag) is not None
 
 
 def matches_etag(store: Store, key: str, size: int, etag: str | None) -> bool:
