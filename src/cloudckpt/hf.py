@@ -47,7 +47,7 @@ from typing import Any
 from ._lazy import lazy_attributes
 from .engine.copy import copy_tree
 from .engine.drain import Drainer, directory_owner
-from .engine.proof import matches_etag, md5_etag
+from .engine.proof import matches_etag, md5_etag, same_bytes
 from .engine.remove import remove_checkpoint
 from .errors import (
     AlreadyExistsError,
@@ -59,13 +59,22 @@ from .errors import (
     UnsafePathError,
 )
 from .format.commit import read_committed
+from .io.sink import choose_part_size
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
 from .manager.folders import files_under as _files_under
 from .manager.folders import gathered, open_run, written_by
-from .manager.marker import Written, check_remote, commit_step, root_prefix, step_dir
+from .manager.marker import (
+    Written,
+    check_remote,
+    commit_step,
+    multipart_etag,
+    root_prefix,
+    step_dir,
+)
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
+from .store import Store
 from .store.local import LocalStore
 
 __all__ = ["CloudCheckpointCallback", "fetch_latest"]
@@ -628,7 +637,8 @@ def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str
     if target.exists():
         try:
             _check_sizes(LocalStore(target), info)
-            _check_hashes(LocalStore(target), info)
+            bucket_prefix = info.url[len(manager.store.url("")) :]
+            _check_hashes(LocalStore(target), info, manager.store, bucket_prefix, manager.options)
         except (CorruptCheckpointError, NotFoundError) as exc:
             raise AlreadyExistsError(
                 f"{target} exists and is not {info.url} ({exc}); move it away to fetch"
@@ -651,17 +661,31 @@ def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str
     return str(target)
 
 
-def _check_hashes(store: LocalStore, info: CheckpointInfo) -> None:
+def _check_hashes(
+    store: LocalStore, info: CheckpointInfo, bucket: Store, prefix: str, options: TransferOptions
+) -> None:
     """Every file the marker lists with an S3-style MD5 ETag (S3 and the stores that
     answer like it) hashes to it under ``store`` (engine/proof.py): a folder of another
     run's step of the same sizes is not the bucket's. An opaque ETag (GCS, Azure) proves
-    nothing about local bytes: such a file is taken by its size (docs/integrations.md)."""
+    nothing about local bytes: such a file is taken by its size (docs/integrations.md).
+    A multipart ETag is tried first with the part size this run's uploads choose
+    (``options``), then with the usual whole-MiB ones; when none gives it (an upload
+    with another part size), the file is compared with the bucket's (``bucket`` under
+    ``prefix``) byte for byte: a download of that file, never a guess."""
     for f in info.files:
-        if md5_etag(f.etag) and not matches_etag(store, f.name, f.size, f.etag):
-            raise CorruptCheckpointError(
-                f"{store.url(f.name)} holds other bytes than the bucket's (its MD5 is not "
-                f"the ETag {f.etag} its marker {info.url} records)"
-            )
+        if not md5_etag(f.etag):
+            continue
+        ours = choose_part_size(f.size, options.part_size, options.write_concurrency)
+        if matches_etag(store, f.name, f.size, f.etag, (ours,)):
+            continue
+        if multipart_etag(f.etag or "") and same_bytes(
+            bucket, prefix + f.name, store, f.name, f.size
+        ):
+            continue
+        raise CorruptCheckpointError(
+            f"{store.url(f.name)} holds other bytes than the bucket's (its MD5 is not "
+            f"the ETag {f.etag} its marker {info.url} records)"
+        )
 
 
 def _check_sizes(store: LocalStore, info: CheckpointInfo) -> None:

@@ -228,3 +228,32 @@ def test_the_docs_example_runs(moto_server, tmp_path):
     """The Hugging Face section of docs/integrations.md, as written, on the local server."""
     bucket = run_example(moto_server, docs_examples("Hugging Face Trainer")[0], tmp_path, "hf-docs")
     assert committed(moto_server, f"s3://{bucket}/hf-run") == [8, 12]
+
+
+def test_an_existing_folder_uploaded_in_parts_of_another_size_is_compared_not_refused(
+    moto_server, tmp_path
+):
+    """A 9.5 MiB file committed in 9 MiB parts: its multipart ETag is not one the usual
+    part sizes give, so fetch_latest compares the folder already there with the bucket
+    byte for byte: the run's own download is returned, another run's is refused."""
+    from cloudckpt.manager.folders import commit_folder
+
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-parts"))
+    url, opts = f"s3://{bucket}/run", moto_server.storage_options()
+    m = CheckpointManager(url, storage_options=opts, part_size=9 << 20, write_concurrency=1)
+    folder = tmp_path / "out" / "checkpoint-3"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * (38 * 1024))
+    (folder / "trainer_state.json").write_text("{}")
+    info = commit_folder(
+        m, 3, folder, kind="hf-trainer", metadata={"folder": folder.name}, group=None
+    )
+    assert {f.name: f.etag.endswith("-2") for f in info.files}["model.safetensors"]
+    path = fetch_latest(url, tmp_path / "fetched", storage_options=opts)
+    assert fetch_latest(url, tmp_path / "fetched", storage_options=opts) == path
+    weights = Path(path) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[5 << 20] ^= 0xFF  # the same size, another value, in the first part
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AlreadyExistsError, match=r"model\.safetensors holds other bytes"):
+        fetch_latest(url, tmp_path / "fetched", storage_options=opts)

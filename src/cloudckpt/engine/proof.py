@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 
 from ..options import MiB
 from ..store import ObjectInfo, Store
@@ -104,9 +105,13 @@ def md5_etag(etag: str | None) -> bool:
     return _parse(etag) is not None
 
 
-def matches_etag(store: Store, key: str, size: int, etag: str | None) -> bool:
+def matches_etag(
+    store: Store, key: str, size: int, etag: str | None, prefer: Sequence[int] = ()
+) -> bool:
     """Whether the ``size`` bytes of ``key`` in ``store`` hash to the S3-style MD5 ETag
-    ``etag`` (False when it is not one, or no part size tried gives it)."""
+    ``etag`` (False when it is not one, or no part size tried gives it). A multipart
+    ETag is tried with the part sizes in ``prefer`` first (the one cloudckpt's own
+    upload of the object chose: ``io/sink.choose_part_size``), then whole-MiB ones."""
     parsed = _parse(etag)
     if parsed is None:
         return False
@@ -116,7 +121,8 @@ def matches_etag(store: Store, key: str, size: int, etag: str | None) -> bool:
         for start, n in _chunks(size):
             whole.update(store.get_range(key, start, start + n))
         return whole.hexdigest() == digest
-    tries = [_Parts(p) for p in _part_sizes(size, parts)]
+    fitting = [p for p in prefer if p > 0 and -(-size // p) == parts]
+    tries = [_Parts(p) for p in dict.fromkeys([*fitting, *_part_sizes(size, parts)])]
     if not tries:
         return False
     for start, n in _chunks(size):
