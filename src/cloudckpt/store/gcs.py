@@ -447,7 +447,9 @@ class GCSStore(Store):
                 f"no such multipart upload (parts missing): {self.url(key)}"
             ) from None
         meta: dict[str, Any] = resp.json()
-        return {"name": dest, "generation": str(meta.get("generation", ""))}
+        # The object made, as a listing describes it (its etag: what a commit checks).
+        kept = {k: meta[k] for k in ("size", "updated", "etag", "md5Hash", "crc32c") if k in meta}
+        return {**kept, "name": dest, "generation": str(meta.get("generation", ""))}
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
         folder = _upload_dir(upload.key, upload.upload_id)
