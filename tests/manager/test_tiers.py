@@ -898,3 +898,35 @@ def test_a_local_file_failing_its_checks_while_loading_sends_every_rank_to_the_b
     step2 = f"/run/{step_dir(2)}/"
     read = [p for m, p in bucket.requests if m == "GET" and step2 in p and ".distcp" in p]
     assert len(read) >= 2  # every rank's data file, from the bucket
+
+
+def test_a_drained_object_another_save_rewrites_at_the_same_size_is_never_committed(
+    bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another save of the step writes over the object a drain just sent (the same size,
+    other bytes) before the drain lists what it wrote: its ETag is not the one the
+    drain's upload got, so the drain fails with nothing committed, and its next try
+    sends its own bytes again and commits them."""
+    from cloudckpt.manager import tiers
+
+    m = tiered(bucket, tmp_path / "tier")
+    m.save(2, state(2))
+    m.drain()
+    real = tiers.copy_tree
+
+    def then_theirs(*args: Any, **kwargs: Any) -> Any:
+        copied = real(*args, **kwargs)
+        key = remote_key(m, 3, "state.pt")
+        m.store.put(key, bytes(len(m.store.get(key))))  # theirs: zeros, the same size
+        return copied
+
+    monkeypatch.setattr(tiers, "copy_tree", then_theirs)
+    m.save(3, state(3))
+    with pytest.raises(StorageError, match="written by another save while this drain sent it"):
+        m.drain()
+    assert remote_steps(m) == [2]
+    monkeypatch.setattr(tiers, "copy_tree", real)
+    m.drain()
+    assert remote_steps(m) == [2, 3]
+    bucket_only = CheckpointManager(f"{bucket.url}/run", storage_options=bucket.storage_options)
+    assert torch.equal(bucket_only.restore(step=3)["w"], state(3)["w"])

@@ -13,7 +13,10 @@ proven to hold this local commit's bytes: this drain's journal recorded it as wr
 after the copy), or a checksum the bucket reports matches the local file
 (engine/proof.py). Anything else there is replaced, and an object that is none of the
 step's files is deleted: the same size and a recent time prove nothing (another node's
-save of the same step). The journal also records the bucket's commit, so "is this step
+save of the same step). What the journal records of an object this drain sent is
+checked first against the ETag its upload got: one another save wrote over it
+meanwhile fails the drain (tried again later), never a journal entry. The journal
+also records the bucket's commit, so "is this step
 drained?" is answered from the tier itself, without asking the bucket: a save never
 waits for it.
 """
@@ -56,6 +59,7 @@ from .marker import (
     decode_marker,
     list_checkpoints,
     marker_key,
+    multipart_etag,
     read_marker,
     step_dir,
 )
@@ -564,23 +568,31 @@ class LocalTier:
             if rel in files and o.size == files[rel] and mine.get(rel) == identity(o):
                 kept.add(rel)
         todo = [n for n in files if n not in kept]
+        made: dict[str, str | None] = {}
         if todo:
             # copy_tree excludes by name: a kept name shared with one to send is checked.
             sending = {n.rpartition("/")[2] for n in todo}
             proven = {n.rpartition("/")[2] for n in kept} - sending
-            copy_tree(
+            made = copy_tree(
                 self.store,
                 self.step_prefix(step),
                 remote,
                 remote_prefix,
                 options,
                 exclude=(*exclude, *sorted(proven)),
-            )
-        written = {
-            rel: identity(o)
-            for o in remote.list(remote_prefix)
-            if (rel := o.key[len(remote_prefix) :]) in files
-        }
+            ).etags
+        written: dict[str, str] = {}
+        for o in remote.list(remote_prefix):
+            rel = o.key[len(remote_prefix) :]
+            if rel not in files:
+                continue
+            if _replaced(made.get(rel), o.etag):
+                raise StorageError(
+                    f"{remote.url(o.key)} was written by another save while this drain sent "
+                    f"it (its ETag is not the one this drain's upload got): step {step} is "
+                    f"not committed; the drain of {self.step_url(step)} tries again"
+                )
+            written[rel] = identity(o)
         self.record(step, local, objects={**mine, **written})
 
     def copy_payload(
@@ -617,6 +629,13 @@ class LocalTier:
         """Every file the local marker lists is there, at its size (else NotFoundError
         or CorruptCheckpointError naming it); under ``prefix`` (default: the step's)."""
         check_files(self.store, self.step_prefix(info.step) if prefix is None else prefix, info)
+
+
+def _replaced(made: str | None, listed: str | None) -> bool:
+    """Whether the object a listing shows is not the one an upload made: both ETags
+    known, of one form (manager/marker.multipart_etag), and different."""
+    a, b = (made or "").strip('"'), (listed or "").strip('"')
+    return bool(a and b and a != b and multipart_etag(a) == multipart_etag(b))
 
 
 def _size_and_etag(recorded: str | None) -> tuple[int, str] | None:
