@@ -286,3 +286,28 @@ def test_a_crashed_saves_leftovers_stay_out_of_the_next_commit(
     out = {"w": torch.zeros(8)} if kind == "dcp" else None
     restored = m.restore(state=out)
     assert torch.equal(restored["w"], torch.arange(8.0) if kind == "dcp" else state(2)["w"])
+
+
+def test_a_dcp_data_file_another_save_rewrites_before_the_commit_fails_it(
+    store_url: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's writer tells the commit each object's size and the ETag its upload got:
+    another save's same-size data file, landing between the writes and the commit,
+    fails the commit (stores without ETags: only another size is seen)."""
+    m = manager(store_url, kind="dcp")
+    real = m._commit_save
+    prefix = f"{root_prefix(m.root_key)}step-000000001/"
+
+    def theirs_first(*args: Any, **kwargs: Any) -> Any:
+        data = bytearray(m.store.get(prefix + "__0_0.distcp"))
+        data[-1] ^= 0xFF  # the same size, other bytes
+        m.store.put(prefix + "__0_0.distcp", bytes(data))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(m, "_commit_save", theirs_first)
+    if store_url.name == "file":  # no ETags: the same size passes the commit
+        m.save(1, {"w": torch.arange(8.0)})
+        return
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp is not the object"):
+        m.save(1, {"w": torch.arange(8.0)})
+    assert m.list() == []

@@ -120,6 +120,8 @@ class _Written:
     crc: int | None = None
     #: A small built archive's storage record: (data_offset, its zip CRC-32).
     record: tuple[int, int] | None = None
+    #: On an object's last item: the object's size and the ETag the store gave it.
+    made: tuple[int, str | None] | None = None
 
 
 class _Tap:
@@ -238,6 +240,9 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         self.is_coordinator = False
         self.use_collectives = True
         self._deadline: Deadline | None = None  # set when a save starts
+        #: The coordinator's, after ``finish``: each object the save wrote, by its key
+        #: under the checkpoint, with its size and the ETag the store gave it.
+        self.committed: dict[str, tuple[int, str | None]] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -245,6 +250,7 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
         if checkpoint_id:
             self.location = CheckpointLocation(checkpoint_id, self.location.options)
         self.save_id = uuid.uuid4().hex
+        self.committed = None
 
     def storage_meta(self) -> Any:
         """Checkpoint and save ids recorded in the metadata (torch >= 2.4)."""
@@ -397,7 +403,11 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
                         storage_data=_Written(info, saved, crc, record),
                     )
                 )
-            sink.commit()
+            size = sink.commit()
+            if results:  # what the manager's commit checks: this object, by its ETag
+                last = results[-1]
+                made = dataclasses.replace(last.storage_data, made=(size, sink.etag))
+                results[-1] = dataclasses.replace(last, storage_data=made)
         except BaseException as exc:
             error = sink.abort_after(exc)
             if error is not exc:  # torch.save wrapped our failure
@@ -407,12 +417,23 @@ class CloudStorageWriter(LocatedCheckpoint, StorageWriter):
 
     # -- commit --------------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after every rank's data committed: write ``.metadata`` (the marker)."""
+        """Coordinator, after every rank's data committed: write ``.metadata`` (the
+        marker). ``committed`` then names every object the save wrote, with its size and
+        the ETag the store gave it (what the manager's commit checks)."""
+        made: dict[str, tuple[int, str | None]] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                written = wr.storage_data
+                if isinstance(written, _Written) and written.made is not None:
+                    made[written.info.relative_path] = written.made
         with paused_gc(kept=True):  # an entry per item, kept in the metadata returned
             payload, index = self._encode(metadata, results)
         with within(self._deadline):
-            self.location.store.put(self.location.key(layout_name(self._layout_rank())), index)
+            layout = layout_name(self._layout_rank())
+            made[layout] = (len(index), self.location.store.put(self.location.key(layout), index))
             self._commit(payload)
+            made[self._own_marker()] = (len(payload), None)  # create-only: the bytes are ours
+        self.committed = made
 
     def _layout_rank(self) -> int | None:
         return None if self.use_collectives or self.rank is None else self.rank

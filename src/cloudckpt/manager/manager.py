@@ -76,7 +76,6 @@ from .payload import (
     MegatronPayload,
     PayloadKind,
     Wrote,
-    dcp_files,
     described,
     payload_kind,
     rank_failures,
@@ -514,7 +513,9 @@ class CheckpointManager:
             settle(error, f"the save of {handle.url}", group=group, error_type=DistributedSaveError)
             if self._tiered is not None and ranked:
                 return self._tiered.commit_ranks(step, metrics, metadata)
-            wrote = dcp_files(pending.result()) if isinstance(pending, Future) else None
+            wrote = None
+            if isinstance(self.kind, DcpPayload) and isinstance(pending, Future):
+                wrote = self.kind.wrote_async(pending)
             return on_first(
                 lambda: self._commit_save(step, metrics, metadata, wrote), group, what=what
             )

@@ -157,7 +157,8 @@ class DcpPayload:
 
         writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
         with paused_gc():  # DCP's planners: a few objects per item (_runtime/gcpause.py)
-            return dcp_files(dcp.save(state, storage_writer=writer))
+            metadata = dcp.save(state, storage_writer=writer)
+        return written_by_writer(writer, metadata)
 
     def async_save(
         self, state: Any, prefix_url: str, options: TransferOptions, process_group: Any
@@ -175,7 +176,12 @@ class DcpPayload:
             pending: Any = dcp.async_save(state, storage_writer=writer, **kwargs)
         # torch >= 2.7 answers an AsyncSaveResponse when staging is asynchronous too.
         future: Future[Any] = getattr(pending, "upload_completion", pending)
+        setattr(future, _WRITER, writer)  # its files, for the commit (wrote_async)
         return future
+
+    def wrote_async(self, future: Future[Any]) -> Wrote:
+        """The files the ``async_save`` that answered ``future`` wrote, once it is done."""
+        return written_by_writer(getattr(future, _WRITER, None), future.result())
 
     def load(
         self,
@@ -276,6 +282,20 @@ class MegatronPayload:
             if error is exc:
                 raise
             raise error from exc
+
+
+#: The attribute of an async save's future that holds its writer (wrote_async).
+_WRITER = "_cloudckpt_writer"
+
+
+def written_by_writer(writer: Any, metadata: Any) -> Wrote:
+    """What a DCP save through cloudckpt's ``writer`` wrote: on the coordinator, each
+    object with its size and the ETag its upload got (``CloudStorageWriter.committed``);
+    elsewhere, the names ``metadata`` gives (:func:`dcp_files`)."""
+    made = getattr(writer, "committed", None)
+    if isinstance(made, dict) and made:
+        return {name: Written(size, etag) for name, (size, etag) in made.items()}
+    return dcp_files(metadata)
 
 
 def dcp_files(metadata: Any) -> Wrote:

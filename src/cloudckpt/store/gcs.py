@@ -448,7 +448,8 @@ class GCSStore(Store):
             ) from None
         meta: dict[str, Any] = resp.json()
         # The object made, as a listing describes it (its etag: what a commit checks).
-        kept = {k: meta[k] for k in ("size", "updated", "etag", "md5Hash", "crc32c") if k in meta}
+        fields = ("size", "updated", "etag", "md5Hash", "crc32c")
+        kept: dict[str, Any] = {k: meta[k] for k in fields if k in meta}
         return {**kept, "name": dest, "generation": str(meta.get("generation", ""))}
 
     def _abort_multipart(self, upload: MultipartUpload) -> None:
