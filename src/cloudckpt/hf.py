@@ -47,7 +47,7 @@ from typing import Any
 from ._lazy import lazy_attributes
 from .engine.copy import copy_tree
 from .engine.drain import Drainer, directory_owner
-from .engine.proof import matches_etag, md5_etag, same_bytes
+from .engine.proof import matches_etag, md5_etag, multipart_etag, same_bytes
 from .engine.remove import remove_checkpoint
 from .errors import (
     AlreadyExistsError,
@@ -67,7 +67,6 @@ from .manager.marker import (
     Written,
     check_remote,
     commit_step,
-    multipart_etag,
     root_prefix,
     step_dir,
 )
@@ -678,9 +677,7 @@ def _check_hashes(
         ours = choose_part_size(f.size, options.part_size, options.write_concurrency)
         if matches_etag(store, f.name, f.size, f.etag, (ours,)):
             continue
-        if multipart_etag(f.etag or "") and same_bytes(
-            bucket, prefix + f.name, store, f.name, f.size
-        ):
+        if multipart_etag(f.etag) and same_bytes(bucket, prefix + f.name, store, f.name, f.size):
             continue
         raise CorruptCheckpointError(
             f"{store.url(f.name)} holds other bytes than the bucket's (its MD5 is not "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from cloudckpt.engine.proof import multipart_etag
 from cloudckpt.errors import (
     AccessDeniedError,
     AlreadyExistsError,
@@ -22,7 +23,6 @@ from cloudckpt.errors import (
     CredentialsError,
     NotFoundError,
 )
-from cloudckpt.manager.marker import multipart_etag
 from cloudckpt.options import resolve_options
 from cloudckpt.store import Store, open_url
 from conftest import STORES, make_target
@@ -103,7 +103,7 @@ def test_head_and_list_agree(place: Place) -> None:
 #: Stores whose objects have no ETag (the filesystem: a commit checks sizes there).
 NO_ETAG = {"file"}
 #: rclone answers a completed multipart upload with the multipart ETag and lists the
-#: content's MD5: the commit compares only ETags of one form (manager/marker.py).
+#: content's MD5: the commit compares only ETags of one form (engine/proof.replaced).
 LISTS_ANOTHER_FORM = {"rclone"}
 
 

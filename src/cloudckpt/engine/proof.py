@@ -32,7 +32,15 @@ from ..options import MiB
 from ..store import ObjectInfo, Store
 from ..store.local import LocalStore
 
-__all__ = ["MAX_PART_SIZES", "matches_etag", "md5_etag", "proven_same", "same_bytes"]
+__all__ = [
+    "MAX_PART_SIZES",
+    "matches_etag",
+    "md5_etag",
+    "multipart_etag",
+    "proven_same",
+    "replaced",
+    "same_bytes",
+]
 
 _MD5 = re.compile(r"([0-9a-f]{32})(?:-([1-9][0-9]{0,4}))?")
 #: Most part sizes one multipart ETag is tried with (each costs one MD5 of the bytes).
@@ -103,6 +111,21 @@ def md5_etag(etag: str | None) -> bool:
     """Whether ``etag`` is an S3-style MD5 ETag (:func:`matches_etag` can check bytes
     against it), not an opaque identity of one write."""
     return _parse(etag) is not None
+
+
+def multipart_etag(etag: str | None) -> bool:
+    """Whether ``etag`` has the form of an S3 multipart upload's (``<md5>-<parts>``)."""
+    parsed = _parse(etag)
+    return parsed is not None and parsed[1] > 0
+
+
+def replaced(made: str | None, listed: str | None) -> bool:
+    """Whether the object a listing shows (ETag ``listed``) is not the one an upload
+    made (``made``, the ETag the store answered it with): both known, of one form, and
+    different. A store may answer an upload with one form and list another (rclone
+    lists a multipart object's MD5): ETags of two forms prove nothing either way."""
+    a, b = (made or "").strip('"'), (listed or "").strip('"')
+    return bool(a and b and a != b and multipart_etag(a) == multipart_etag(b))
 
 
 def matches_etag(

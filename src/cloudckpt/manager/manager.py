@@ -62,7 +62,6 @@ from .gc import DEFAULT_GRACE_SECONDS, GcReport, collect_garbage
 from .marker import (
     CheckpointInfo,
     DamagedMarker,
-    Written,
     check_remote,
     commit_step,
     list_checkpoints,
@@ -74,6 +73,7 @@ from .marker import (
 from .payload import (
     DcpPayload,
     MegatronPayload,
+    ObjectPayload,
     PayloadKind,
     Wrote,
     described,
@@ -423,7 +423,7 @@ class CheckpointManager:
         def commit() -> CheckpointInfo:
             with self._room():
                 saved = inner.result()
-            wrote = {self.kind.filename: Written(saved.size, saved.etag)}  # type: ignore[attr-defined]
+            wrote = self.kind.wrote(saved) if isinstance(self.kind, ObjectPayload) else None
             return self._commit_save(step, metrics, metadata or {}, wrote)
 
         inner.add_done_callback(

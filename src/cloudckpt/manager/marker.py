@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.proof import replaced
 from ..errors import CorruptCheckpointError, InvalidURLError, NotFoundError
 from ..format.commit import MANAGER_MARKER, commit_marker, read_committed
 from ..io.scheduler import TransferGroup
@@ -41,7 +42,6 @@ __all__ = [
     "encode_marker",
     "list_checkpoints",
     "marker_key",
-    "multipart_etag",
     "parse_step",
     "read_marker",
     "root_prefix",
@@ -284,16 +284,6 @@ def commit_step(
     return info
 
 
-_MULTIPART_ETAG = re.compile(r"[0-9a-fA-F]{32}-[0-9]+")
-
-
-def multipart_etag(etag: str) -> bool:
-    """Whether ``etag`` has the form of an S3 multipart upload's (``<md5>-<parts>``).
-    A store may answer an upload with one form and list another (rclone lists the
-    content's MD5): ETags of two forms are not compared, the size alone is."""
-    return _MULTIPART_ETAG.fullmatch(etag.strip('"')) is not None
-
-
 @dataclass(frozen=True)
 class Written:
     """What a save knows of one file it wrote, for its commit (:func:`commit_step`):
@@ -334,8 +324,8 @@ def _written(
                 f"{url} holds {o.size} bytes at the commit of step {step}, whose save "
                 f"wrote {wrote.size} (another save of the step rewrote it); nothing committed"
             )
-        there, made = (o.etag or "").strip('"'), (wrote.etag or "").strip('"')
-        if made and there and there != made and multipart_etag(made) == multipart_etag(there):
+        if replaced(wrote.etag, o.etag):
+            there, made = (o.etag or "").strip('"'), (wrote.etag or "").strip('"')
             raise CorruptCheckpointError(
                 f"{url} is not the object this save of step {step} wrote, at its commit "
                 f"(ETag {there}, its upload's {made}: another save of the step rewrote it); "

@@ -29,6 +29,7 @@ from ..store import Target
 from .marker import Written
 
 if TYPE_CHECKING:  # imports torch and megatron-core: only when a save runs
+    from ..engine.save import SaveResult
     from ..megatron.save import MegatronSaveHandle
 
 #: The files a save wrote under its prefix, each with what it knows of it (a
@@ -43,7 +44,6 @@ __all__ = [
     "ObjectPayload",
     "PayloadKind",
     "Wrote",
-    "dcp_files",
     "described",
     "payload_kind",
     "rank_failures",
@@ -103,6 +103,10 @@ class ObjectPayload:
 
         url = prefix_url + self.filename
         saved = on_first(lambda: save(state, url, options=options), what=f"the save of {url}")
+        return self.wrote(saved)
+
+    def wrote(self, saved: SaveResult) -> Wrote:
+        """What a save of the object (sync or async: its ``SaveResult``) wrote."""
         return {self.filename: Written(saved.size, saved.etag)}
 
     def load(
@@ -157,8 +161,8 @@ class DcpPayload:
 
         writer = self._dcp().CloudStorageWriter(prefix_url, options=options)
         with paused_gc():  # DCP's planners: a few objects per item (_runtime/gcpause.py)
-            metadata = dcp.save(state, storage_writer=writer)
-        return written_by_writer(writer, metadata)
+            dcp.save(state, storage_writer=writer)
+        return written_by_writer(writer)
 
     def async_save(
         self, state: Any, prefix_url: str, options: TransferOptions, process_group: Any
@@ -181,7 +185,7 @@ class DcpPayload:
 
     def wrote_async(self, future: Future[Any]) -> Wrote:
         """The files the ``async_save`` that answered ``future`` wrote, once it is done."""
-        return written_by_writer(getattr(future, _WRITER, None), future.result())
+        return written_by_writer(getattr(future, _WRITER, None))
 
     def load(
         self,
@@ -288,32 +292,14 @@ class MegatronPayload:
 _WRITER = "_cloudckpt_writer"
 
 
-def written_by_writer(writer: Any, metadata: Any) -> Wrote:
-    """What a DCP save through cloudckpt's ``writer`` wrote: on the coordinator, each
-    object with its size and the ETag its upload got (``CloudStorageWriter.committed``);
-    elsewhere, the names ``metadata`` gives (:func:`dcp_files`)."""
+def written_by_writer(writer: Any) -> Wrote:
+    """What a DCP save through cloudckpt's ``writer`` wrote: on the coordinator (the
+    rank that commits), each object with its size and the ETag its upload got
+    (``CloudStorageWriter.committed``); elsewhere None."""
     made = getattr(writer, "committed", None)
     if isinstance(made, dict) and made:
         return {name: Written(size, etag) for name, (size, etag) in made.items()}
-    return dcp_files(metadata)
-
-
-def dcp_files(metadata: Any) -> Wrote:
-    """The files a DCP save through cloudckpt's writer committed, from the ``Metadata``
-    it returned: every data file its storage entries name, the layout index and
-    ``.metadata`` (None when the metadata names none: another writer's)."""
-    from ..format.dcp.layout import LAYOUT_NAME, METADATA_NAME  # imports torch
-
-    storage = getattr(metadata, "storage_data", None)
-    if not isinstance(storage, dict) or not storage:
-        return None
-    names = {LAYOUT_NAME, METADATA_NAME}
-    for info in storage.values():
-        path = getattr(info, "relative_path", None)
-        if not isinstance(path, str) or not path:
-            return None
-        names.add(path)
-    return dict.fromkeys(sorted(names))
+    return None
 
 
 def rank_failures(error: BaseException) -> dict[int, BaseException]:

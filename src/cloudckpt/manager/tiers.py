@@ -36,6 +36,7 @@ from typing import Any
 
 from ..engine.copy import PARTIAL_SUFFIX, copy_tree
 from ..engine.drain import RUN_FILE, Drainer, claim
+from ..engine.proof import replaced
 from ..engine.remove import remove_checkpoint, remove_markers
 from ..errors import (
     ConfigError,
@@ -59,7 +60,6 @@ from .marker import (
     decode_marker,
     list_checkpoints,
     marker_key,
-    multipart_etag,
     read_marker,
     step_dir,
 )
@@ -586,7 +586,7 @@ class LocalTier:
             rel = o.key[len(remote_prefix) :]
             if rel not in files:
                 continue
-            if _replaced(made.get(rel), o.etag):
+            if replaced(made.get(rel), o.etag):
                 raise StorageError(
                     f"{remote.url(o.key)} was written by another save while this drain sent "
                     f"it (its ETag is not the one this drain's upload got): step {step} is "
@@ -629,13 +629,6 @@ class LocalTier:
         """Every file the local marker lists is there, at its size (else NotFoundError
         or CorruptCheckpointError naming it); under ``prefix`` (default: the step's)."""
         check_files(self.store, self.step_prefix(info.step) if prefix is None else prefix, info)
-
-
-def _replaced(made: str | None, listed: str | None) -> bool:
-    """Whether the object a listing shows is not the one an upload made: both ETags
-    known, of one form (manager/marker.multipart_etag), and different."""
-    a, b = (made or "").strip('"'), (listed or "").strip('"')
-    return bool(a and b and a != b and multipart_etag(a) == multipart_etag(b))
 
 
 def _size_and_etag(recorded: str | None) -> tuple[int, str] | None:
