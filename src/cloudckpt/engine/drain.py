@@ -30,6 +30,7 @@ from ..errors import (
     TransientError,
 )
 from ..format.commit import commit_marker, read_committed
+from ..io.waits import SLICE
 from ..ranks.collectives import agree, group_rank, on_first, settle
 from ..ranks.groups import runs_collectives
 from ..store import Store
@@ -289,7 +290,7 @@ class Drainer(Generic[K]):
                         f"the drain of {self.noun}(s) {keys} from {self.src} to {self.dst} "
                         f"did not finish within {timeout} s"
                     )
-                self._cond.wait(left)
+                self._cond.wait(SLICE if left is None else min(left, SLICE))  # Ctrl-C
             return dict(self._failed)
 
     def _run(self) -> None:

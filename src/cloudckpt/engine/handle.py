@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from ..io.waits import wait_event
 from ..ranks.groups import runs_collectives
 
 __all__ = ["InFlight", "SaveHandle", "in_flight", "wait_all"]
@@ -74,11 +75,11 @@ class SaveHandle(Generic[T]):
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the save commits or fails; returns ``done()``. Does not raise."""
-        return self._done.wait(timeout)
+        return wait_event(self._done, timeout)
 
     def result(self, timeout: float | None = None) -> T:
         """The committed save's result; raises the save's error, or TimeoutError."""
-        if not self._done.wait(timeout):
+        if not wait_event(self._done, timeout):
             raise TimeoutError(f"{self.kind} of {self.url} still running after {timeout} s")
         self._reported = True
         if self._error is not None:
@@ -87,7 +88,7 @@ class SaveHandle(Generic[T]):
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None if it committed); marks the error as reported."""
-        if not self._done.wait(timeout):
+        if not wait_event(self._done, timeout):
             raise TimeoutError(f"{self.kind} of {self.url} still running after {timeout} s")
         self._reported = True
         return self._error

@@ -21,13 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from typing import Any, TypeVar
 
 from ..errors import DeadlineExceededError
 from ..options import IO_THREADS, TransferOptions
 from ..store.deadline import Deadline, cleanup_scope, current_deadline, within
 from ..store.retry import Cancelled, cancel_scope
+from .waits import wait_futures
 
 __all__ = [
     "ByteBudget",
@@ -266,7 +266,7 @@ class TransferGroup:
         """Run ``fn`` in the group and wait for it (within the deadline): a request the
         caller needs the answer of (create an upload, complete it)."""
         future = self.submit(fn, what)
-        done, _ = futures_wait([future], timeout=self._remaining())
+        done, _ = wait_futures([future], self._remaining())
         if not done:
             self._expire()
         return future.result()
@@ -290,7 +290,7 @@ class TransferGroup:
         """Wait for every request; raise the first failure."""
         with self._lock:
             futures = [f for f, _, _ in self._futures]
-        _, running = futures_wait(futures, timeout=self._remaining())
+        _, running = wait_futures(futures, self._remaining())
         if running and self.error is None:
             self._expire()
         with self._lock:  # done: drop them (their callbacks may point back at the caller)
@@ -315,7 +315,7 @@ class TransferGroup:
                 if on_done is not None:
                     on_done()
         bounded = self.expired or _stopping()
-        futures_wait([f for f, _, _ in futures], timeout=CANCEL_GRACE if bounded else None)
+        wait_futures([f for f, _, _ in futures], CANCEL_GRACE if bounded else None)
         with self._lock:
             self._futures = [f for f in self._futures if not f[0].done()]
 

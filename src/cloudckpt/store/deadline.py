@@ -28,11 +28,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import DeadlineExceededError
+from ..io.waits import wait_futures
 
 __all__ = [
     "CLEANUP_GRACE",
@@ -204,11 +204,9 @@ def call_within(fn: Callable[[], T], deadline: Deadline | None, what: str) -> T:
     context = contextvars.copy_context()
     context.run(_bounded.set, True)
     future = _helpers.submit(lambda: context.run(fn))
-    try:
-        return future.result(timeout=deadline.remaining())
-    except FutureTimeout:
-        if future.done():  # finished as the wait ended
-            return future.result()
-        raise DeadlineExceededError(
-            f"{what} not answered within the operation's {deadline.seconds:g} s deadline; abandoned"
-        ) from None
+    wait_futures([future], deadline.remaining())
+    if future.done():  # also when it finished as the wait ended
+        return future.result()
+    raise DeadlineExceededError(
+        f"{what} not answered within the operation's {deadline.seconds:g} s deadline; abandoned"
+    )
