@@ -30,10 +30,10 @@ from ..errors import (
     TransientError,
 )
 from ..format.commit import commit_marker, read_committed
-from ..io.waits import SLICE
 from ..ranks.collectives import agree, group_rank, on_first, settle
 from ..ranks.groups import runs_collectives
 from ..store import Store
+from ..store.waits import SLICE
 
 __all__ = [
     "RUN_FILE",

@@ -22,8 +22,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from ..io.waits import wait_event
 from ..ranks.groups import runs_collectives
+from ..store.waits import wait_event
 
 __all__ = ["InFlight", "SaveHandle", "in_flight", "wait_all"]
 

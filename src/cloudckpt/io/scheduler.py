@@ -27,7 +27,7 @@ from ..errors import DeadlineExceededError
 from ..options import IO_THREADS, TransferOptions
 from ..store.deadline import Deadline, cleanup_scope, current_deadline, within
 from ..store.retry import Cancelled, cancel_scope
-from .waits import wait_futures
+from ..store.waits import wait_futures
 
 __all__ = [
     "ByteBudget",

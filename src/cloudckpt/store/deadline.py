@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import DeadlineExceededError
-from ..io.waits import wait_futures
+from .waits import wait_futures
 
 __all__ = [
     "CLEANUP_GRACE",
