@@ -27,6 +27,7 @@ from tiny import Tiny
 
 import cloudckpt
 from cloudckpt.engine.drain import RUN_FILE
+from cloudckpt.engine.journal import JOURNAL_DIR
 from cloudckpt.errors import StorageError
 from cloudckpt.lightning import CloudCheckpointIO, CloudModelCheckpoint
 from cloudckpt.lightning.checkpoint_io import JOURNAL
@@ -79,7 +80,9 @@ def mirrored(tier: Path) -> dict[str, bytes]:
 
 
 def journal(tier: Path) -> dict[str, Any]:
-    return json.loads((tier / JOURNAL).read_bytes())
+    """The mirror's drain records (engine/journal.py) as one journal: the files due."""
+    records = {p.stem: json.loads(p.read_bytes()) for p in (tier / JOURNAL_DIR).glob("*.json")}
+    return {"due": sorted(name for name, record in records.items() if record["due"])}
 
 
 def fit(bucket: Bucket, tier: Path, epochs: int, *, async_save: bool, **kw: Any) -> Tiny:

@@ -109,3 +109,32 @@ def test_a_context_without_weights_is_not_committed(bucket: Any) -> None:
 def test_a_full_local_tier_refuses_the_save_on_every_rank(bucket: Any, tmp_path: Path) -> None:
     url, so, _ = bucket
     run_ranks(tw.full_tier, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+
+
+def _heads(seen: list[tuple[str, str]]) -> list[str]:
+    """The bucket's commit markers asked for (HEAD of ``weights/metadata.json``)."""
+    return [p for m, p in seen if m == "HEAD" and p.endswith("/weights/metadata.json")]
+
+
+def test_whether_a_copy_is_drained_is_read_from_its_record_not_the_bucket(
+    bucket: Any, tmp_path: Path
+) -> None:
+    url, so, seen = bucket
+    run_ranks(tw.drained_by_the_record, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+    assert _heads(seen) == []
+
+
+def test_a_local_tier_of_the_previous_release_keeps_working(bucket: Any, tmp_path: Path) -> None:
+    url, so, seen = bucket
+    run_ranks(tw.tier_of_the_previous_release, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+    seen.clear()
+    run_ranks(tw.previous_release_resumed, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+    assert _heads(seen) == []  # its records answer, not the bucket
+    assert cm.is_checkpoint(f"{url}/step=2/weights", storage_options=so)
+
+
+def test_a_dead_writers_temp_file_is_swept_by_the_next_save_and_retention(
+    bucket: Any, tmp_path: Path
+) -> None:
+    url, so, _ = bucket
+    run_ranks(tw.leftovers_swept, 2, url, so, str(tmp_path), timeout=TIMEOUT)

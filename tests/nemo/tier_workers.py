@@ -6,8 +6,10 @@ them over. ``local_dir`` is ``<root>/node`` for both ranks (one node) or
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +32,11 @@ import cloudckpt.megatron as cm
 def local_dir(root: str, rank: int | None) -> str:
     """The local_dir of ``rank`` (None: the one both ranks share)."""
     return f"{root}/node" if rank is None else f"{root}/rank{rank}"
+
+
+def copies(where: str) -> list[str]:
+    """The checkpoint folders of a local tier (its drain records' folder aside)."""
+    return [p.name for p in Path(where).iterdir() if p.is_dir() and p.name != "_DRAINS"]
 
 
 def _io(root: str, rank: int | None, so: dict[str, Any], **kwargs: Any) -> Any:
@@ -185,7 +192,7 @@ def removals_race_drains(rank: int, world: int, url: str, so: dict[str, Any], ro
     io.save_checkpoint(checkpoints[1], f"{url}/step=3.ckpt")
     io.drain()
     assert cm.is_checkpoint(f"{url}/step=3/weights", storage_options=so)
-    here = sorted(p.name for p in Path(local_dir(root, rank)).iterdir() if p.is_dir())
+    here = sorted(copies(local_dir(root, rank)))
     assert here == ["step=3"], here
     dist.barrier()
 
@@ -316,3 +323,97 @@ def full_tier(rank: int, world: int, url: str, so: dict[str, Any], root: str) ->
     io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
     io.drain()
     _check_load(io, f"{url}/step=1", wanted[0], f"rank {rank} after the refused save")
+
+
+def records(where: str) -> dict[str, dict[str, Any]]:
+    """The drain records of a local tier by checkpoint name (engine/journal.py)."""
+    return {p.stem: json.loads(p.read_text()) for p in Path(where, "_DRAINS").glob("*.json")}
+
+
+def drained_by_the_record(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """Each directory records its drain (``_DRAINS/<name>.json``): committed once the
+    bucket's commit is written; keep_local then prunes the older copy by that record."""
+    cpu_friendly_megatron()
+    checkpoints, wanted = _states()
+    io = _io(root, rank, so, keep_local=1)
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    io.drain()
+    here = local_dir(root, rank)
+    (record,) = records(here).values()
+    info = io._tier.info("step=1")
+    assert record["committed"] and record["started"] and record["remote"] == url, record
+    assert record["time"] == info.time, (record, info)
+    io.save_checkpoint(checkpoints[1], f"{url}/step=2.ckpt")
+    io.drain()
+    assert sorted(copies(here)) == ["step=2"] and list(records(here)) == ["step=2"]
+    _check_load(io, f"{url}/step=2", wanted[1], f"rank {rank} from local and the bucket")
+
+
+def tier_of_the_previous_release(
+    rank: int, world: int, url: str, so: dict[str, Any], root: str
+) -> None:
+    """What the previous release left in each directory: step=1 drained, step=2
+    committed locally and never drained (its process died), each recorded in
+    ``<name>.drain.json`` beside its folder, nothing under ``_DRAINS``."""
+    cpu_friendly_megatron()
+    checkpoints, _ = _states()
+    io = _io(root, rank, so)
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    io.drain()
+    io._tier.queue = lambda name: None  # the process "dies" before step=2's drain runs
+    io.save_checkpoint(checkpoints[1], f"{url}/step=2.ckpt")
+    here = Path(local_dir(root, rank))
+    for name, drained in (("step=1", True), ("step=2", False)):
+        Path(here, "_DRAINS", f"{name}.json").unlink(missing_ok=True)
+        body = {"started": drained, "drained": drained}
+        Path(here, f"{name}.drain.json").write_text(json.dumps(body))
+    dist.barrier()
+
+
+def previous_release_resumed(
+    rank: int, world: int, url: str, so: dict[str, Any], root: str
+) -> None:
+    """A new IO on that tier: step=2 is drained (its old record: not drained; the
+    test checks the bucket's commit after), step=1 pruned by keep_local (its old
+    record: drained); the old records give way to ``_DRAINS/<name>.json``."""
+    _, wanted = _states()
+    io = _io(root, rank, so, keep_local=1)
+    io.drain()
+    here = local_dir(root, rank)
+    assert sorted(copies(here)) == ["step=2"]
+    assert sorted(p.name for p in Path(here).glob("*.drain.json")) == []
+    assert records(here)["step=2"]["committed"], records(here)
+    _check_load(io, f"{url}/step=2", wanted[1], f"rank {rank} after the previous release")
+
+
+def leftovers_swept(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """A temp file of a dead writer (a local save killed mid-file: no lock held on it)
+    is removed by the next save and by retention; a live writer's is kept."""
+    from cloudckpt.store.local import LocalStore
+
+    cpu_friendly_megatron()
+    checkpoints, _ = _states()
+    io = _io(root, rank, so)
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    io.drain()
+    here = Path(local_dir(root, rank))
+    store = LocalStore(here)
+    live = store.create_multipart("step=1/weights/live.distcp")  # alive: its lock held
+    alive = here / "step=1" / "weights" / live.upload_id
+
+    def dead(folder: Path) -> Path:
+        path = folder / f".__1_0.distcp.cloudckpt-{uuid.uuid4().hex}.part"
+        path.write_bytes(b"\0" * 4096)
+        return path
+
+    try:
+        left = dead(here / "step=1" / "weights")
+        dist.barrier()
+        io.save_checkpoint(checkpoints[1], f"{url}/step=2.ckpt")
+        assert not left.exists() and alive.exists(), (left, alive)
+        left = dead(here)
+        io.drain()  # its retention sweeps the tier
+        assert not left.exists() and alive.exists(), (left, alive)
+    finally:
+        store.abort_multipart(live)
+    dist.barrier()

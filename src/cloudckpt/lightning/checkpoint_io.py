@@ -9,7 +9,9 @@ never the one deleted.
 
 With ``local_dir=`` the checkpoints of one bucket directory are written to a local
 mirror first and drained to the bucket by one background thread (docs/tiers.md,
-"Lightning").
+"Lightning"); how far each file's drain got is its drain record (engine/journal.py,
+``_DRAINS/<file>.json``), and each save and removal sweeps the temp files of dead
+writers from the mirror.
 """
 
 from __future__ import annotations
@@ -27,13 +29,27 @@ from typing import Any
 from ..engine.async_save import SaveHandle, async_save
 from ..engine.copy import copy_object
 from ..engine.drain import RUN_FILE, Drainer, claim, read_owner
+from ..engine.journal import (
+    JOURNAL_DIR,
+    DrainJournal,
+    DrainRecord,
+    check_name,
+    identity,
+    matches,
+)
+from ..engine.leftovers import sweep_leftovers
 from ..engine.load import load
 from ..engine.remove import remove_checkpoint
 from ..engine.save import save
-from ..errors import CorruptCheckpointError, NotFoundError, UnsupportedFormatError
+from ..errors import (
+    CorruptCheckpointError,
+    InvalidURLError,
+    NotFoundError,
+    UnsupportedFormatError,
+)
 from ..options import TransferOptions
 from ..ranks.collectives import rank
-from ..store import ObjectInfo, Settings, Target
+from ..store import Settings, Target
 from ..store.local import LocalStore
 from ..store.paths import MAX_RECORD_BYTES, dir_prefix, exists, is_prefix, read_capped
 from ._compat import CheckpointIO
@@ -43,8 +59,8 @@ __all__ = ["CloudCheckpointIO"]
 
 log = logging.getLogger("cloudckpt")
 
-#: Beside the run file: the files due for the bucket, and what the bucket held after
-#: each drain (so a restart finishes the drains a killed process left).
+#: An earlier release's journal beside the run file (the files due for the bucket, and
+#: each drained file's ETag): read once into the drain records, then removed.
 JOURNAL = "_DRAIN.json"
 JOURNAL_FORMAT = "cloudckpt.io-drain/1"
 #: A local copy failing so is read from the bucket instead, with a WARNING.
@@ -53,12 +69,20 @@ LOCAL_FAILURES = (NotFoundError, CorruptCheckpointError, UnsupportedFormatError)
 
 def _is_name(key: object) -> bool:
     """A checkpoint's file name in the mirrored directory (not a path, not ours)."""
-    return isinstance(key, str) and bool(key) and "/" not in key and key not in (RUN_FILE, JOURNAL)
+    if key in (RUN_FILE, JOURNAL, JOURNAL_DIR):
+        return False
+    try:
+        check_name(key)
+    except InvalidURLError:
+        return False
+    return True
 
 
-def _identity(info: ObjectInfo) -> str:
-    """What tells one version of a bucket object from another: its ETag, else its size."""
-    return info.etag.strip('"') if info.etag else f"size:{info.size}"
+def _legacy_identity(recorded: str) -> str:
+    """An earlier release's record of a drained object (its ETag, else ``size:N``) as
+    :func:`~cloudckpt.engine.journal.identity` writes one (what it lacks left empty)."""
+    size = recorded.removeprefix("size:")
+    return f"{size}::" if size != recorded and size.isdigit() else f":{recorded}:"
 
 
 class _Mirror:
@@ -66,8 +90,8 @@ class _Mirror:
     each written there first (atomically), then uploaded unchanged by one drainer.
 
     A file is never uploaded while its local copy is being replaced, nor replaced
-    while it is being uploaded. The journal records the files due for the bucket and,
-    for each drained one, the bucket object it became.
+    while it is being uploaded. Each file's drain record (engine/journal.py) says
+    whether it is due for the bucket or, once drained, the bucket object it became.
     """
 
     def __init__(self, store: LocalStore, root: str, settings: Settings) -> None:
@@ -76,9 +100,13 @@ class _Mirror:
         self._writing: Counter[str] = Counter()
         self._uploading: set[str] = set()
         self._journal_lock = threading.Lock()
-        self._due: set[str] = set()
-        self._drained: dict[str, str] = {}
-        self._read_journal()
+        self.journal = DrainJournal(store, root)
+        self._adopt_legacy()
+        self._records: dict[str, DrainRecord] = {}
+        for name in self.journal.names():
+            found = self.journal.read(name)
+            if found is not None and _is_name(name):
+                self._records[name] = found
         self.drainer: Drainer[str] = Drainer(
             self._drain,
             store.root_url,
@@ -92,8 +120,10 @@ class _Mirror:
         """The bucket object ``key`` mirrors, opened with the IO's settings."""
         return self._settings.open(f"{self.root}/{key}")
 
-    # -- the journal ---------------------------------------------------------------------
-    def _read_journal(self) -> None:
+    # -- the drain records ---------------------------------------------------------------
+    def _adopt_legacy(self) -> None:
+        """Read an earlier release's journal (``_DRAIN.json``) into drain records, once:
+        a file it names that has no record yet gets one; then it is removed."""
         try:
             data = json.loads(read_capped(self.store, JOURNAL, MAX_RECORD_BYTES))
             if data.get("format") != JOURNAL_FORMAT or data.get("root_url") != self.root:
@@ -105,38 +135,44 @@ class _Mirror:
                 raise TypeError("names must be file names of the directory, identities strings")
         except NotFoundError:
             return
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, CorruptCheckpointError) as exc:
             log.warning(
                 "%s is not a drain journal (%s): files saved there earlier are not drained again",
                 self.store.url(JOURNAL),
                 exc,
             )
             return
-        self._due, self._drained = set(due), dict(drained)
+        have = set(self.journal.names())
+        for key in sorted(set(due) - have):
+            self.journal.write(key, DrainRecord(None, self.root, due=True))
+        for key, recorded in sorted(drained.items()):
+            if key not in have and key not in due:
+                objects = {key: _legacy_identity(recorded)}
+                self.journal.write(key, DrainRecord(None, self.root, objects, committed=True))
+        self.store.delete(JOURNAL)
 
-    def _record(self, key: str, *, due: bool, identity: str | None = None) -> None:
-        """Note ``key`` as due for the bucket, or as drained to ``identity`` (None:
-        neither, once removed), and write the journal (atomically)."""
+    def _record(self, key: str, *, due: bool, drained: str | None = None) -> None:
+        """Note ``key`` as due for the bucket, or as drained to the object ``drained``
+        (its :func:`~cloudckpt.engine.journal.identity`; None: neither, once removed),
+        in its drain record (written atomically, or deleted)."""
         with self._journal_lock:
-            self._drained.pop(key, None)
-            if due:
-                self._due.add(key)
-            else:
-                self._due.discard(key)
-                if identity is not None:
-                    self._drained[key] = identity
-            body = {
-                "format": JOURNAL_FORMAT,
-                "root_url": self.root,
-                "due": sorted(self._due),
-                "drained": dict(sorted(self._drained.items())),
-            }
-            self.store.put(JOURNAL, json.dumps(body).encode())
+            if not due and drained is None:
+                self._records.pop(key, None)
+                self.journal.forget(key)
+                return
+            try:
+                when: float | None = self.store.head(key).mtime  # the local copy recorded
+            except NotFoundError:
+                when = None
+            objects = {} if drained is None else {key: drained}
+            record = DrainRecord(when, self.root, objects, committed=not due, due=due)
+            self._records[key] = record
+            self.journal.write(key, record)
 
     def resume(self) -> None:
         """Queue the drains a process left unfinished (the files still here)."""
         with self._journal_lock:
-            due = sorted(self._due)
+            due = sorted(k for k, r in self._records.items() if r.due)
         for key in due:
             if exists(self.store, key):
                 self.drainer.submit(key)
@@ -145,7 +181,9 @@ class _Mirror:
 
     # -- local writes and uploads, never of one file at once ---------------------------
     def begin_write(self, key: str) -> None:
-        """Before replacing the local copy of ``key``: wait for its upload to end."""
+        """Before replacing the local copy of ``key``: sweep the temp files of dead
+        writers from the tier (never a live writer's), wait for its upload to end."""
+        sweep_leftovers(self.store)
         with self._cond:
             while key in self._uploading:
                 self._cond.wait()
@@ -182,7 +220,7 @@ class _Mirror:
                 return
             remote = self.remote(key)
             copy_object(self.store, key, remote.store, remote.key, remote.options)
-            self._record(key, due=False, identity=_identity(remote.store.head(remote.key)))
+            self._record(key, due=False, drained=identity(remote.store.head(remote.key)))
         finally:
             with self._cond:
                 self._uploading.discard(key)
@@ -193,23 +231,26 @@ class _Mirror:
         """Whether to read the local copy of ``key``; if not, why (empty: it was never
         here, nothing to say). The bucket is asked for the object's description only."""
         with self._journal_lock:
-            due, drained = key in self._due, self._drained.get(key)
-        if due:  # newer than the bucket's copy, if any
+            record = self._records.get(key)
+        if record is not None and record.due:  # newer than the bucket's copy, if any
             return True, ""
+        drained = None if record is None or not record.committed else record.objects.get(key)
         if drained is None:
             return False, ""
         try:
             there = remote.store.head(remote.key)
         except NotFoundError:
             return True, ""  # the local copy is the only one
-        if _identity(there) != drained:
+        if not matches(drained, there.size, there.etag):
             return False, "the bucket's object is not the one drained from here"
         return True, ""
 
     def remove(self, key: str) -> None:
-        """Delete the local copy of ``key`` and forget it."""
+        """Delete the local copy of ``key`` and forget it; sweep the temp files of dead
+        writers (Lightning's rotation is the mirror's retention)."""
         self.store.delete(key)
         self._record(key, due=False)
+        sweep_leftovers(self.store)
 
 
 class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
@@ -298,11 +339,10 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             return
         self._resumed = True
         try:
-            data = json.loads(read_capped(LocalStore(self.local_dir), JOURNAL, MAX_RECORD_BYTES))
-            root = data["root_url"]
-        except (NotFoundError, ValueError, KeyError, TypeError):
+            root = read_owner(LocalStore(self.local_dir))
+        except (NotFoundError, CorruptCheckpointError):
             return
-        if isinstance(root, str):
+        if root is not None:
             mirror = self._mirror_at(root, claim_it=False)
             if mirror is not None:
                 mirror.resume()

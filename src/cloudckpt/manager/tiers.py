@@ -9,22 +9,20 @@ manager commits the bucket's step with its own marker, create-only.
 
 An object the drain finds under the bucket's uncommitted step is kept only when it is
 proven to hold this local commit's bytes: this drain's journal recorded it as written
-(``_DRAINS/step-N.json``: each object's size, ETag and time as the bucket listed them
-after the copy), or a checksum the bucket reports matches the local file
-(engine/proof.py). Anything else there is replaced, and an object that is none of the
-step's files is deleted: the same size and a recent time prove nothing (another node's
-save of the same step). What the journal records of an object this drain sent is
-checked first against the ETag its upload got: one another save wrote over it
-meanwhile fails the drain (tried again later), never a journal entry. The journal
-also records the bucket's commit, so "is this step
-drained?" is answered from the tier itself, without asking the bucket: a save never
-waits for it.
+(``_DRAINS/step-N.json``, the drain record every tier keeps, engine/journal.py: each
+object's size, ETag and time as the bucket listed them after the copy), or a checksum
+the bucket reports matches the local file (engine/proof.py). Anything else there is
+replaced, and an object that is none of the step's files is deleted: the same size and
+a recent time prove nothing (another node's save of the same step). What the journal
+records of an object this drain sent is checked first against the ETag its upload got:
+one another save wrote over it meanwhile fails the drain (tried again later), never a
+journal entry. The journal also records the bucket's commit, so "is this step drained?"
+is answered from the tier itself, without asking the bucket: a save never waits for it.
 """
 
 from __future__ import annotations
 
 import builtins
-import json
 import logging
 import os
 import shutil
@@ -36,6 +34,8 @@ from typing import Any
 
 from ..engine.copy import PARTIAL_SUFFIX, copy_tree
 from ..engine.drain import RUN_FILE, Drainer, claim
+from ..engine.journal import JOURNAL_DIR, DrainJournal, DrainRecord, identity, matches
+from ..engine.leftovers import sweep_leftovers
 from ..engine.proof import replaced
 from ..engine.remove import remove_checkpoint, remove_markers
 from ..errors import (
@@ -50,7 +50,6 @@ from ..options import TransferOptions
 from ..ranks.collectives import world_size
 from ..store import ObjectInfo, Store
 from ..store.local import LocalStore
-from ..store.paths import MAX_RECORD_BYTES, read_capped
 from .marker import (
     MARKER_NAME,
     CheckpointInfo,
@@ -87,16 +86,6 @@ REMOTE = "remote"
 #: (seconds) is deleted before the copy. Age proves nothing the other way: what is
 #: younger is kept only if proven the same bytes (engine/proof.py via copy_tree).
 CLOCK_SLACK = 60.0
-#: The folder of the tier's drain journals: ``_DRAINS/step-N.json`` per local step.
-JOURNAL_DIR = "_DRAINS"
-JOURNAL_FORMAT = "cloudckpt.drain/1"
-
-
-def identity(o: ObjectInfo) -> str:
-    """What the bucket says of one object, as a drain journal records it: size, ETag
-    and time; any other write of that key changes at least one of them."""
-    etag = (o.etag or "").strip('"')
-    return f"{o.size}:{etag}:{'' if o.mtime is None else repr(float(o.mtime))}"
 
 
 class LocalTier:
@@ -130,6 +119,7 @@ class LocalTier:
         self.keep = keep_local
         self.every = every
         self.owner = self._claim()
+        self._journal = DrainJournal(self.store, remote_url)
         self._cache: dict[tuple[str, int], CheckpointInfo] = {}
         self._lock = threading.Lock()
         self._retain_lock = threading.Lock()
@@ -328,55 +318,24 @@ class LocalTier:
             removing.join()
 
     def sweep(self) -> builtins.list[str]:
-        """Remove the temp files of writers that are gone (a save, peer copy or download
-        killed mid-file: store/local.py ``sweep_temps``); never a live writer's. Returns
-        their URLs; a failure is logged, never raised (the next sweep tries again)."""
-        try:
-            removed = self.store.sweep_temps("")
-        except Exception as exc:
-            log.warning("sweeping crash leftovers in the local tier %s failed: %s", self.url, exc)
-            return []
-        if removed:
-            log.info(
-                "removed %d temp file(s) crashed writers left in the local tier %s: %s",
-                len(removed),
-                self.url,
-                ", ".join(removed),
-            )
-        return removed
+        """Remove the temp files of writers that are gone, never a live writer's
+        (:func:`sweep_leftovers`). Returns their URLs."""
+        return sweep_leftovers(self.store)
 
     # -- the drain journal ---------------------------------------------------------------
     @staticmethod
     def journal_key(step: int) -> str:
-        return f"{JOURNAL_DIR}/{step_dir(step)}.json"
+        return DrainJournal.key(step_dir(step))
 
     def journal(self, step: int, local: CheckpointInfo) -> dict[str, Any] | None:
         """The journal of the drain of ``local`` (the local commit of ``step``): the
         objects it wrote ({name: identity}) and whether the bucket's commit is done.
         None when there is none, or it is of another commit of the step (or unreadable:
         a WARNING; the drain then proves nothing by it)."""
-        key = self.journal_key(step)
-        try:
-            body = json.loads(read_capped(self.store, key, MAX_RECORD_BYTES, what="drain journal"))
-            if not isinstance(body, dict) or body.get("format") != JOURNAL_FORMAT:
-                raise ValueError(f"format is not {JOURNAL_FORMAT!r}")
-            objects, committed = body["objects"], body["committed"]
-            if not isinstance(objects, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in objects.items()
-            ):
-                raise TypeError("objects must map names to strings")
-            if not isinstance(committed, bool):
-                raise TypeError("committed must be a boolean")
-            if body.get("step") != step or body.get("time") != local.time:
-                return None  # an earlier commit of this step: proves nothing of this one
-            if body.get("remote") != self.remote_url:
-                return None
-        except NotFoundError:
+        found = self._journal.read(step_dir(step), local.time)
+        if found is None:
             return None
-        except (ValueError, KeyError, TypeError, CorruptCheckpointError) as exc:
-            log.warning("ignoring the drain journal %s: %s", self.store.url(key), exc)
-            return None
-        return {"objects": objects, "committed": committed}
+        return {"objects": dict(found.objects), "committed": found.committed}
 
     def record(
         self,
@@ -391,22 +350,19 @@ class LocalTier:
         if objects is None:
             found = self.journal(step, local)
             objects = found["objects"] if found else {}
-        body = {
-            "format": JOURNAL_FORMAT,
-            "step": step,
-            "time": local.time,
-            "remote": self.remote_url,
-            "objects": dict(sorted(objects.items())),
-            "committed": committed,
-        }
-        self.store.put(self.journal_key(step), json.dumps(body, sort_keys=True).encode())
+        self._journal.write(
+            step_dir(step),
+            DrainRecord(
+                time=local.time, remote=self.remote_url, objects=objects, committed=committed
+            ),
+        )
         if committed:
             with self._lock:
                 self._drained.add((step, local.time))
 
     def forget(self, step: int) -> None:
         """Delete the drain journal of ``step`` (its local copy is gone, or replaced)."""
-        self.store.delete(self.journal_key(step))
+        self._journal.forget(step_dir(step))
         with self._lock:
             self._drained = {d for d in self._drained if d[0] != step}
 
@@ -500,11 +456,7 @@ class LocalTier:
         finds the other save's commit and keeps it)."""
         found = self.journal(step, local)
         mine = found["objects"] if found else {}
-        changed = [
-            f.name
-            for f in committed.files
-            if _size_and_etag(mine.get(f.name)) != (f.size, (f.etag or "").strip('"'))
-        ]
+        changed = [f.name for f in committed.files if not matches(mine.get(f.name), f.size, f.etag)]
         if not changed:
             return
         key = remote_prefix + MARKER_NAME
@@ -629,15 +581,6 @@ class LocalTier:
         """Every file the local marker lists is there, at its size (else NotFoundError
         or CorruptCheckpointError naming it); under ``prefix`` (default: the step's)."""
         check_files(self.store, self.step_prefix(info.step) if prefix is None else prefix, info)
-
-
-def _size_and_etag(recorded: str | None) -> tuple[int, str] | None:
-    """(size, ETag) of an :func:`identity` a drain journal recorded (None: none)."""
-    if recorded is None:
-        return None
-    size, _, rest = recorded.partition(":")
-    etag = rest.rpartition(":")[0]
-    return (int(size), etag) if size.isdigit() else None
 
 
 def merge_tiers(

@@ -13,14 +13,20 @@ own with megatron's ``metadata.json`` last, so the bucket's copy commits only on
 A name can be saved again (NeMo's names repeat: a ``-last`` checkpoint saved twice at
 one step), so the bucket's files of a name may belong to an earlier save, whatever
 their time or size. Each directory records how far the drain of its local commit got
-(``<name>.drain.json`` beside its folder): written before the local marker,
-``started`` once the first drain of that commit has emptied the bucket's folder,
-``drained`` after the bucket's commit. The first drain of a commit deletes every file
-of the name in the bucket (the earlier save's commit marker first); a drain after a
-crash keeps what the started one sent. A new save of a name waits for a drain of it
-under way (:meth:`NemoTier.forget`). A copy committed without the record (an earlier
-release) keeps the time rule of the manager's tier: the bucket's files older than it
-are stale.
+in the drain record every tier keeps (engine/journal.py, ``_DRAINS/<name>.json``, tied
+to the local marker's time): written before the local marker, ``started`` once the
+first drain of that commit has emptied the bucket's folder, ``committed`` after the
+bucket's commit; "is this copy drained?" (retention, loads, the drains left to do) is
+read there, with no request to the bucket. The first drain of a commit deletes every
+file of the name in the bucket (the earlier save's commit marker first); a drain after
+a crash keeps what the started one sent. A new save of a name waits for a drain of it
+under way (:meth:`NemoTier.forget`). An earlier release's record (``<name>.drain.json``
+beside the folder) is read as such until a drain writes the new one. A copy committed
+without any record (an earlier release still) keeps the time rule of the manager's
+tier, asking the bucket: its files older than the copy are stale.
+
+Each save (before it writes) and each retention sweeps the temp files of dead writers
+from the tier (``engine/leftovers.sweep_leftovers``), never a live writer's.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from ..engine.copy import copy_tree
 from ..engine.drain import Drainer, claim, complete_directories, directory_owner, read_owner
+from ..engine.journal import DrainJournal, DrainRecord
+from ..engine.leftovers import sweep_leftovers
 from ..engine.remove import remove_checkpoint
 from ..errors import ConfigError, CorruptCheckpointError, LocalTierFullError, NotFoundError
 from ..format.commit import MEGATRON_MARKER
@@ -56,8 +65,9 @@ log = logging.getLogger("cloudckpt")
 
 #: The metadata key of a local marker naming NeMo's checkpoint.
 NAME_KEY = "nemo_name"
-#: Beside a checkpoint's folder (``<name>`` + this): how far its drain got.
-DRAIN_RECORD = ".drain.json"
+#: Beside a checkpoint's folder (``<name>`` + this): how far its drain got, as an
+#: earlier release recorded it (now ``_DRAINS/<name>.json``, engine/journal.py).
+LEGACY_RECORD = ".drain.json"
 
 
 class NemoTier:
@@ -79,6 +89,7 @@ class NemoTier:
         # The bucket's storage options (endpoint, credentials) mean nothing here.
         self.options = options.replace(storage_options={})
         self.store: LocalStore | None = None
+        self.journal: DrainJournal | None = None
         self.dirpath: str | None = None
         self.remote: Target | None = None
         self.usable = False
@@ -107,6 +118,7 @@ class NemoTier:
             error = exc
         values = agree(error, value=owner == dirpath, group=checkpoint_group()).values
         self.dirpath, self.remote = dirpath, remote
+        self.journal = DrainJournal(self.store, dirpath)
         self.usable = error is None and all(values)
         if error is not None or owner != dirpath:
             log.warning(
@@ -183,6 +195,7 @@ class NemoTier:
         others."""
         error: BaseException | None = None
         try:
+            sweep_leftovers(self._local_store())  # before the room is counted
             last = max((info.size for info, _ in self.local()), default=0)
             check_free(self.path, max(last, tensor_bytes(checkpoint)))
         except LocalTierFullError as exc:
@@ -221,7 +234,8 @@ class NemoTier:
         error: BaseException | None = None
         try:
             if owner:
-                self._record_drain(name, started=False, drained=False)
+                when = time.time()  # the record's and the marker's: one local commit
+                self._record(name, when, started=False, committed=False)
                 ranks = world_size()
                 commit_step(
                     store,
@@ -230,6 +244,7 @@ class NemoTier:
                     "megatron",
                     {},
                     {NAME_KEY: name},
+                    when=when,
                     ranks=ranks if ranks > 1 else 0,
                 )
         except Exception as exc:
@@ -262,7 +277,7 @@ class NemoTier:
             self._local_store(),
             f"{name}/",
             [f.name for f in info.files],
-            remote.store if self._bucket_commit(name) is not None else None,
+            remote.store if self._drained(info, name) else None,
             f"{remote.key}/{name}/",
             what=name,
             hint="another node's local tier holds it: drain() the checkpoint to read it here",
@@ -281,36 +296,43 @@ class NemoTier:
         return float("inf") if found.mtime is None else found.mtime  # no time: trust it
 
     def _drained(self, info: CheckpointInfo, name: str) -> bool:
-        """Whether the bucket holds this local commit of ``name`` committed: the drain's
-        record says so and the bucket's commit is there (without a record, a commit no
-        older than the local one)."""
-        recorded = self._drain_record(name)
-        if recorded is not None and not recorded["drained"]:
-            return False
-        when = self._bucket_commit(name)
+        """Whether the bucket holds this local commit of ``name`` committed: as its drain
+        record says (no request to the bucket); without one (a copy an earlier release
+        committed), whether the bucket's commit is there and no older than the local one."""
+        recorded = self._drain_record(info, name)
         if recorded is not None:
-            return when is not None
+            return recorded.committed
+        when = self._bucket_commit(name)
         return when is not None and when >= info.time - CLOCK_SLACK
 
-    def _drain_record(self, name: str) -> dict[str, bool] | None:
-        """This directory's record of the drain of ``name``'s local commit (None: no
-        record, or one that cannot be read: a WARNING)."""
-        key = f"{name}{DRAIN_RECORD}"
+    def _drain_record(self, info: CheckpointInfo, name: str) -> DrainRecord | None:
+        """The record of the drain of ``name``'s local commit ``info`` in this directory
+        (engine/journal.py), else an earlier release's ``<name>.drain.json`` (None:
+        neither, or one that cannot be read: a WARNING)."""
+        assert self.journal is not None and self.dirpath is not None
+        found = self.journal.read(name, info.time)
+        if found is not None:
+            return found
+        key = f"{name}{LEGACY_RECORD}"
         try:
             body = json.loads(read_capped(self._local_store(), key, MAX_RECORD_BYTES))
-            record = {k: body[k] for k in ("started", "drained")}
-            if not all(isinstance(v, bool) for v in record.values()):
-                raise ValueError(f"not booleans: {record}")
+            started, drained = body["started"], body["drained"]
+            if not isinstance(started, bool) or not isinstance(drained, bool):
+                raise ValueError(f"not booleans: {body}")
         except NotFoundError:
             return None
-        except (ValueError, TypeError, KeyError, OSError) as exc:
+        except (ValueError, TypeError, KeyError, OSError, CorruptCheckpointError) as exc:
             log.warning("ignoring %s: %s", self._local_store().url(key), exc)
             return None
-        return record
+        return DrainRecord(info.time, self.dirpath, committed=drained, started=started)
 
-    def _record_drain(self, name: str, *, started: bool, drained: bool) -> None:
-        body = json.dumps({"started": started, "drained": drained}).encode()
-        self._local_store().put(f"{name}{DRAIN_RECORD}", body)
+    def _record(self, name: str, when: float, *, started: bool, committed: bool) -> None:
+        """Write this directory's record of the drain of ``name``'s local commit at
+        ``when`` (an earlier release's record of it goes)."""
+        assert self.journal is not None and self.dirpath is not None
+        record = DrainRecord(when, self.dirpath, committed=committed, started=started)
+        self.journal.write(name, record)
+        self._local_store().delete(f"{name}{LEGACY_RECORD}")
 
     def _undrained(self, group: Any) -> list[str]:
         """The names every rank holds committed locally and the bucket lacks, in the
@@ -375,12 +397,12 @@ class NemoTier:
 
                 def clear() -> None:  # an earlier save's commit goes first, then its data
                     remote.store.delete(prefix + MEGATRON_MARKER)
-                    recorded = self._drain_record(name)
+                    recorded = self._drain_record(local, name)
                     if recorded is None:  # committed by an earlier release: by time
                         LocalTier.clear_stale(local, remote.store, prefix)
-                    elif not recorded["started"]:  # all of them an earlier save's
+                    elif not recorded.started:  # all of them an earlier save's
                         remove_checkpoint(remote.store, prefix, remote.options)
-                        self._record_drain(name, started=True, drained=False)
+                        self._record(name, local.time, started=True, committed=False)
 
                 on_first(clear, group, what=f"clearing leftovers under {url}")
                 if owner:  # each directory holds the coordinator's files: sent once, last
@@ -389,8 +411,8 @@ class NemoTier:
                 error = exc
             settle(error, f"the drain of {name} to {url}", group=group)
             on_first(lambda: self._copy(name, ()), group, what=f"the commit of {url}")
-            if owner:
-                self._record_drain(name, started=True, drained=True)
+            if owner and local is not None:
+                self._record(name, local.time, started=True, committed=True)
         finally:
             with self._cond:
                 if self._draining == name:
@@ -446,7 +468,9 @@ class NemoTier:
     def _delete(self, name: str) -> None:
         """Delete this rank's local copy of ``name`` (its marker first), folders too."""
         remove_checkpoint(self._local_store(), f"{name}/", self.options)
-        self._local_store().delete(f"{name}{DRAIN_RECORD}")
+        assert self.journal is not None
+        self.journal.forget(name)
+        self._local_store().delete(f"{name}{LEGACY_RECORD}")
         for folder in (self.path / name / WEIGHTS, self.path / name):
             with contextlib.suppress(OSError):  # not empty: a newer save of it began
                 folder.rmdir()
@@ -459,8 +483,12 @@ class NemoTier:
 
     def retain(self) -> None:
         """Delete this rank's local copies beyond the ``keep_local`` newest, never one
-        queued, draining, or not in the bucket (unless removed from it)."""
-        if self.keep is None or self.store is None:
+        queued, draining, or not in the bucket (unless removed from it); first sweep the
+        temp files of dead writers (never a live writer's)."""
+        if self.store is None:
+            return
+        sweep_leftovers(self.store)
+        if self.keep is None:
             return
         with self._retain_lock:
             found = self.local()
