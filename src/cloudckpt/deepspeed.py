@@ -36,8 +36,19 @@ so a URL cannot pass through ``engine.save_checkpoint``. These functions give De
 a local folder for those calls and install their checkpoint engine for the one call.
 
 ``save_checkpoint(..., async_save=True)`` returns once every rank's files are copied into
-host memory and writes and commits them in a background thread. Not in this module yet:
-the manager's local tier (docs/integrations.md).
+host memory and writes and commits them in a background thread.
+
+``save_checkpoint(..., local_dir=DIR)`` uses the manager's local tier (docs/tiers.md)
+instead: a :class:`CheckpointManager` with ``local_dir`` and the DeepSpeed payload kind
+(:class:`DeepSpeedPayload`) saves the step into ``DIR/step-N/`` (DeepSpeed's own folder
+on disk, each file written by cloudckpt's writer through the same checkpoint engine),
+commits it there and returns; the manager's drainer copies it to the bucket in the
+background and commits it there (``drain`` waits for that). With several ranks each
+directory also gets the files rank 0 alone wrote (``coordinator_files``: the model
+states of ZeRO 0-2, the recovery scripts, ``latest``), so every node's copy loads on its
+own. ``load_checkpoint(..., local_dir=DIR)`` is the manager's restore: the newest step
+of either tier, read from local disk when its local copy is whole, else from the bucket.
+One manager per run and directory serves a process (its drainer outlives the call).
 
 deepspeed is imported only inside the functions: this module imports without it.
 """
@@ -45,12 +56,15 @@ deepspeed is imported only inside the functions: this module imports without it.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +91,23 @@ from .manager.folders import commit_folder
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
 from .manager.folders import step_prefix as _step_prefix
-from .manager.marker import Written, check_etag, check_files, check_remote, marker_key
+from .manager.marker import (
+    Written,
+    check_etag,
+    check_files,
+    check_remote,
+    marker_key,
+    read_marker,
+)
+from .manager.payload import Wrote
+from .manager.retention import KeepLast
 from .options import TransferOptions
-from .ranks.collectives import is_distributed, on_first, rank, settle, world_size
+from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
-from .store import Store, Target
+from .store import Store, Target, open_target
 from .store.local import LocalStore
 
-__all__ = ["DeepSpeedSaveHandle", "load_checkpoint", "save_checkpoint"]
+__all__ = ["DeepSpeedSaveHandle", "drain", "load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger("cloudckpt")
 
@@ -364,6 +387,256 @@ def _installed(engine: Any, bucket: _Bucket) -> Iterator[None]:
         engine.checkpoint_engine = previous
 
 
+def _deepspeed_save(
+    engine: Any,
+    bucket: _Bucket,
+    folder: Path,
+    tag: str,
+    client_state: Mapping[str, Any] | None,
+    exclude_frozen_parameters: bool,
+) -> BaseException | None:
+    """DeepSpeed's own ``save_checkpoint`` into ``folder``, its files going to
+    ``bucket``, then ``latest`` naming ``tag`` (rank 0). Returns this rank's first
+    failure rather than raising it: the ranks settle it together next."""
+    try:
+        with _installed(engine, bucket):
+            engine.save_checkpoint(
+                str(folder),
+                tag=tag,
+                client_state=dict(client_state or {}),
+                save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        if rank() == 0:  # DeepSpeed's own ``latest``, committed with the folder
+            (folder / LATEST).write_text(tag)
+    except Exception as exc:
+        return exc
+    return bucket.error
+
+
+def _metadata(deepspeed: Any, engine: Any, tag: str) -> dict[str, Any]:
+    """What a step's marker records of the save: what a load checks before any read."""
+    return {
+        "tag": tag,
+        "world_size": world_size(),
+        "dp_world_size": _dp_world_size(engine),
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "deepspeed_version": str(deepspeed.__version__),
+    }
+
+
+@dataclass
+class _SaveCall:
+    """What :meth:`DeepSpeedPayload.save` saves: the engine and DeepSpeed's arguments."""
+
+    engine: Any
+    tag: str
+    client_state: Mapping[str, Any] | None
+    exclude_frozen_parameters: bool
+
+
+@dataclass
+class _LoadCall:
+    """What :meth:`DeepSpeedPayload.load` restores into, and how: DeepSpeed's arguments."""
+
+    engine: Any
+    load_module_strict: bool = True
+    load_optimizer_states: bool = True
+    load_lr_scheduler_states: bool = True
+    load_module_only: bool = False
+    custom_load_fn: Any = None
+    staging_dir: str | os.PathLike[str] | None = None
+
+
+#: What rank 0 alone writes at the top of a step's folder (ZeRO >= 1: DeepSpeed's
+#: recovery scripts; always ``latest``), in commit order.
+_ROOT_FILES = ("zero_to_fp32.py", "zero_to_torch.py", LATEST)
+
+
+class DeepSpeedPayload:
+    """The manager's payload kind of a DeepSpeed checkpoint in a local tier (docs/tiers.md):
+    :func:`save_checkpoint` and :func:`load_checkpoint` with ``local_dir=`` pass it to
+    their :class:`CheckpointManager`; it is not meant to be given one by hand.
+
+    ``save`` runs DeepSpeed's own ``save_checkpoint`` into the tier's ``step-N/`` folder
+    (a local path), each file DeepSpeed hands its checkpoint engine written by
+    cloudckpt's writer; ``load`` reads a committed step's copy (a URL, or the manager's
+    view of both tiers) as :func:`load_checkpoint` reads the bucket's.
+    """
+
+    name = KIND
+
+    def __init__(self) -> None:
+        #: The model states file rank 0 alone writes (ZeRO 0-2), as of the last save;
+        #: before one, its name alone, which is what a drain compares.
+        self._model_states: str | None = "mp_rank_00_model_states.pt"
+
+    @property
+    def coordinator_files(self) -> tuple[str, ...]:
+        """The files only rank 0 writes, which every local directory gets: the model
+        states of ZeRO 0-2 (``<tag>/mp_rank_00_model_states.pt``), the recovery scripts,
+        ``latest`` last."""
+        model = () if self._model_states is None else (self._model_states,)
+        return (*model, *_ROOT_FILES)
+
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> Wrote:
+        """DeepSpeed's save of ``state`` (a :class:`_SaveCall`) into the local folder
+        ``prefix_url`` names; a rank's failure raised on every rank."""
+        call = _checked_call(state, _SaveCall)
+        folder = _local_folder(prefix_url, options)
+        engine = call.engine
+        if int(engine.zero_optimization_stage()) < 3:
+            model = Path(engine._get_ckpt_name(str(folder), call.tag)).name
+            self._model_states = f"{call.tag}/{model}"
+        else:  # each rank writes and loads its own model states
+            self._model_states = None
+        bucket = _Bucket(LocalStore(folder), "", folder, options)
+        error = _deepspeed_save(
+            engine, bucket, folder, call.tag, call.client_state, call.exclude_frozen_parameters
+        )
+        settle(
+            error,
+            f"DeepSpeed's save_checkpoint to {prefix_url}",
+            group=_group(),
+            error_type=DistributedSaveError,
+        )
+        return None  # the tier's commit lists the folder: the files DeepSpeed copied too
+
+    def load(
+        self,
+        prefix_url: str | Target,
+        options: TransferOptions,
+        *,
+        map_location: Any,
+        weights_only: bool,
+        state: Any,
+        local: bool = False,
+    ) -> tuple[CheckpointInfo, dict[str, Any]]:
+        """Restore ``state`` (a :class:`_LoadCall`) from the committed copy at
+        ``prefix_url`` (a URL, or an opened ``Target``: the manager's view of the local
+        copy over the bucket's); returns the copy's :class:`CheckpointInfo` and
+        DeepSpeed's client state. ``local``: a copy in a local tier, whose sizes the
+        manager checked and whose files are read with their CRC-32s checked (the ETags
+        are the bucket's to check)."""
+        call = _checked_call(state, _LoadCall)
+        target = prefix_url if isinstance(prefix_url, Target) else open_target(prefix_url, options)
+        prefix = target.key.rstrip("/") + "/" if target.key else ""  # a folder's keys
+        found = read_marker(target.store, prefix + MARKER_NAME)
+        if found is None:
+            raise NotFoundError(f"no committed checkpoint at {target.url}")
+        info = _deepspeed_info(found)
+        client_state = _load_step(
+            call, target.store, prefix, target.options, info, weights_only, etags=not local
+        )
+        return info, client_state
+
+
+def _checked_call(state: Any, expected: type[Any]) -> Any:
+    """``state`` if it is an ``expected`` (ConfigError naming what it is otherwise)."""
+    if not isinstance(state, expected):
+        raise ConfigError(
+            f"the DeepSpeed payload kind takes the state its functions pass "
+            f"({expected.__name__}), not {type(state).__name__}: use "
+            "cloudckpt.deepspeed.save_checkpoint / load_checkpoint with local_dir="
+        )
+    return state
+
+
+def _local_folder(prefix_url: str, options: TransferOptions) -> Path:
+    """The local folder ``prefix_url`` names (ConfigError for one in a bucket)."""
+    target = open_target(prefix_url, options)
+    if not isinstance(target.store, LocalStore):
+        raise ConfigError(
+            f"the DeepSpeed payload kind saves into a local tier's folder, not {prefix_url}"
+        )
+    return Path(os.path.abspath(target.store.root / target.key))
+
+
+#: The managers of the runs saved with a local tier, one per (run URL, local directory)
+#: in a process, with the settings they were opened with: the drainer of a save's
+#: manager outlives the call, and the next save, load and :func:`drain` use it.
+_tiered: dict[tuple[str, str], tuple[tuple[Any, str], CheckpointManager]] = {}
+_tiered_lock = threading.Lock()
+
+
+def _tiered_run(
+    url: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str],
+    options: TransferOptions | None,
+    storage_options: Mapping[str, Any] | None,
+) -> CheckpointManager:
+    """This process's manager of the run at ``url`` with the local tier ``local_dir``
+    (made at the first call); ConfigError when a call passes other ``options`` or
+    ``storage_options`` than the first (a second manager would drain the same steps)."""
+    if not isinstance(local_dir, (str, os.PathLike)):
+        raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
+    path = str(Path(local_dir).expanduser().resolve())
+    key = (os.fspath(url).rstrip("/"), path)
+    settings = (options, json.dumps(dict(storage_options or {}), sort_keys=True, default=repr))
+    with _tiered_lock:
+        found = _tiered.get(key)
+        if found is None:
+            manager = _open_run(
+                url, options, storage_options, kind=DeepSpeedPayload(), local_dir=path
+            )
+            _tiered[key] = (settings, manager)
+            return manager
+    if found[0] != settings:
+        raise ConfigError(
+            f"local_dir {path} serves the run {key[0]} in this process with other options= "
+            "or storage_options=: pass the same ones to every call of the run"
+        )
+    return found[1]
+
+
+def _keep_local(value: int | None) -> int | None:
+    """``keep_local`` checked by the rule of the manager's retention counts: a positive
+    integer (ConfigError naming it otherwise), or None (every local step kept)."""
+    if value is None:
+        return None
+    try:
+        return KeepLast(value).n
+    except ConfigError:
+        raise ConfigError(f"keep_local={value!r} must be a positive integer") from None
+
+
+def _save_tiered(
+    manager: CheckpointManager,
+    step: int,
+    call: _SaveCall,
+    metrics: Mapping[str, float] | None,
+    metadata: Mapping[str, Any],
+) -> CheckpointInfo:
+    """The manager's save of ``step`` into its local tier (committed there on return).
+    One process: its drainer drains the step in the background. Several: every rank
+    queues the step for its drainer after the same collective commit (the manager's
+    order for an ``async_save``), the drain group made here, by every rank in step."""
+    info = manager.save(step, call, metrics=metrics, metadata=metadata)
+    tiered = manager._tiered
+    if tiered is not None and tiered.ranked():
+        drain_group()
+        if tiered.tier.due(step):
+            tiered.drainer.submit(step)
+    return info
+
+
+def drain(
+    url: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str],
+    timeout: float | None = None,
+    *,
+    options: TransferOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Wait until every step :func:`save_checkpoint` committed in ``local_dir`` is
+    committed in the bucket at ``url`` (the manager's ``drain``: failed drains tried
+    again first, the error of one that fails again raised, naming its step;
+    TimeoutError after ``timeout`` s). Every process calls it, before a planned exit:
+    a drain left unfinished is finished by the next process on ``local_dir`` (deepspeed
+    itself is not needed: a drain copies the files as they are)."""
+    _tiered_run(url, local_dir, options, storage_options).drain(timeout)
+
+
 def save_checkpoint(
     engine: Any,
     url: str | os.PathLike[str],
@@ -375,6 +648,8 @@ def save_checkpoint(
     metrics: Mapping[str, float] | None = None,
     keep_last: int | None = None,
     async_save: bool = False,
+    local_dir: str | os.PathLike[str] | None = None,
+    keep_local: int | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
     options: TransferOptions | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -402,15 +677,44 @@ def save_checkpoint(
     (with several ranks, on a second gloo group of cloudckpt's), and ``result()`` waits
     for the commit. The run's next save or load waits for it first; a failure nobody
     asked for is raised by the next save (``cloudckpt.wait_all()`` raises it too).
+
+    ``local_dir``: the manager's local tier (docs/tiers.md): the step is committed in
+    ``local_dir/step-N/`` when this returns (no request to the bucket on the way, so a
+    bucket that is away does not slow it) and drained to ``url`` in the background,
+    where ``keep_last`` applies after each drain; ``keep_local`` newest local steps are
+    kept (default all; never one not drained yet). Every rank passes its node's
+    directory. Call :func:`drain` before a planned exit. Not with ``async_save``
+    (ConfigError): the save already returns at local-disk speed.
     """
     deepspeed = _require_deepspeed()
     _check_engine(engine)
     in_flight.raise_unreported()
-    manager = _open_run(url, options, storage_options, keep_last=keep_last)
+    if local_dir is None and keep_local is not None:
+        raise ConfigError("keep_local= needs local_dir=")
+    if local_dir is not None and async_save:
+        raise ConfigError(
+            "async_save=True does not take local_dir=: a save to the local tier returns "
+            "once committed on local disk and drains to the bucket in the background"
+        )
+    keep = _keep_local(keep_local)  # before the tier's directory is made
+    if local_dir is None:
+        manager = _open_run(url, options, storage_options, keep_last=keep_last)
+    else:
+        manager = _tiered_run(url, local_dir, options, storage_options)
     _line.make_room(manager.root_url)  # this process's background save of the run first
     chosen = _checked_step(engine.global_steps if step is None else step)
     restored = _restored_step(engine, manager.root_url)
     name = _checked_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    metadata = _metadata(deepspeed, engine, name)
+    if local_dir is not None:
+        tier = manager._tier
+        assert tier is not None  # a manager with local_dir
+        tier.keep = keep
+        manager.policies = [] if keep_last is None else [KeepLast(keep_last)]
+        if restored is not None:
+            manager.restored_step = restored
+        call = _SaveCall(engine, name, client_state, exclude_frozen_parameters)
+        return _save_tiered(manager, chosen, call, metrics, metadata)
     store, prefix, url_of_step = (
         manager.store,
         _step_prefix(manager, chosen),
@@ -436,33 +740,15 @@ def save_checkpoint(
     folder = Path(os.path.abspath(folder))
     bucket = _Bucket(store, prefix, folder, manager.options, stage=async_save)
     try:
-        error: BaseException | None = None
-        try:
-            with _installed(engine, bucket):
-                engine.save_checkpoint(
-                    str(folder),
-                    tag=name,
-                    client_state=dict(client_state or {}),
-                    save_latest=False,
-                    exclude_frozen_parameters=exclude_frozen_parameters,
-                )
-            if rank() == 0:  # DeepSpeed's own ``latest``, uploaded with the folder
-                (folder / LATEST).write_text(name)
-        except Exception as exc:
-            error = exc
+        error = _deepspeed_save(
+            engine, bucket, folder, name, client_state, exclude_frozen_parameters
+        )
         settle(
-            error or bucket.error,
+            error,
             f"DeepSpeed's save_checkpoint to {url_of_step}",
             group=group,
             error_type=DistributedSaveError,
         )
-        metadata = {
-            "tag": name,
-            "world_size": world_size(),
-            "dp_world_size": _dp_world_size(engine),
-            "zero_stage": int(engine.zero_optimization_stage()),
-            "deepspeed_version": str(deepspeed.__version__),
-        }
 
         def commit(on: Any) -> CheckpointInfo:  # on every rank, after every rank's writes
             return commit_folder(
@@ -547,6 +833,11 @@ def _choose(
                 return None
             what = "checkpoint" if tag is None else f"checkpoint tagged {tag!r}"
             raise NotFoundError(f"no committed DeepSpeed {what} under {manager.root_url}")
+    return _deepspeed_info(info)
+
+
+def _deepspeed_info(info: CheckpointInfo) -> CheckpointInfo:
+    """``info`` if :func:`save_checkpoint` committed it (UnsupportedFormatError if not)."""
     if info.kind != KIND or not isinstance(info.metadata.get("tag"), str):
         raise UnsupportedFormatError(
             f"{info.url} is a {info.kind!r} checkpoint, not one saved by "
@@ -637,6 +928,7 @@ def load_checkpoint(
     load_module_only: bool = False,
     custom_load_fn: Any = None,
     weights_only: bool = True,
+    local_dir: str | os.PathLike[str] | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
     options: TransferOptions | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -660,7 +952,12 @@ def load_checkpoint(
     ``ZeroStageEnum`` and ``fragment_address``; pass False only for checkpoints you
     trust that hold other classes (``torch.serialization.add_safe_globals`` is the
     narrower way). Every file is read to CPU memory, as DeepSpeed's own loads map it.
-    The other keyword arguments are DeepSpeed's ``load_checkpoint``'s.
+
+    ``local_dir``: the local tier :func:`save_checkpoint` was given (the manager's
+    restore, docs/tiers.md): the step is chosen among both tiers' committed steps (with
+    several ranks, one every rank can read), read from the local copy when it is whole
+    (a local copy that fails its checks: a WARNING, and the bucket's copy), else from
+    the bucket. The other keyword arguments are DeepSpeed's ``load_checkpoint``'s.
     """
     _require_deepspeed()
     _check_engine(engine)
@@ -669,39 +966,116 @@ def load_checkpoint(
             "restoring with NVMe optimizer offload is not supported by cloudckpt.deepspeed "
             "(DeepSpeed copies its swap folder outside the checkpoint engine)"
         )
+    call = _LoadCall(
+        engine,
+        load_module_strict,
+        load_optimizer_states,
+        load_lr_scheduler_states,
+        load_module_only,
+        custom_load_fn,
+        staging_dir,
+    )
+    checked_tag = None if tag is None else _checked_tag(tag)
+    if local_dir is not None:
+        return _load_tiered(
+            _tiered_run(url, local_dir, options, storage_options),
+            call,
+            step,
+            checked_tag,
+            missing_ok,
+            weights_only,
+        )
     manager = _open_run(url, options, storage_options)
     _line.make_room(manager.root_url)  # this process's background save of the run first
-    group = _group()
-    info = _choose(manager, step, None if tag is None else _checked_tag(tag), missing_ok)
+    info = _choose(manager, step, checked_tag, missing_ok)
     if info is None:
         return None
-    _check_loadable(engine, info, load_optimizer_states, load_module_only)
-    saved_tag = str(info.metadata["tag"])
     prefix = _step_prefix(manager, info.step)
-    folder = Path(os.path.abspath(tempfile.mkdtemp(prefix="cloudckpt-deepspeed-", dir=staging_dir)))
+    client_state = _load_step(call, manager.store, prefix, manager.options, info, weights_only)
+    manager.restored_step = info.step
+    _remember_restored(engine, manager.root_url, info.step)
+    return info, client_state
+
+
+def _load_tiered(
+    manager: CheckpointManager,
+    call: _LoadCall,
+    step: int | None,
+    tag: str | None,
+    missing_ok: bool,
+    weights_only: bool,
+) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    """:func:`load_checkpoint` with a local tier: the manager's restore of the newest
+    step (or ``step``, or the newest tagged ``tag``, the same on every rank)."""
+    _line.make_room(manager.root_url)  # this process's background save of the run first
+    wanted = step
+    if step is not None or tag is not None:
+        info = _choose(manager, step, tag, missing_ok)
+        assert info is not None  # a step or tag not committed raises
+        wanted = info.step
+        if tag is not None and is_distributed():  # each rank lists its own local tier
+            found = agree(value=wanted, group=_group()).values
+            if len(set(found)) > 1:
+                raise ConfigError(
+                    f"the ranks' newest steps tagged {tag!r} differ ({list(found)}: their "
+                    "local tiers hold different steps); pass step="
+                )
+    loaded = manager.restore(wanted, weights_only=weights_only, state=call)
+    if loaded is None:
+        if missing_ok:
+            return None
+        raise NotFoundError(
+            f"no committed DeepSpeed checkpoint under {manager.root_url} nor in its local tier"
+        )
+    info, client_state = loaded
+    _remember_restored(call.engine, manager.root_url, info.step)
+    return info, client_state
+
+
+def _load_step(
+    call: _LoadCall,
+    store: Store,
+    prefix: str,
+    options: TransferOptions,
+    info: CheckpointInfo,
+    weights_only: bool,
+    *,
+    etags: bool = True,
+) -> dict[str, Any]:
+    """Restore ``call.engine`` from the committed copy of ``info``'s step under
+    ``prefix`` in ``store`` (the bucket's, or a local tier's): checked loadable, each
+    rank's files read and checked (sizes, ``etags`` against the marker's, CRC-32s), the
+    ranks agreed, then DeepSpeed's own load over them. Returns the client state."""
+    engine = call.engine
+    _check_loadable(engine, info, call.load_optimizer_states, call.load_module_only)
+    group = _group()
+    saved_tag = str(info.metadata["tag"])
+    folder = Path(
+        os.path.abspath(tempfile.mkdtemp(prefix="cloudckpt-deepspeed-", dir=call.staging_dir))
+    )
     sizes = {f.name: f.size for f in info.files}
     bucket = _Bucket(
-        manager.store,
+        store,
         prefix,
         folder,
-        manager.options,
+        options,
         sizes=sizes,
         etags={f.name: f.etag for f in info.files},
-        step=info.step,
+        step=info.step if etags else None,
         weights_only=weights_only,
     )
     try:
         error: BaseException | None = None
         try:
-            stage3_module = int(engine.zero_optimization_stage()) == 3 and not load_optimizer_states
+            stage3_module = (
+                int(engine.zero_optimization_stage()) == 3 and not call.load_optimizer_states
+            )
             if stage3_module:
                 # DeepSpeed rebuilds the module from every rank's files itself
                 # (zero_to_fp32's reader, straight from disk): fetch the whole step.
-                check_remote(manager.store, prefix, info)
+                check_remote(store, prefix, info)
                 fetched = LocalStore(folder)
-                copy_tree(
-                    manager.store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME,)
-                )
+                copy_tree(store, prefix, fetched, "", options, exclude=(MARKER_NAME,))
                 check_files(fetched, "", info, skip=(MARKER_NAME,))
             else:
                 for name in sizes:  # DeepSpeed globs and tests for the names on disk
@@ -709,7 +1083,7 @@ def load_checkpoint(
                         path = folder / name
                         path.parent.mkdir(parents=True, exist_ok=True)
                         path.touch()
-            optimizer = load_optimizer_states and not load_module_only
+            optimizer = call.load_optimizer_states and not call.load_module_only
             bucket.prefetch(_needed(engine, folder, saved_tag, info, optimizer))
         except Exception as exc:
             error = exc
@@ -720,11 +1094,11 @@ def load_checkpoint(
                 loaded = engine.load_checkpoint(
                     str(folder),
                     tag=saved_tag,
-                    load_module_strict=load_module_strict,
-                    load_optimizer_states=load_optimizer_states,
-                    load_lr_scheduler_states=load_lr_scheduler_states,
-                    load_module_only=load_module_only,
-                    custom_load_fn=custom_load_fn,
+                    load_module_strict=call.load_module_strict,
+                    load_optimizer_states=call.load_optimizer_states,
+                    load_lr_scheduler_states=call.load_lr_scheduler_states,
+                    load_module_only=call.load_module_only,
+                    custom_load_fn=call.custom_load_fn,
                 )
             if loaded is None or loaded[0] is None:
                 raise NotFoundError(f"DeepSpeed found no model states in {info.url}")
@@ -739,6 +1113,4 @@ def load_checkpoint(
     finally:
         bucket.ready.clear()
         shutil.rmtree(folder, ignore_errors=True)
-    manager.restored_step = info.step
-    _remember_restored(engine, manager.root_url, info.step)
-    return info, dict(loaded[1] or {})
+    return dict(loaded[1] or {})

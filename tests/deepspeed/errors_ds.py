@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ def main() -> None:
             model=model, model_parameters=model.parameters(), config=config(stage)
         )
     so = {"storage_options": storage_options}
+    scratch = tempfile.mkdtemp(prefix="errors-ds-tier-")  # a local tier never written
     found = {
         "empty": outcome(lambda: load_checkpoint(engines[2], empty, **so)),
         "empty_ok": outcome(lambda: load_checkpoint(engines[2], empty, missing_ok=True, **so)),
@@ -55,6 +57,15 @@ def main() -> None:
         "module_only": outcome(
             lambda: load_checkpoint(engines[2], zero2, load_optimizer_states=False, **so)[0].step
         ),
+        # The local tier's arguments, refused before anything is written.
+        "tier_async": outcome(
+            lambda: save_checkpoint(engines[2], empty, local_dir=scratch, async_save=True, **so)
+        ),
+        "tier_keep": outcome(lambda: save_checkpoint(engines[2], empty, keep_local=2, **so)),
+        "tier_keep_0": outcome(
+            lambda: save_checkpoint(engines[2], empty, local_dir=scratch, keep_local=0, **so)
+        ),
+        "tier_dir": outcome(lambda: load_checkpoint(engines[2], empty, local_dir=3, **so)),
     }
     for stage in (0, 1):  # a save and a load on one rank, for the stages not run on two
         found[f"roundtrip{stage}"] = outcome(

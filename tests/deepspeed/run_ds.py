@@ -7,10 +7,16 @@ would start them).
         [--fail-write RANK:STEP] [--load-step STEP] [--save-at S1,S2] [--keep-last N]
         [--module-only]
         [--async] [--local DIR] [--report PATH]
+        [--tier DIR [--keep-local N] [--drain | --drain-only] [--kill-after-local STEP]
+         [--fast] [--dump PATH]]
 
 Losses are deterministic: the batches are a function of the step and the rank, and the
 model has no dropout (DeepSpeed's checkpoint holds no RNG state). A failure of a
 cloudckpt call is written to the report (the error's type and text) and exits with 3.
+
+``--tier DIR``: every save and load goes through the manager's local tier, rank R's in
+``DIR/rank-R`` (each rank a node of its own); ``--drain`` waits for the drains at the
+end, ``--drain-only`` does nothing else.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -43,6 +50,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--async", dest="async_save", action="store_true")
     p.add_argument("--local", default=None, help="also save the last step with DeepSpeed here")
     p.add_argument("--report", default=None)
+    p.add_argument("--tier", default=None, help="local_dir: DIR/rank-R for rank R")
+    p.add_argument("--keep-local", type=int, default=None)
+    p.add_argument("--drain", action="store_true", help="drain() after the loop")
+    p.add_argument("--drain-only", action="store_true", help="drain() and exit")
+    p.add_argument("--kill-after-local", type=int, default=None, help="die once STEP is local")
+    p.add_argument("--fast", action="store_true", help="two attempts, short timeouts")
+    p.add_argument("--dump", default=None, help="the engine's state at the end, to PATH.R")
     return p.parse_args()
 
 
@@ -85,6 +99,20 @@ def start_deepspeed():  # type: ignore[no-untyped-def]
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     deepspeed.init_distributed(dist_backend="gloo")
     return deepspeed
+
+
+def flat(obj: object, path: str = "") -> dict:
+    """The tensors of ``obj`` (nested dicts, lists) by path, and its numbers and strings
+    as their repr (an enum among them too)."""
+    if isinstance(obj, dict):
+        return {k: v for key, item in obj.items() for k, v in flat(item, f"{path}/{key}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, item in enumerate(obj) for k, v in flat(item, f"{path}/{i}").items()}
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    if isinstance(obj, (int, float, str, bool)):
+        return {path: repr(obj)}
+    return {}
 
 
 def report(args: argparse.Namespace, rank: int, body: dict) -> None:
@@ -139,8 +167,48 @@ def main() -> None:
         return real_commit(store, prefix, step, *rest, **kw)
 
     cloud_folders.commit_step = commit  # type: ignore[assignment]
+    sources: set[str] = set()
+
+    def load_from(target, *a, **kw):  # type: ignore[no-untyped-def]
+        sources.add(target.url.split("://", 1)[0])  # file: a local tier; s3: the bucket
+        return load(target, *a, **kw)
+
+    cloud_ds.load_object = load_from  # type: ignore[assignment]
+    tier = {}
+    if args.tier is not None:
+        from cloudckpt.manager.tiers import LocalTier
+
+        real_local_commit = LocalTier.commit
+
+        def local_commit(self, step, *rest, **kw):  # type: ignore[no-untyped-def]
+            if step == args.kill_after_local:  # the drains before it done, then die
+                for _, manager in cloud_ds._tiered.values():
+                    manager._tiered.drainer.wait()
+            info = real_local_commit(self, step, *rest, **kw)
+            if step == args.kill_after_local:
+                os.kill(os.getpid(), signal.SIGKILL)  # committed locally, not drained
+            return info
+
+        LocalTier.commit = local_commit  # type: ignore[method-assign]
+        tier = {"local_dir": os.path.join(args.tier, f"rank-{rank}")}
+    if args.fast:
+        from cloudckpt import TransferOptions
+
+        fast = TransferOptions(
+            max_attempts=2,
+            backoff_base=0.05,
+            backoff_max=0.2,
+            connect_timeout=1.0,
+            request_timeout=2.0,
+        )
+        tier["options"] = fast  # type: ignore[assignment]
     resumed_from = None
+    save_seconds = []
     try:
+        if args.drain_only:
+            cloud_ds.drain(args.url, storage_options=storage_options, **tier)
+            report(args, rank, {"drained": True})
+            return
         if args.resume or args.resume_strict or args.load_step is not None:
             loaded = load_checkpoint(
                 engine,
@@ -149,6 +217,7 @@ def main() -> None:
                 missing_ok=args.resume,
                 load_optimizer_states=not args.module_only,
                 storage_options=storage_options,
+                **tier,
             )
             if loaded is not None:
                 resumed_from = loaded[0].step
@@ -164,6 +233,9 @@ def main() -> None:
             losses.append([step, loss.item()])
             save_at = args.save_at is not None and step in {int(s) for s in args.save_at.split(",")}
             if save_at or (args.save_at is None and step % args.save_every == 0):
+                if args.keep_local is not None:
+                    tier["keep_local"] = args.keep_local
+                started = time.monotonic()
                 saved = save_checkpoint(
                     engine,
                     args.url,
@@ -171,17 +243,25 @@ def main() -> None:
                     keep_last=args.keep_last,
                     async_save=args.async_save,
                     storage_options=storage_options,
+                    **tier,
                 )
+                save_seconds.append(time.monotonic() - started)
                 if args.async_save:
                     handles.append(saved)
         for handle in handles:
             handle.result()
+        if args.drain:
+            tier.pop("keep_local", None)
+            cloud_ds.drain(args.url, storage_options=storage_options, **tier)
     except CloudCkptError as exc:  # the report says which error each rank raised
         report(args, rank, {"error": type(exc).__name__, "message": str(exc)})
         print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise SystemExit(3) from exc
     if args.local:
         engine.save_checkpoint(args.local)
+    if args.dump:
+        state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
+        torch.save(flat(state), f"{args.dump}.{rank}")
     report(
         args,
         rank,
@@ -190,6 +270,8 @@ def main() -> None:
             "resumed_from": resumed_from,
             "global_steps": engine.global_steps,
             "reads": reads,
+            "sources": sorted(sources),
+            "save_seconds": save_seconds,
         },
     )
 

@@ -41,9 +41,11 @@ def committed(server, url):
     return [c.step for c in CheckpointManager(url, storage_options=server.storage_options()).list()]
 
 
-def launch(server, url, world, *extra, report=None):
-    """Start the loop as ``world`` processes (gloo ranks), as torchrun would."""
-    cmd = [sys.executable, SCRIPT, url, json.dumps(server.storage_options()), *extra]
+def launch(server, url, world, *extra, report=None, storage_options=None):
+    """Start the loop as ``world`` processes (gloo ranks), as torchrun would, with
+    ``server``'s storage options (or ``storage_options``)."""
+    given = server.storage_options() if storage_options is None else storage_options
+    cmd = [sys.executable, SCRIPT, url, json.dumps(given), *extra]
     if report is not None:
         cmd += ["--report", str(report)]
     port = free_port()
@@ -277,6 +279,10 @@ def test_load_errors_are_typed_and_raised_before_any_read(moto_server, base):
         assert f"ZeRO stage {stage}" in found[key][1]
     assert found["stage"][0] == "ConfigError" and "ZeRO-3" in found["stage"][1]
     assert found["module_only"] == ["ok", "12"]
+    assert found["tier_async"][0] == "ConfigError" and "local_dir" in found["tier_async"][1]
+    assert found["tier_keep"] == ["ConfigError", "keep_local= needs local_dir="]
+    assert found["tier_keep_0"][0] == "ConfigError" and "keep_local=0" in found["tier_keep_0"][1]
+    assert found["tier_dir"][0] == "ConfigError" and "local_dir=3" in found["tier_dir"][1]
     assert found["roundtrip0"] == found["roundtrip1"] == ["ok", "True"]
 
 
@@ -325,6 +331,16 @@ def test_the_docs_example_runs(moto_server, tmp_path):
     """The DeepSpeed section of docs/integrations.md, as written, on the local server."""
     bucket = run_example(moto_server, docs_examples("DeepSpeed")[0], tmp_path, "ds-docs")
     assert committed(moto_server, f"s3://{bucket}/deepspeed-run") == [8, 12]
+
+
+def test_the_docs_local_tier_example_runs(moto_server, tmp_path):
+    """The DeepSpeed section's local-tier example, as written: both steps drained to the
+    bucket, the local tier down to its newest step (``keep_local=1``)."""
+    code = docs_examples("DeepSpeed")[1]
+    paths = {"/local_nvme/": f"{tmp_path}/"}
+    bucket = run_example(moto_server, code, tmp_path, "ds-docs-tier", paths=paths)
+    assert committed(moto_server, f"s3://{bucket}/deepspeed-tiered") == [4, 8]
+    assert local_tier_steps(tmp_path / "ckpt" / "deepspeed-tiered") == [8]
 
 
 def test_another_steps_file_of_the_same_size_fails_the_load(moto_server, tmp_path, monkeypatch):
@@ -410,3 +426,147 @@ def test_retention_keeps_the_restored_step_and_the_step_just_saved(moto_server, 
     assert latest is not None and latest.step == 6
     for step in (3, 4):
         assert not list(manager.store.list(f"run/step-{step:09d}/"))
+
+
+# -- the manager's local tier (local_dir=) ----------------------------------------------
+
+
+def local_tier_steps(tier):
+    """The steps committed in a local tier directory (a marker in their folder)."""
+    return sorted(int(p.name[5:]) for p in tier.glob("step-*") if (p / "_CHECKPOINT.json").exists())
+
+
+def refused(server):
+    """``server``'s storage options with its endpoint a port where nothing listens."""
+    return {**server.storage_options(), "endpoint_url": f"http://{HOST}:{free_port()}"}
+
+
+def test_a_local_tier_save_returns_while_the_bucket_refuses_and_drains_later(
+    moto_server, tmp_path, monkeypatch, capsys
+):
+    """One process, ZeRO-2, local_dir= while every connection to the bucket is refused:
+    each save returns at local speed, committed on local disk only. A later process with
+    the bucket there drains both steps (``cloudckpt ls`` shows them), and a process
+    with a fresh local_dir resumes from the bucket alone to the same weights and
+    optimizer state."""
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-tier-away"))
+    url, tier = f"s3://{bucket}/run", tmp_path / "tier"
+    args = ("--max-steps", "8", "--tier", str(tier), "--fast", "--dump", str(tmp_path / "a.pt"))
+    away = refused(moto_server)
+    finish(launch(moto_server, url, 1, *args, report=tmp_path / "a", storage_options=away))
+    (saved,) = reports(tmp_path / "a", 1)
+    assert len(saved["save_seconds"]) == 2 and max(saved["save_seconds"]) < 10, saved
+    assert local_tier_steps(tier / "rank-0") == [4, 8]
+    assert committed(moto_server, url) == []  # the bucket never answered
+
+    finish(launch(moto_server, url, 1, "--tier", str(tier), "--drain-only"))
+    assert committed(moto_server, url) == [4, 8]
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli_main(["ls", url]) == 0
+    listed = capsys.readouterr().out
+    assert "2 checkpoint(s)" in listed and "latest step 8" in listed, listed
+    assert cli_main(["verify", url]) == 0
+
+    fresh = tmp_path / "fresh"
+    args = ("--max-steps", "8", "--resume-strict", "--tier", str(fresh))
+    finish(
+        launch(moto_server, url, 1, *args, "--dump", str(tmp_path / "c.pt"), report=tmp_path / "c")
+    )
+    (resumed,) = reports(tmp_path / "c", 1)
+    assert resumed["resumed_from"] == 8 and resumed["sources"] == ["s3"], resumed
+    before = torch.load(tmp_path / "a.pt.0", weights_only=True)
+    after = torch.load(tmp_path / "c.pt.0", weights_only=True)
+    assert before.keys() == after.keys() and any(k.startswith("/optimizer") for k in before)
+    for key, value in before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, after[key]), key
+        else:
+            assert value == after[key], key
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_save_to_their_local_tiers_drain_and_resume_the_same(
+    moto_server, base, tmp_path, stage
+):
+    """ZeRO-2 and ZeRO-3 on 2 ranks, each rank's local_dir a node of its own: each
+    directory holds the DeepSpeed folder but the other rank's own files (rank 0's
+    scripts, ``latest`` and, ZeRO-2, model states copied to rank 1's), the drains
+    commit the steps in the bucket, and a resume from the local tiers and one from the
+    bucket alone continue as the uninterrupted run."""
+    _, base_reports, base_local = base[stage]
+    bucket = moto_server.make_bucket(unique_bucket_name(f"ds-tier-ranks-{stage}"))
+    url, tier = f"s3://{bucket}/run", tmp_path / "tier"
+    args = ("--stage", str(stage), "--max-steps", "8", "--tier", str(tier), "--drain")
+    finish(launch(moto_server, url, 2, *args))
+    assert committed(moto_server, url) == [4, 8]
+    expected = {
+        "latest",
+        "zero_to_fp32.py",
+        "zero_to_torch.py",
+        *(n.relative_to(base_local).as_posix() for n in (base_local / "global_step12").iterdir()),
+    }
+    expected = {n.replace("global_step12", "global_step8") for n in expected}
+    for r in range(2):
+        assert local_tier_steps(tier / f"rank-{r}") == [4, 8]
+        folder = tier / f"rank-{r}" / "step-000000008"
+        held = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+        theirs = {n for n in expected if f"zero_pp_rank_{1 - r}_" in n}
+        assert held == (expected - theirs) | {"_CHECKPOINT.json"}, held
+    info = CheckpointManager(url, storage_options=moto_server.storage_options()).info(8)
+    assert {f.name for f in info.files} == expected
+
+    args = ("--stage", str(stage), "--resume", "--tier", str(tier), "--drain")
+    finish(launch(moto_server, url, 2, *args, report=tmp_path / "local"))
+    assert committed(moto_server, url) == [4, 8, 12]
+    fresh = str(tmp_path / "fresh")
+    args = ("--stage", str(stage), "--load-step", "8", "--save-at", "10", "--tier", fresh)
+    finish(launch(moto_server, url, 2, *args, "--drain", report=tmp_path / "bucket"))
+    for name, source in (("local", "file"), ("bucket", "s3")):
+        resumed = reports(tmp_path / name, 2)
+        for r in range(2):
+            assert resumed[r]["resumed_from"] == 8 and resumed[r]["sources"] == [source]
+            assert resumed[r]["losses"] == base_reports[r]["losses"][8:]
+    assert committed(moto_server, url) == [4, 8, 10, 12]
+
+
+def test_a_local_tier_save_killed_before_its_drain_is_drained_by_the_next_process(
+    moto_server, tmp_path, monkeypatch, capsys
+):
+    """One process: step 4 drained, then ``kill -9`` once step 8 is committed locally
+    and before its drain: the bucket's newest step is 4 (``cloudckpt latest``). The
+    next process on the same local_dir resumes from the local step 8 to the losses of
+    an uninterrupted run and drains it."""
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-tier-kill"))
+    url, tier = f"s3://{bucket}/run", tmp_path / "tier"
+    whole = f"s3://{moto_server.make_bucket(unique_bucket_name('ds-tier-whole'))}/run"
+    finish(
+        launch(
+            moto_server, whole, 1, "--tier", str(tmp_path / "w"), "--drain", report=tmp_path / "w"
+        )
+    )
+    (uninterrupted,) = reports(tmp_path / "w", 1)
+    assert committed(moto_server, whole) == [4, 8, 12]
+
+    args = ("--tier", str(tier), "--kill-after-local", "8")
+    (proc,) = launch(moto_server, url, 1, *args)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -9, err.decode()[-4000:]
+    assert committed(moto_server, url) == [4]
+    assert local_tier_steps(tier / "rank-0") == [4, 8]
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli_main(["latest", url]) == 0
+    assert capsys.readouterr().out.strip().endswith("step-000000004/")
+
+    finish(
+        launch(
+            moto_server, url, 1, "--tier", str(tier), "--resume", "--drain", report=tmp_path / "r"
+        )
+    )
+    (resumed,) = reports(tmp_path / "r", 1)
+    assert resumed["resumed_from"] == 8 and resumed["sources"] == ["file"], resumed
+    assert resumed["losses"] == uninterrupted["losses"][8:]
+    assert committed(moto_server, url) == [4, 8, 12]

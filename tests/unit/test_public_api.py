@@ -180,7 +180,7 @@ SUBPACKAGES = {
     "torchtitan": {"CloudCheckpointManager"},
     "hf": {"CloudCheckpointCallback", "fetch_latest"},
     "accelerate": {"AccelerateSaveHandle", "load_state", "save_state"},
-    "deepspeed": {"DeepSpeedSaveHandle", "load_checkpoint", "save_checkpoint"},
+    "deepspeed": {"DeepSpeedSaveHandle", "drain", "load_checkpoint", "save_checkpoint"},
     "ray": {"report", "restore", "run_url", "storage"},
     "store": {
         "MultipartUpload",

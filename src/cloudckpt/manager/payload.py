@@ -9,9 +9,12 @@ with sizes and ETags where known), else whatever it lists under the prefix. On r
 ``kind.load(...)`` on every rank.
 
 A kind whose ranks each write their own files declares ``coordinator_files``: the files
-its first rank alone writes, in the order they commit. A local tier on several ranks
-copies them into every rank's directory (each directory then loads on its own) and
-drains them last; a kind without them (``()``) takes a local tier on one process only.
+its first rank alone writes, in the order they commit (paths under the step: ``a/b``
+for one in a folder, as DeepSpeed's model states; a drain tells them by their last
+part, as ``copy_tree`` excludes). A local tier on several ranks copies them into every
+rank's directory (each directory then loads on its own) and drains them last; a kind
+without them (``()``) takes a local tier on one process only. ``cloudckpt.deepspeed``
+has a kind of its own (``DeepSpeedPayload``), given to the manager by its functions.
 """
 
 from __future__ import annotations

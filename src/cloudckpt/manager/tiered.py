@@ -296,15 +296,16 @@ class TieredRun:
         owner, coordinators = directory_owner(tier.path, group)
         prefix = tier.step_prefix(step)
         names = kind.coordinator_files
-        complete_directories(
-            tier.store,
-            prefix,
-            names,
-            owner=owner,
-            coordinators=coordinators,
-            group=group,
-            what=f"step {step}'s coordinator files ({', '.join(names)})",
-        )
+        for folder, batch in _by_folder(names):  # DeepSpeed's: some in the tag's folder
+            complete_directories(
+                tier.store,
+                prefix + folder,
+                batch,
+                owner=owner,
+                coordinators=coordinators,
+                group=group,
+                what=f"step {step}'s coordinator files ({', '.join(names)})",
+            )
         error: BaseException | None = None
         try:  # every directory is whole: each commits (a step some rank lacks is skipped)
             if owner:
@@ -399,7 +400,9 @@ class TieredRun:
                     raise NotFoundError(f"step {step} is not committed in {tier.url}")
                 if error is None and owner and local is not None:
                     # each directory holds the coordinator's files: sent once, last
-                    skip = (MARKER_NAME, *bucket.kind.coordinator_files)
+                    # (by name, as copy_tree excludes: one in a folder too)
+                    theirs = bucket.kind.coordinator_files
+                    skip = (MARKER_NAME, *(n.rpartition("/")[2] for n in theirs))
                     tier.send_payload(step, local, bucket.store, prefix, bucket.options, skip)
             except Exception as exc:
                 error = exc
@@ -537,8 +540,8 @@ class TieredRun:
         without it such a file is a NotFoundError naming it and the step). Logs at INFO
         what the bucket served."""
         tier, bucket = self.tier, self.bucket
-        kind = bucket.kind
-        assert isinstance(kind, (DcpPayload, MegatronPayload))
+        # A kind with coordinator files (DCP, Megatron, DeepSpeed's) loads from a view.
+        load: Callable[..., Any] = bucket.kind.load
         info = tier.info(step)
         if info is None:
             raise NotFoundError(f"step {step} is not committed in the local tier {tier.url}")
@@ -553,7 +556,7 @@ class TieredRun:
         view = OverlayStore(
             tier.store,
             tier.step_prefix(step),
-            [f.name for f in info.files],
+            [*(f.name for f in info.files), MARKER_NAME],  # the local commit's description
             bucket.store if in_bucket else None,
             bucket._step_prefix(step),
             what=f"step {step}",
@@ -561,7 +564,7 @@ class TieredRun:
             also=self._peer_copies(step),
         )
         url = tier.step_url(step)
-        result = kind.load(
+        result = load(
             Target(url, view, "", tier.options, url),
             tier.options,
             map_location=map_location,
@@ -653,6 +656,20 @@ class TieredRun:
             protected=protected,
             trust_locks=True,  # node-local: a temp file whose lock is free is dead
         )
+
+
+def _by_folder(names: Sequence[str]) -> builtins.list[tuple[str, builtins.list[str]]]:
+    """``names`` (paths under a step, in commit order) as runs of names in one folder:
+    each folder (``""`` or ``"a/"``) with its names' last parts, the order kept."""
+    runs: builtins.list[tuple[str, builtins.list[str]]] = []
+    for name in names:
+        folder, _, last = name.rpartition("/")
+        folder = folder + "/" if folder else ""
+        if runs and runs[-1][0] == folder:
+            runs[-1][1].append(last)
+        else:
+            runs.append((folder, [last]))
+    return runs
 
 
 def _sizes(local: CheckpointInfo) -> dict[str, int | None]:
