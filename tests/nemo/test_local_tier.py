@@ -138,3 +138,19 @@ def test_a_dead_writers_temp_file_is_swept_by_the_next_save_and_retention(
 ) -> None:
     url, so, _ = bucket
     run_ranks(tw.leftovers_swept, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+
+
+def test_a_copy_without_a_record_never_keeps_another_saves_objects(
+    bucket: Any, tmp_path: Path
+) -> None:
+    """A local copy committed without a drain record (an earlier release's) whose name
+    the bucket holds from another save (same sizes, other bytes, younger than the local
+    commit, and an object none of the copy's files): its drain keeps nothing by time or
+    size, so the bucket commits the local copy's bytes only."""
+    url, so, _ = bucket
+    run_ranks(tw.copy_without_a_record, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+    register_options(url, storage_options=so)
+    stray = target_for(f"{url}/step=1/weights/__9_0.distcp")
+    stray.store.put(stray.key, b"another save's shard")
+    run_ranks(tw.record_less_copy_drained, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+    assert "__9_0.distcp" not in tw.names_under(f"{url}/step=1/weights", so)

@@ -417,3 +417,38 @@ def leftovers_swept(rank: int, world: int, url: str, so: dict[str, Any], root: s
     finally:
         store.abort_multipart(live)
     dist.barrier()
+
+
+def copy_without_a_record(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
+    """A copy of step=1 committed locally by a release that kept no drain record (its
+    drain never ran), then another save of the same name straight to the bucket: the
+    same shapes (the same sizes), other values, younger than the local commit."""
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    cpu_friendly_megatron()
+    checkpoints, _ = _states()
+    io = _io(root, rank, so)
+    io._tier.queue = lambda name: None  # the process "dies" before its drain runs
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    for record in Path(local_dir(root, rank)).rglob("*.json"):
+        if record.parent.name == "_DRAINS" or record.name.endswith(".drain.json"):
+            record.unlink()
+    plain = CloudMegatronCheckpointIO(storage_options=so)
+    plain.save_checkpoint(checkpoints[1], f"{url}/step=1.ckpt")  # another save, committed
+    dist.barrier()
+
+
+def record_less_copy_drained(
+    rank: int, world: int, url: str, so: dict[str, Any], root: str
+) -> None:
+    """A new IO on those directories drains the local copy: nothing of the bucket's
+    other save is kept for it by its time or size, so the bucket's step=1 is the local
+    copy's state, and the local copy's record says it is drained."""
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    _, wanted = _states()
+    io = _io(root, rank, so)
+    io.drain()
+    plain = CloudMegatronCheckpointIO(storage_options=so)
+    _check_load(plain, f"{url}/step=1", wanted[0], f"rank {rank}: the bucket's copy")
+    assert records(local_dir(root, rank))["step=1"]["committed"]

@@ -7,8 +7,9 @@ Every tier keeps them the same way: the manager's (``manager/tiers.py``, names
 (``lightning/checkpoint_io.py``, file names such as ``epoch=3-step=40.ckpt``). A record
 says which local commit it belongs to (its time), the bucket it drains to, the objects
 the drain wrote or proved there (size, ETag and time as the bucket gave them), whether
-the bucket committed it, and two states a tier may need: ``started`` (NeMo: the bucket's
-folder was emptied for this commit) and ``due`` (Lightning: still to be sent). So "is
+the bucket committed it, and two states a tier may need: ``started`` (a drain of this
+commit has begun: the manager's tier writes no record before) and ``due`` (Lightning:
+still to be sent). So "is
 this checkpoint drained?" is answered from the tier itself, without asking the bucket.
 
 A name is one path component: anything that could leave ``_DRAINS/`` (``/``, ``..``, a
@@ -62,7 +63,8 @@ class DrainRecord:
     objects: Mapping[str, str] = field(default_factory=dict)
     #: Whether the bucket committed this local commit.
     committed: bool = False
-    #: NeMo: the first drain of this commit emptied the bucket's folder of the name.
+    #: A drain of this commit has begun (the manager's tier, NeMo's on it, writes its
+    #: records from a drain only; an earlier release's NeMo: the folder was emptied).
     started: bool = False
     #: Lightning: the local copy waits to be sent.
     due: bool = False

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
-from ..engine.drain import Drainer, complete_directories, directory_owner
+from ..engine.drain import Drainer, directory_owner
 from ..engine.remove import remove_checkpoint
 from ..errors import (
     AlreadyExistsError,
@@ -30,7 +30,7 @@ from ..errors import (
     NotFoundError,
 )
 from ..options import TransferOptions
-from ..ranks.collectives import agree, on_first, rank, settle, world_size
+from ..ranks.collectives import agree, on_first, rank, world_size
 from ..ranks.groups import checkpoint_group, drain_group
 from ..store import Store, Target
 from ..store.deadline import deadline_scope
@@ -253,7 +253,11 @@ class TieredRun:
                 bucket._step_prefix(step),
                 bucket.options,
                 lambda local: bucket._commit(
-                    step, local.metrics, local.metadata, local.time, files=_sizes(local)
+                    step,
+                    local.metrics,
+                    local.metadata,
+                    local.time,
+                    files=self.tier.payload_files(local),
                 ),
             )
         finally:
@@ -291,28 +295,9 @@ class TieredRun:
         """After a save into each rank's local tier: every directory gets the files the
         coordinator alone wrote (the kind's ``coordinator_files``, in commit order), then
         its first rank commits it locally; raises on every rank if any rank failed."""
-        tier, kind = self.tier, self.bucket.kind
+        tier = self.tier
         group = checkpoint_group()
-        owner, coordinators = directory_owner(tier.path, group)
-        prefix = tier.step_prefix(step)
-        names = kind.coordinator_files
-        for folder, batch in _by_folder(names):  # DeepSpeed's: some in the tag's folder
-            complete_directories(
-                tier.store,
-                prefix + folder,
-                batch,
-                owner=owner,
-                coordinators=coordinators,
-                group=group,
-                what=f"step {step}'s coordinator files ({', '.join(names)})",
-            )
-        error: BaseException | None = None
-        try:  # every directory is whole: each commits (a step some rank lacks is skipped)
-            if owner:
-                tier.commit(step, kind.name, metrics, metadata)
-        except Exception as exc:
-            error = exc
-        settle(error, f"the local commit of step {step}", group=group)
+        tier.commit_ranks(step, step, self.bucket.kind, metrics, metadata, group, f"step {step}")
         if self.replicate_to_peer:
             self._replicate(step, group)
         info = tier.info(step)
@@ -370,56 +355,35 @@ class TieredRun:
         self.retain_local()
 
     def _drain_ranked_step(self, step: int, group: Any, owner: bool) -> None:
-        """Drain ``step`` on every rank of ``group``: the first rank deletes what under
-        the bucket's uncommitted step is none of any directory's files; each directory's
-        first rank (``owner``) sends its files but the coordinator's, keeping only the
-        objects proven its own (LocalTier.send_payload); then the coordinator sends its
-        files, the commit markers last, and commits; each owner journals the commit."""
+        """Drain ``step`` on every rank of ``group`` (LocalTier.drain_ranks): each
+        directory's first rank (``owner``) sends its files but the coordinator's,
+        keeping only the objects proven its own; then the coordinator sends its files,
+        the commit markers last, and commits the bucket's marker."""
         tier, bucket = self.tier, self.bucket
-        prefix, url = bucket._step_prefix(step), bucket.step_url(step)
-        local = tier.info(step)
+        prefix = bucket._step_prefix(step)
+        # by name, as copy_tree excludes: a coordinator file in a folder too
+        theirs = (n.rpartition("/")[2] for n in bucket.kind.coordinator_files)
+        skip = (MARKER_NAME, *theirs)
+
+        def commit(local: CheckpointInfo, files: dict[str, int | None]) -> None:
+            tier.send_payload(step, local, bucket.store, prefix, bucket.options, (MARKER_NAME,))
+            bucket._commit(step, local.metrics, local.metadata, local.time, files=files)
+
         with bucket._lock:
             bucket._pending.add(step)
         try:
-            mine = _sizes(local) if owner and local is not None else {}
-            sizes: dict[str, int | None] = {}
-            for each in agree(value=mine, group=group).values:
-                sizes.update(each)
-            names = set(sizes)
-            error: BaseException | None = None
-            try:  # a collective: every rank reaches it
-                on_first(
-                    lambda: tier.remove_strays(bucket.store, prefix, names),
-                    group,
-                    what=f"clearing leftovers under {url}",
-                )
-            except Exception as exc:
-                error = exc
-            try:
-                if error is None and local is None:
-                    raise NotFoundError(f"step {step} is not committed in {tier.url}")
-                if error is None and owner and local is not None:
-                    # each directory holds the coordinator's files: sent once, last
-                    # (by name, as copy_tree excludes: one in a folder too)
-                    theirs = bucket.kind.coordinator_files
-                    skip = (MARKER_NAME, *(n.rpartition("/")[2] for n in theirs))
-                    tier.send_payload(step, local, bucket.store, prefix, bucket.options, skip)
-            except Exception as exc:
-                error = exc
-            settle(error, f"the drain of step {step} to {url}", group=group)
-
-            def commit() -> CheckpointInfo:  # every rank's files are in the bucket
-                assert local is not None  # copy_tree writes the commit markers last
-                tier.send_payload(step, local, bucket.store, prefix, bucket.options, (MARKER_NAME,))
-                return bucket._commit(step, local.metrics, local.metadata, local.time, files=sizes)
-
-            on_first(commit, group, what=f"the commit of {url}")
+            tier.drain_ranks(
+                step,
+                bucket.store,
+                prefix,
+                group=group,
+                owner=owner,
+                send=lambda local: tier.send_payload(
+                    step, local, bucket.store, prefix, bucket.options, skip
+                ),
+                commit=commit,
+            )
             self._entered_bucket(step)
-            if owner and local is not None:
-                try:
-                    tier.record(step, local, committed=True)
-                except Exception as exc:  # the bucket has it; a later listing learns it
-                    log.warning("recording the drain of step %d failed: %s", step, exc)
         finally:
             with bucket._lock:
                 bucket._pending.discard(step)
@@ -656,23 +620,3 @@ class TieredRun:
             protected=protected,
             trust_locks=True,  # node-local: a temp file whose lock is free is dead
         )
-
-
-def _by_folder(names: Sequence[str]) -> builtins.list[tuple[str, builtins.list[str]]]:
-    """``names`` (paths under a step, in commit order) as runs of names in one folder:
-    each folder (``""`` or ``"a/"``) with its names' last parts, the order kept."""
-    runs: builtins.list[tuple[str, builtins.list[str]]] = []
-    for name in names:
-        folder, _, last = name.rpartition("/")
-        folder = folder + "/" if folder else ""
-        if runs and runs[-1][0] == folder:
-            runs[-1][1].append(last)
-        else:
-            runs.append((folder, [last]))
-    return runs
-
-
-def _sizes(local: CheckpointInfo) -> dict[str, int | None]:
-    """The files a local commit lists, with their sizes: what its drain commits in the
-    bucket, exactly (an earlier save's leftovers there stay out of the marker)."""
-    return {f.name: f.size for f in local.files}

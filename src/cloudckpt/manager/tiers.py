@@ -18,6 +18,11 @@ records of an object this drain sent is checked first against the ETag its uploa
 one another save wrote over it meanwhile fails the drain (tried again later), never a
 journal entry. The journal also records the bucket's commit, so "is this step drained?"
 is answered from the tier itself, without asking the bucket: a save never waits for it.
+
+The tier addresses a checkpoint by a key: the manager's are steps (``step-N/``), NeMo's
+tier (nemo/tier.py) uses its checkpoint names (``<name>/``, the files the bucket gets
+in ``weights/``: the tier's ``payload`` folder). The drain of one checkpoint by several
+ranks (:meth:`LocalTier.drain_ranks`) is the same for both.
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from ..engine.copy import PARTIAL_SUFFIX, copy_tree
-from ..engine.drain import RUN_FILE, Drainer, claim
+from ..engine.drain import RUN_FILE, Drainer, claim, complete_directories, directory_owner
 from ..engine.journal import JOURNAL_DIR, DrainJournal, DrainRecord, identity, matches
 from ..engine.leftovers import sweep_leftovers
 from ..engine.proof import replaced
@@ -47,7 +52,7 @@ from ..errors import (
 )
 from ..format.commit import read_committed
 from ..options import TransferOptions
-from ..ranks.collectives import world_size
+from ..ranks.collectives import agree, on_first, settle, world_size
 from ..store import ObjectInfo, Store
 from ..store.local import LocalStore
 from .marker import (
@@ -58,7 +63,6 @@ from .marker import (
     commit_step,
     decode_marker,
     list_checkpoints,
-    marker_key,
     read_marker,
     step_dir,
 )
@@ -71,8 +75,10 @@ __all__ = [
     "REMOTE",
     "RUN_FILE",
     "Drainer",
+    "Key",
     "LocalTier",
     "check_free",
+    "check_positive",
     "merge_tiers",
     "tensor_bytes",
 ]
@@ -81,19 +87,25 @@ log = logging.getLogger("cloudckpt")
 
 LOCAL = "local"
 REMOTE = "remote"
-#: NeMo's tier (nemo/tier.py), for copies committed without its drain record: a bucket
-#: object under an uncommitted name older than the local commit by more than this
-#: (seconds) is deleted before the copy. Age proves nothing the other way: what is
-#: younger is kept only if proven the same bytes (engine/proof.py via copy_tree).
-CLOCK_SLACK = 60.0
+#: How the tier addresses one checkpoint: a step (the manager's ``step-N/``) or a
+#: checkpoint's name (NeMo's ``<name>/``).
+Key: TypeAlias = int | str
+
+
+def check_positive(name: str, value: object) -> None:
+    """ConfigError unless ``value`` (the option ``name``) is None or a positive int."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
 
 
 class LocalTier:
-    """The local copy of one run: ``step-N/`` prefixes under ``path`` committed by the
-    same marker as the bucket's, for the bucket root ``remote_url`` only.
+    """The local copy of one run: a folder per checkpoint under ``path`` (``step-N/``;
+    NeMo's ``<name>/``) committed by the same marker as the bucket's, for the bucket
+    root ``remote_url`` only.
 
     ``keep_local`` newest local steps are kept (None: all); steps divisible by
-    ``every`` are due for the bucket.
+    ``every`` are due for the bucket. ``payload``: the folder of each checkpoint that
+    the bucket gets (``""``: all of it; NeMo's ``weights/``).
     """
 
     def __init__(
@@ -103,12 +115,12 @@ class LocalTier:
         options: TransferOptions,
         keep_local: int | None,
         every: int,
+        *,
+        payload: str = "",
     ) -> None:
-        for name, value in (("keep_local", keep_local), ("drain_every_n_steps", every)):
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        check_positive("keep_local", keep_local)
+        check_positive("drain_every_n_steps", every)
+        self.payload = payload
         self.path = Path(path).expanduser()
         self.path.mkdir(parents=True, exist_ok=True)
         self.store = LocalStore(self.path)
@@ -123,8 +135,9 @@ class LocalTier:
         self._cache: dict[tuple[str, int], CheckpointInfo] = {}
         self._lock = threading.Lock()
         self._retain_lock = threading.Lock()
-        #: (step, local commit time) of the steps whose journal records the bucket's commit.
-        self._drained: set[tuple[int, float]] = set()
+        #: (name, local commit time) of the checkpoints whose journal records the bucket's
+        #: commit.
+        self._drained: set[tuple[str, float]] = set()
         #: The thread removing the files of the steps a deferred retention dropped.
         self._removing: threading.Thread | None = None
 
@@ -164,12 +177,18 @@ class LocalTier:
 
     # -- naming --------------------------------------------------------------------------
     @staticmethod
-    def step_prefix(step: int) -> str:
-        return f"{step_dir(step)}/"
+    def name_of(key: Key) -> str:
+        """The folder (and drain record) name of ``key``: ``step-N``, or the name itself."""
+        return key if isinstance(key, str) else step_dir(key)
 
-    def step_url(self, step: int) -> str:
-        """URL of ``step``'s local prefix (ends in ``/``)."""
-        return self.store.url(self.step_prefix(step))
+    @classmethod
+    def step_prefix(cls, key: Key) -> str:
+        """The local prefix of ``key``'s checkpoint (its marker's folder; ends in ``/``)."""
+        return f"{cls.name_of(key)}/"
+
+    def step_url(self, key: Key) -> str:
+        """URL of ``key``'s local prefix (ends in ``/``)."""
+        return self.store.url(self.step_prefix(key))
 
     def save_url(self, step: int) -> str:
         """:meth:`step_url`, for a save addressing the tier by URL: ``step-N/`` is made
@@ -206,9 +225,9 @@ class LocalTier:
             self._cache.update(cache)
         return found
 
-    def info(self, step: int) -> CheckpointInfo | None:
-        """The local commit of ``step``, or None (none from another run)."""
-        return read_marker(self.store, marker_key("", step)) if self.owned else None
+    def info(self, key: Key) -> CheckpointInfo | None:
+        """The local commit of ``key``, or None (none from another run)."""
+        return read_marker(self.store, self.step_prefix(key) + MARKER_NAME) if self.owned else None
 
     def saved_by(self) -> dict[int, int]:
         """How many ranks saved each local step, for the steps whose marker says so
@@ -244,15 +263,21 @@ class LocalTier:
         )
 
     def commit(
-        self, step: int, kind: str, metrics: Mapping[str, float], metadata: Mapping[str, Any]
+        self,
+        step: int,
+        kind: str,
+        metrics: Mapping[str, float],
+        metadata: Mapping[str, Any],
+        key: Key | None = None,
     ) -> CheckpointInfo:
-        """Write the local marker of ``step`` (after its payload), create-only; in a job
-        of several processes it records their number (``ranks``), which decides whether
-        a restore on another number of ranks may read this copy."""
+        """Write the local marker of ``step`` (after its payload; under ``key``'s
+        folder, default the step's), create-only; in a job of several processes it
+        records their number (``ranks``), which decides whether a restore on another
+        number of ranks may read this copy."""
         ranks = world_size()
         info = commit_step(
             self.store,
-            self.step_prefix(step),
+            self.step_prefix(step if key is None else key),
             step,
             kind,
             metrics,
@@ -260,6 +285,42 @@ class LocalTier:
             ranks=ranks if ranks > 1 else 0,
         )
         return replace(info, tiers=(LOCAL,))
+
+    def commit_ranks(
+        self,
+        key: Key,
+        step: int,
+        kind: PayloadKind,
+        metrics: Mapping[str, float],
+        metadata: Mapping[str, Any],
+        group: Any,
+        what: str,
+    ) -> None:
+        """After a save into each rank's directory (a collective on ``group``): every
+        directory gets the files the coordinator alone wrote (``kind``'s
+        ``coordinator_files``, in commit order), then its first rank commits it
+        locally (:meth:`commit`); raises on every rank if any rank failed. ``what``
+        names the checkpoint in errors."""
+        owner, coordinators = directory_owner(self.path, group)
+        prefix = self.step_prefix(key) + self.payload
+        names = kind.coordinator_files
+        for folder, batch in _by_folder(names):  # DeepSpeed's: some in the tag's folder
+            complete_directories(
+                self.store,
+                prefix + folder,
+                batch,
+                owner=owner,
+                coordinators=coordinators,
+                group=group,
+                what=f"{what}'s coordinator files ({', '.join(names)})",
+            )
+        error: BaseException | None = None
+        try:  # every directory is whole: each commits (a checkpoint some rank lacks is skipped)
+            if owner:
+                self.commit(step, kind.name, metrics, metadata, key)
+        except Exception as exc:
+            error = exc
+        settle(error, f"the local commit of {what} in {self.path}", group=group)
 
     def retain(
         self, protected: Callable[[], set[int]], *, defer: bool = False
@@ -283,20 +344,26 @@ class LocalTier:
             if len(found) <= self.keep:
                 return []
             doomed = to_delete(found, [KeepLast(self.keep)], protected())
-            later: builtins.list[tuple[str, builtins.list[ObjectInfo]]] = []
-            for step in doomed:
-                prefix = self.step_prefix(step)
-                if defer:
-                    later.append((prefix, remove_markers(self.store, prefix, self.options)))
-                else:
-                    remove_checkpoint(self.store, prefix, self.options)
-                self.forget(step)
-            if later:
-                self._removing = threading.Thread(
-                    target=self._remove, args=(later,), name="cloudckpt-local-retention"
-                )
-                self._removing.start()  # not a daemon: an exit waits for it
+            self.drop(doomed, defer=defer)
         return doomed
+
+    def drop(self, keys: Iterable[Key], *, defer: bool = False) -> None:
+        """Delete the local copies of ``keys`` (each marker first, then its files and
+        folders) and their drain journals. ``defer``: each is uncommitted here and its
+        files are removed by a thread of their own (:meth:`retain`)."""
+        later: builtins.list[tuple[str, builtins.list[ObjectInfo]]] = []
+        for key in keys:
+            prefix = self.step_prefix(key)
+            if defer:
+                later.append((prefix, remove_markers(self.store, prefix, self.options)))
+            else:
+                remove_checkpoint(self.store, prefix, self.options)
+            self.forget(key)
+        if later:
+            self._removing = threading.Thread(
+                target=self._remove, args=(later,), name="cloudckpt-local-retention"
+            )
+            self._removing.start()  # not a daemon: an exit waits for it
 
     def _remove(self, doomed: Sequence[tuple[str, builtins.list[ObjectInfo]]]) -> None:
         """The thread of a deferred retention: the files of each uncommitted step."""
@@ -323,59 +390,68 @@ class LocalTier:
         return sweep_leftovers(self.store)
 
     # -- the drain journal ---------------------------------------------------------------
-    @staticmethod
-    def journal_key(step: int) -> str:
-        return DrainJournal.key(step_dir(step))
+    @classmethod
+    def journal_key(cls, key: Key) -> str:
+        return DrainJournal.key(cls.name_of(key))
 
-    def journal(self, step: int, local: CheckpointInfo) -> dict[str, Any] | None:
-        """The journal of the drain of ``local`` (the local commit of ``step``): the
+    def journal(self, key: Key, local: CheckpointInfo) -> dict[str, Any] | None:
+        """The journal of the drain of ``local`` (the local commit of ``key``): the
         objects it wrote ({name: identity}) and whether the bucket's commit is done.
-        None when there is none, or it is of another commit of the step (or unreadable:
-        a WARNING; the drain then proves nothing by it)."""
-        found = self._journal.read(step_dir(step), local.time)
+        None when there is none, or it is of another commit of the checkpoint (or
+        unreadable: a WARNING; the drain then proves nothing by it)."""
+        found = self._journal.read(self.name_of(key), local.time)
         if found is None:
             return None
         return {"objects": dict(found.objects), "committed": found.committed}
 
     def record(
         self,
-        step: int,
+        key: Key,
         local: CheckpointInfo,
         *,
         objects: Mapping[str, str] | None = None,
         committed: bool = False,
     ) -> None:
         """Write the journal of the drain of ``local``: ``objects`` this drain wrote (or
-        proved; None: those recorded already), and whether the bucket has committed it."""
+        proved; None: those recorded already), and whether the bucket has committed it.
+        A journal is written by a drain of the commit only: it is ``started``."""
         if objects is None:
-            found = self.journal(step, local)
+            found = self.journal(key, local)
             objects = found["objects"] if found else {}
+        name = self.name_of(key)
         self._journal.write(
-            step_dir(step),
+            name,
             DrainRecord(
-                time=local.time, remote=self.remote_url, objects=objects, committed=committed
+                time=local.time,
+                remote=self.remote_url,
+                objects=objects,
+                committed=committed,
+                started=True,
             ),
         )
         if committed:
             with self._lock:
-                self._drained.add((step, local.time))
+                self._drained.add((name, local.time))
 
-    def forget(self, step: int) -> None:
-        """Delete the drain journal of ``step`` (its local copy is gone, or replaced)."""
-        self._journal.forget(step_dir(step))
+    def forget(self, key: Key) -> None:
+        """Delete the drain journal of ``key`` (its local copy is gone, or replaced)."""
+        name = self.name_of(key)
+        self._journal.forget(name)
         with self._lock:
-            self._drained = {d for d in self._drained if d[0] != step}
+            self._drained = {d for d in self._drained if d[0] != name}
 
-    def drained(self, info: CheckpointInfo) -> bool:
-        """Whether the journal of the local commit ``info`` records the bucket's commit."""
+    def drained(self, info: CheckpointInfo, key: Key | None = None) -> bool:
+        """Whether the journal of the local commit ``info`` (of ``key``, default its
+        step) records the bucket's commit."""
+        name = self.name_of(info.step if key is None else key)
         with self._lock:
-            if (info.step, info.time) in self._drained:
+            if (name, info.time) in self._drained:
                 return True
-        found = self.journal(info.step, info)
+        found = self.journal(name, info)
         if found is None or not found["committed"]:
             return False
         with self._lock:
-            self._drained.add((info.step, info.time))
+            self._drained.add((name, info.time))
         return True
 
     def waiting(
@@ -459,16 +535,21 @@ class LocalTier:
         changed = [f.name for f in committed.files if not matches(mine.get(f.name), f.size, f.etag)]
         if not changed:
             return
-        key = remote_prefix + MARKER_NAME
-        try:
-            remote.delete(key)
-        except Exception as exc:  # named below: the marker may stay
-            log.warning("withdrawing the marker %s failed: %s", remote.url(key), exc)
+        self.withdraw(remote, remote_prefix + MARKER_NAME)
         raise StorageError(
             f"step {step} was written at {remote.url(remote_prefix)} by another save while "
             f"this drain committed it: {sorted(changed)} changed since this drain wrote "
             f"them; its marker is withdrawn, the drain of {self.step_url(step)} tries again"
         )
+
+    @staticmethod
+    def withdraw(remote: Store, key: str) -> None:
+        """Delete the bucket's commit marker ``key`` of a commit that would hold another
+        save's bytes (the caller raises, naming them); a failure is a WARNING."""
+        try:
+            remote.delete(key)
+        except Exception as exc:  # named by the caller's error: the marker may stay
+            log.warning("withdrawing the marker %s failed: %s", remote.url(key), exc)
 
     @staticmethod
     def remove_strays(remote: Store, remote_prefix: str, names: set[str]) -> builtins.list[str]:
@@ -487,31 +568,34 @@ class LocalTier:
             removed.append(rel)
         return removed
 
-    @staticmethod
-    def clear_stale(local: CheckpointInfo, remote: Store, remote_prefix: str) -> None:
-        """Delete the bucket's objects under ``remote_prefix`` older than the local
-        commit ``local`` (NeMo's tier, for a copy committed without its record). What is
-        younger is not trusted for it: the copy keeps it only when proven the same bytes."""
-        for o in list(remote.list(remote_prefix)):
-            if o.mtime is not None and o.mtime < local.time - CLOCK_SLACK:
-                remote.delete(o.key)
+    def payload_files(self, local: CheckpointInfo) -> dict[str, int | None]:
+        """The files of the local commit ``local`` that the bucket gets (those in the
+        tier's ``payload`` folder, named from it), with their sizes: what its drain
+        commits in the bucket, exactly (an earlier save's leftovers there stay out)."""
+        cut = len(self.payload)
+        return {f.name[cut:]: f.size for f in local.files if f.name.startswith(self.payload)}
 
     def send_payload(
         self,
-        step: int,
+        step: Key,
         local: CheckpointInfo,
         remote: Store,
         remote_prefix: str,
         options: TransferOptions,
         exclude: Sequence[str],
     ) -> None:
-        """Copy ``step``'s local files (the commit ``local``) but those named in
-        ``exclude`` to ``remote_prefix``. An object already there is kept when this
-        drain's journal recorded it as written (size, ETag and time unchanged) or a
-        checksum the bucket reports matches the local file (copy_tree's
-        ``same_object``: engine/proof.py); any other is sent again over it. Then the
-        journal records what is there of these files, before the bucket's commit."""
-        files = {f.name: f.size for f in local.files if f.name.rpartition("/")[2] not in exclude}
+        """Copy the local files of ``step`` (a step or a name: the commit ``local``; its
+        ``payload`` folder) but those named in ``exclude`` to ``remote_prefix``. An
+        object already there is kept when this drain's journal recorded it as written
+        (size, ETag and time unchanged) or a checksum the bucket reports matches the
+        local file (copy_tree's ``same_object``: engine/proof.py); any other is sent
+        again over it. Then the journal records what is there of these files, before
+        the bucket's commit."""
+        files = {
+            n: size
+            for n, size in self.payload_files(local).items()
+            if n.rpartition("/")[2] not in exclude
+        }
         journal = self.journal(step, local)
         mine: Mapping[str, str] = journal["objects"] if journal else {}
         kept: set[str] = set()
@@ -527,7 +611,7 @@ class LocalTier:
             proven = {n.rpartition("/")[2] for n in kept} - sending
             made = copy_tree(
                 self.store,
-                self.step_prefix(step),
+                self.step_prefix(step) + self.payload,
                 remote,
                 remote_prefix,
                 options,
@@ -541,26 +625,91 @@ class LocalTier:
             if replaced(made.get(rel), o.etag):
                 raise StorageError(
                     f"{remote.url(o.key)} was written by another save while this drain sent "
-                    f"it (its ETag is not the one this drain's upload got): step {step} is "
-                    f"not committed; the drain of {self.step_url(step)} tries again"
+                    f"it (its ETag is not the one this drain's upload got): "
+                    f"{self.label(step)} is not committed; the drain of "
+                    f"{self.step_url(step)} tries again"
                 )
             written[rel] = identity(o)
         self.record(step, local, objects={**mine, **written})
 
     def copy_payload(
         self,
-        step: int,
+        step: Key,
         remote: Store,
         remote_prefix: str,
         options: TransferOptions,
         exclude: Sequence[str],
+        local: CheckpointInfo | None = None,
     ) -> None:
-        """Copy ``step``'s local objects to ``remote_prefix`` but those named in
-        ``exclude``, keeping only what is proven this commit's (:meth:`send_payload`)."""
-        local = self.info(step)
+        """Copy the local objects of ``step`` (a step or a name; its local commit
+        ``local``, default the one committed now) to ``remote_prefix`` but those named
+        in ``exclude``, keeping only what is proven this commit's (:meth:`send_payload`)."""
+        local = self.info(step) if local is None else local
         if local is None:
-            raise NotFoundError(f"step {step} is not committed in the local tier {self.url}")
+            raise NotFoundError(f"{self.label(step)} is not committed in the local tier {self.url}")
         self.send_payload(step, local, remote, remote_prefix, options, exclude)
+
+    @staticmethod
+    def label(key: Key) -> str:
+        """``key`` as messages name it: ``step N``, or the checkpoint's name."""
+        return key if isinstance(key, str) else f"step {key}"
+
+    def drain_ranks(
+        self,
+        key: Key,
+        remote: Store,
+        remote_prefix: str,
+        *,
+        group: Any,
+        owner: bool,
+        send: Callable[[CheckpointInfo], None],
+        commit: Callable[[CheckpointInfo, dict[str, int | None]], None],
+        uncommit: Sequence[str] = (),
+    ) -> None:
+        """Drain ``key``'s local commit on every rank of ``group`` (a collective): the
+        first rank deletes the bucket's commit markers named in ``uncommit`` (an earlier
+        save's), then what under ``remote_prefix`` is none of any directory's files
+        (:meth:`remove_strays`); each directory's first rank (``owner``) sends its files
+        but the coordinator's (``send``: :meth:`send_payload`, keeping only objects
+        proven its own); once every rank's are there, the first rank's ``commit(local,
+        files)`` sends the rest, commit markers last, and commits; each owner journals
+        the commit."""
+        local = self.info(key)
+        mine = self.payload_files(local) if owner and local is not None else {}
+        files: dict[str, int | None] = {}
+        for each in agree(value=mine, group=group).values:
+            files.update(each)
+        url, what = remote.url(remote_prefix), self.label(key)
+
+        def clear() -> None:  # an earlier save's commit goes first, then its leftovers
+            for name in uncommit:
+                remote.delete(remote_prefix + name)
+            self.remove_strays(remote, remote_prefix, set(files))
+
+        error: BaseException | None = None
+        try:  # a collective: every rank reaches it
+            on_first(clear, group, what=f"clearing leftovers under {url}")
+        except Exception as exc:
+            error = exc
+        try:
+            if error is None and local is None:
+                raise NotFoundError(f"{what} is not committed in {self.url}")
+            if error is None and owner and local is not None:
+                send(local)  # each directory holds the coordinator's files: sent once, last
+        except Exception as exc:
+            error = exc
+        settle(error, f"the drain of {what} to {url}", group=group)
+
+        def first() -> None:  # every rank's files are in the bucket
+            assert local is not None
+            commit(local, files)
+
+        on_first(first, group, what=f"the commit of {url}")
+        if owner and local is not None:
+            try:
+                self.record(key, local, committed=True)
+            except Exception as exc:  # the bucket has it; a later listing learns it
+                log.warning("recording the drain of %s failed: %s", what, exc)
 
     def whole_steps(
         self, damaged: builtins.list[DamagedMarker] | None = None
@@ -581,6 +730,20 @@ class LocalTier:
         """Every file the local marker lists is there, at its size (else NotFoundError
         or CorruptCheckpointError naming it); under ``prefix`` (default: the step's)."""
         check_files(self.store, self.step_prefix(info.step) if prefix is None else prefix, info)
+
+
+def _by_folder(names: Sequence[str]) -> builtins.list[tuple[str, builtins.list[str]]]:
+    """``names`` (paths under a step, in commit order) as runs of names in one folder:
+    each folder (``""`` or ``"a/"``) with its names' last parts, the order kept."""
+    runs: builtins.list[tuple[str, builtins.list[str]]] = []
+    for name in names:
+        folder, _, last = name.rpartition("/")
+        folder = folder + "/" if folder else ""
+        if runs and runs[-1][0] == folder:
+            runs[-1][1].append(last)
+        else:
+            runs.append((folder, [last]))
+    return runs
 
 
 def merge_tiers(

@@ -2,56 +2,48 @@
 committed there, then drained to the bucket in the background (docs/megatron.md, "NeMo:
 local tier").
 
-The tier is ``local_dir/<name>/weights/`` on every rank (the bucket's layout under its
-``dirpath``), each directory completed with the coordinator's files and committed by
-the manager's marker (``<name>/_CHECKPOINT.json``: the checkpoint's global step, NeMo's
-name in its metadata). The directory is claimed for one bucket ``dirpath`` by the run
-file of :mod:`cloudckpt.engine.drain`. A drain runs on every rank, on a gloo group of
-its own: each directory's first rank copies its files, then the coordinator copies its
-own with megatron's ``metadata.json`` last, so the bucket's copy commits only once whole.
+It is the manager's tier (manager/tiers.py, :class:`LocalTier`) keyed by NeMo's names:
+``local_dir/<name>/weights/`` on every rank (the bucket's layout under its ``dirpath``;
+``weights/`` is the tier's payload folder), each directory completed with the
+coordinator's files and committed by the manager's marker (``<name>/_CHECKPOINT.json``:
+the checkpoint's global step, NeMo's name in its metadata), claimed for one bucket
+``dirpath`` by the run file of :mod:`cloudckpt.engine.drain`. The local commit, the
+drain of one name on every rank (:meth:`LocalTier.drain_ranks`), its drain record
+(``_DRAINS/<name>.json``), the removal of a copy and the sweep of crash leftovers are
+that tier's; what is NeMo's here is the binding to a ``dirpath``, which names to drain
+or keep, and the fences between a name's saves, drains and removals.
 
 A name can be saved again (NeMo's names repeat: a ``-last`` checkpoint saved twice at
 one step), so the bucket's files of a name may belong to an earlier save, whatever
-their time or size. Each directory records how far the drain of its local commit got
-in the drain record every tier keeps (engine/journal.py, ``_DRAINS/<name>.json``, tied
-to the local marker's time): written before the local marker, ``started`` once the
-first drain of that commit has emptied the bucket's folder, ``committed`` after the
-bucket's commit; "is this copy drained?" (retention, loads, the drains left to do) is
-read there, with no request to the bucket. The first drain of a commit deletes every
-file of the name in the bucket (the earlier save's commit marker first); a drain after
-a crash keeps what the started one sent. A new save of a name waits for a drain of it
-under way (:meth:`NemoTier.forget`). An earlier release's record (``<name>.drain.json``
-beside the folder) is read as such until a drain writes the new one. A copy committed
-without any record (an earlier release still) keeps the time rule of the manager's
-tier, asking the bucket: its files older than the copy are stale.
-
-Each save (before it writes) and each retention sweeps the temp files of dead writers
-from the tier (``engine/leftovers.sweep_leftovers``), never a live writer's.
+their time or size. A drain first deletes the bucket's ``metadata.json`` of the name
+(megatron's commit: an earlier save's), then every object that is none of this commit's
+files, and keeps one of its files only when proven this commit's bytes (this drain's
+record, or a checksum the bucket reports: engine/proof.py), sending the others again;
+``metadata.json`` goes last, once every rank's files are there. "Is this copy drained?"
+(retention, loads, the drains left to do) is read from the drain record, with no request
+to the bucket. A new save of a name waits for a drain of it under way
+(:meth:`NemoTier.forget`). An earlier release's record (``<name>.drain.json`` beside the
+folder) still says whether its copy was drained; a copy without any record is drained
+again, keeping what is proven.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from ..engine.copy import copy_tree
-from ..engine.drain import Drainer, claim, complete_directories, directory_owner, read_owner
-from ..engine.journal import DrainJournal, DrainRecord
-from ..engine.leftovers import sweep_leftovers
-from ..engine.remove import remove_checkpoint
-from ..errors import ConfigError, CorruptCheckpointError, LocalTierFullError, NotFoundError
+from ..engine.drain import Drainer, directory_owner, read_owner
+from ..errors import CorruptCheckpointError, LocalTierFullError, NotFoundError, StorageError
 from ..format.commit import MEGATRON_MARKER
-from ..manager.marker import MARKER_NAME, CheckpointInfo, check_files, commit_step, read_marker
+from ..manager.marker import MARKER_NAME, CheckpointInfo, read_marker
 from ..manager.payload import MegatronPayload
-from ..manager.tiers import CLOCK_SLACK, LocalTier, check_free, tensor_bytes
+from ..manager.tiers import LocalTier, check_free, check_positive, tensor_bytes
 from ..options import TransferOptions
-from ..ranks.collectives import agree, on_first, settle, world_size
+from ..ranks.collectives import agree, on_first, settle
 from ..ranks.groups import checkpoint_group, drain_group
 from ..store import Target
 from ..store.local import LocalStore
@@ -65,7 +57,7 @@ log = logging.getLogger("cloudckpt")
 
 #: The metadata key of a local marker naming NeMo's checkpoint.
 NAME_KEY = "nemo_name"
-#: Beside a checkpoint's folder (``<name>`` + this): how far its drain got, as an
+#: Beside a checkpoint's folder (``<name>`` + this): whether its drain was done, as an
 #: earlier release recorded it (now ``_DRAINS/<name>.json``, engine/journal.py).
 LEGACY_RECORD = ".drain.json"
 
@@ -80,16 +72,12 @@ class NemoTier:
     def __init__(
         self, local_dir: str | os.PathLike[str], keep_local: int | None, options: TransferOptions
     ) -> None:
-        if keep_local is not None and (
-            not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1
-        ):
-            raise ConfigError(f"keep_local={keep_local!r} must be a positive integer")
+        check_positive("keep_local", keep_local)
         self.path = Path(local_dir).expanduser()
         self.keep = keep_local
         # The bucket's storage options (endpoint, credentials) mean nothing here.
         self.options = options.replace(storage_options={})
-        self.store: LocalStore | None = None
-        self.journal: DrainJournal | None = None
+        self.tier: LocalTier | None = None
         self.dirpath: str | None = None
         self.remote: Target | None = None
         self.usable = False
@@ -97,6 +85,9 @@ class NemoTier:
         self._cond = threading.Condition()
         self._draining: str | None = None
         self._removed: set[str] = set()  # removed from the bucket: never drained
+        #: The local commit each drain under way sends (read when it began: a new save
+        #: of the name uncommits it meanwhile, and waits for the drain to end).
+        self._sending: dict[str, CheckpointInfo] = {}
         self._drain_owner: bool | None = None
         self._retain_lock = threading.Lock()
 
@@ -108,27 +99,24 @@ class NemoTier:
         The first time, the drains an earlier process left unfinished are queued."""
         if self.dirpath is not None:
             return self.usable and dirpath == self.dirpath
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.store = LocalStore(self.path)
         error: BaseException | None = None
-        owner = dirpath
-        try:
-            owner = claim(self.store, dirpath)
+        owned = False
+        try:  # the manager's tier: its run file claimed for dirpath (WARNING if another's)
+            tier = LocalTier(self.path, dirpath, self.options, self.keep, 1, payload=f"{WEIGHTS}/")
+            self.tier, owned = tier, tier.owned
         except Exception as exc:
             error = exc
-        values = agree(error, value=owner == dirpath, group=checkpoint_group()).values
+        values = agree(error, value=owned, group=checkpoint_group()).values
         self.dirpath, self.remote = dirpath, remote
-        self.journal = DrainJournal(self.store, dirpath)
-        self.usable = error is None and all(values)
-        if error is not None or owner != dirpath:
+        self.usable = all(values)
+        if error is not None:
             log.warning(
-                "local_dir %s holds the local tier of %s, not of %s: checkpoints go "
-                "straight to the bucket",
+                "local_dir %s has an unreadable run file (%s): checkpoints go straight to "
+                "the bucket",
                 self.path,
-                owner if error is None else f"an unreadable run file ({error})",
-                dirpath,
+                error,
             )
-        elif not self.usable:
+        elif owned and not self.usable:
             log.warning(
                 "local_dir %s is not used: another rank's local_dir belongs to another run; "
                 "checkpoints go straight to the bucket",
@@ -137,7 +125,7 @@ class NemoTier:
         if self.usable:
             self.drainer = Drainer(
                 self._drain_queued,
-                self.store.root_url,
+                self._local().url,
                 dirpath,
                 noun="checkpoint",
                 at_exit="the next CloudMegatronCheckpointIO with this local_dir finishes it",
@@ -156,25 +144,25 @@ class NemoTier:
         """:meth:`weights_path`, for megatron's save by path: made first by the tier's
         store, so a ``name`` or ``weights`` that is a symbolic link is refused
         (UnsafePathError) rather than saved through."""
-        self._local_store().make_dirs(f"{name}/{WEIGHTS}/")
+        self._local().store.make_dirs(f"{name}/{WEIGHTS}/")
         return self.weights_path(name)
 
     def _remote_prefix(self, name: str) -> str:
         assert self.remote is not None
         return f"{self.remote.key}/{name}/{WEIGHTS}/"
 
-    def _local_store(self) -> LocalStore:
-        assert self.store is not None, "the tier is not bound yet"
-        return self.store
+    def _local(self) -> LocalTier:
+        assert self.tier is not None, "the tier is not bound yet"
+        return self.tier
 
     # -- local commits -------------------------------------------------------------------
     def info(self, name: str) -> CheckpointInfo | None:
         """The local commit of ``name`` (None: not committed here)."""
-        return read_marker(self._local_store(), f"{name}/{MARKER_NAME}")
+        return self._local().info(name)
 
     def local(self) -> list[tuple[CheckpointInfo, str]]:
         """This rank's locally committed checkpoints and their names, oldest first."""
-        store = self._local_store()
+        store = self._local().store
         found = []
         for o in store.list(""):
             parts = o.key.split("/")
@@ -195,7 +183,7 @@ class NemoTier:
         others."""
         error: BaseException | None = None
         try:
-            sweep_leftovers(self._local_store())  # before the room is counted
+            self._local().sweep()  # before the room is counted
             last = max((info.size for info, _ in self.local()), default=0)
             check_free(self.path, max(last, tensor_bytes(checkpoint)))
         except LocalTierFullError as exc:
@@ -213,43 +201,21 @@ class NemoTier:
             with self._cond:
                 while self._draining == name:
                     self._cond.wait()
-                self._local_store().delete(f"{name}/{MARKER_NAME}")
+                self._local().store.delete(f"{name}/{MARKER_NAME}")
         except Exception as exc:
             error = exc
         settle(error, f"uncommitting the local copy of {name}", group=checkpoint_group())
 
     def commit(self, name: str, step: int) -> None:
         """After megatron's save into every rank's ``weights_path(name)``: each directory
-        gets the coordinator's files (commit order), then its first rank commits it; a
-        collective on the checkpoint group, raising on every rank if any rank failed."""
-        store = self._local_store()
-        group = checkpoint_group()
-        owner, coordinators = directory_owner(self.path, group)
-        prefix = f"{name}/{WEIGHTS}/"
-        names = MegatronPayload().coordinator_files
-        what = f"{name}'s coordinator files ({', '.join(names)})"
-        complete_directories(
-            store, prefix, names, owner=owner, coordinators=coordinators, group=group, what=what
-        )
-        error: BaseException | None = None
-        try:
-            if owner:
-                when = time.time()  # the record's and the marker's: one local commit
-                self._record(name, when, started=False, committed=False)
-                ranks = world_size()
-                commit_step(
-                    store,
-                    f"{name}/",
-                    step,
-                    "megatron",
-                    {},
-                    {NAME_KEY: name},
-                    when=when,
-                    ranks=ranks if ranks > 1 else 0,
-                )
-        except Exception as exc:
-            error = exc
-        settle(error, f"the local commit of {name} in {self.path}", group=group)
+        gets the coordinator's files (commit order), then its first rank commits it
+        (LocalTier.commit_ranks); a collective on the checkpoint group, raising on every
+        rank if any rank failed. An earlier release's record of the name goes first: it
+        was of the copy this save replaced."""
+        tier = self._local()
+        tier.store.delete(f"{name}{LEGACY_RECORD}")
+        metadata = {NAME_KEY: name}
+        tier.commit_ranks(name, step, MegatronPayload(), {}, metadata, checkpoint_group(), name)
 
     def whole(self, name: str) -> str | None:
         """Why this rank cannot read ``name`` locally (None: every file its local marker
@@ -258,7 +224,7 @@ class NemoTier:
             info = self.info(name)
             if info is None:
                 return f"{name} is not committed in {self.path}"
-            check_files(self._local_store(), f"{name}/", info)
+            self._local().check_files(info, f"{name}/")
         except (NotFoundError, CorruptCheckpointError) as exc:
             return str(exc)
         return None
@@ -274,7 +240,7 @@ class NemoTier:
         remote = self.remote
         assert remote is not None
         view = OverlayStore(
-            self._local_store(),
+            self._local().store,
             f"{name}/",
             [f.name for f in info.files],
             remote.store if self._drained(info, name) else None,
@@ -285,54 +251,28 @@ class NemoTier:
         url = self.weights_path(name)
         return Target(url, view, WEIGHTS, self.options, url)
 
-    # -- the bucket ----------------------------------------------------------------------
-    def _bucket_commit(self, name: str) -> float | None:
-        """When the bucket's copy of ``name`` was committed (None: it is not)."""
-        assert self.remote is not None
-        try:
-            found = self.remote.store.head(self._remote_prefix(name) + MEGATRON_MARKER)
-        except NotFoundError:
-            return None
-        return float("inf") if found.mtime is None else found.mtime  # no time: trust it
-
+    # -- the drain record ----------------------------------------------------------------
     def _drained(self, info: CheckpointInfo, name: str) -> bool:
-        """Whether the bucket holds this local commit of ``name`` committed: as its drain
-        record says (no request to the bucket); without one (a copy an earlier release
-        committed), whether the bucket's commit is there and no older than the local one."""
-        recorded = self._drain_record(info, name)
-        if recorded is not None:
-            return recorded.committed
-        when = self._bucket_commit(name)
-        return when is not None and when >= info.time - CLOCK_SLACK
+        """Whether the bucket holds this local commit of ``name`` committed, as its drain
+        record says (no request to the bucket), or an earlier release's record beside
+        it. A copy without either is not: its drain proves what the bucket holds."""
+        return self._local().drained(info, name) or self._legacy_drained(name)
 
-    def _drain_record(self, info: CheckpointInfo, name: str) -> DrainRecord | None:
-        """The record of the drain of ``name``'s local commit ``info`` in this directory
-        (engine/journal.py), else an earlier release's ``<name>.drain.json`` (None:
-        neither, or one that cannot be read: a WARNING)."""
-        assert self.journal is not None and self.dirpath is not None
-        found = self.journal.read(name, info.time)
-        if found is not None:
-            return found
+    def _legacy_drained(self, name: str) -> bool:
+        """What an earlier release's ``<name>.drain.json`` says of its copy's drain
+        (False: none, or one that cannot be read: a WARNING)."""
+        store = self._local().store
         key = f"{name}{LEGACY_RECORD}"
         try:
-            body = json.loads(read_capped(self._local_store(), key, MAX_RECORD_BYTES))
-            started, drained = body["started"], body["drained"]
-            if not isinstance(started, bool) or not isinstance(drained, bool):
-                raise ValueError(f"not booleans: {body}")
+            drained = json.loads(read_capped(store, key, MAX_RECORD_BYTES))["drained"]
+            if not isinstance(drained, bool):
+                raise ValueError(f"not a boolean: {drained!r}")
         except NotFoundError:
-            return None
+            return False
         except (ValueError, TypeError, KeyError, OSError, CorruptCheckpointError) as exc:
-            log.warning("ignoring %s: %s", self._local_store().url(key), exc)
-            return None
-        return DrainRecord(info.time, self.dirpath, committed=drained, started=started)
-
-    def _record(self, name: str, when: float, *, started: bool, committed: bool) -> None:
-        """Write this directory's record of the drain of ``name``'s local commit at
-        ``when`` (an earlier release's record of it goes)."""
-        assert self.journal is not None and self.dirpath is not None
-        record = DrainRecord(when, self.dirpath, committed=committed, started=started)
-        self.journal.write(name, record)
-        self._local_store().delete(f"{name}{LEGACY_RECORD}")
+            log.warning("ignoring %s: %s", store.url(key), exc)
+            return False
+        return drained
 
     def _undrained(self, group: Any) -> list[str]:
         """The names every rank holds committed locally and the bucket lacks, in the
@@ -357,20 +297,23 @@ class NemoTier:
 
     def _drain_queued(self, name: str) -> None:
         """The drainer's work, on every rank: drain ``name`` on the drain group."""
-        group = drain_group()
-        if self._drain_owner is None:
-            self._drain_owner = directory_owner(self.path, group)[0]
-        self.drain_one(name, group, self._drain_owner)
+        self.drain_one(name, drain_group())
         self.retain()
 
-    def drain_one(self, name: str, group: Any, owner: bool) -> None:
+    def _owner(self, group: Any) -> bool:
+        """Whether this rank is its directory's first on ``group`` (found once)."""
+        if self._drain_owner is None:
+            self._drain_owner = directory_owner(self.path, group)[0]
+        return self._drain_owner
+
+    def drain_one(self, name: str, group: Any) -> None:
         """Copy ``name`` to the bucket (every rank of ``group``): the first rank says
-        whether it is still wanted (not removed, not there yet); each directory's first
-        rank copies its files, then the coordinator its own, ``metadata.json`` last."""
-        remote = self.remote
-        assert remote is not None
-        prefix = self._remote_prefix(name)
-        url = remote.store.url(prefix)
+        whether it is still wanted (not removed, not there yet); then the manager's
+        drain of several ranks (LocalTier.drain_ranks): the bucket's ``metadata.json``
+        of the name first deleted, then what is none of its files; each directory's
+        first rank copies its files, then the coordinator its own, ``metadata.json``
+        last. Each object there is kept only when proven this commit's."""
+        owner = self._owner(group)
 
         def wanted() -> str:
             with self._cond:  # the marker read under the lock forget() deletes it under
@@ -388,48 +331,56 @@ class NemoTier:
                 self._removed.add(name)
         if decision != "drain":
             return
+        tier, prefix = self._local(), self._remote_prefix(name)
+        assert self.remote is not None
+        remote = self.remote.store
         try:
-            error: BaseException | None = None
-            local = self.info(name)
-            try:
-                if local is None:
-                    raise NotFoundError(f"{name} is not committed in {self.path}")
-
-                def clear() -> None:  # an earlier save's commit goes first, then its data
-                    remote.store.delete(prefix + MEGATRON_MARKER)
-                    recorded = self._drain_record(local, name)
-                    if recorded is None:  # committed by an earlier release: by time
-                        LocalTier.clear_stale(local, remote.store, prefix)
-                    elif not recorded.started:  # all of them an earlier save's
-                        remove_checkpoint(remote.store, prefix, remote.options)
-                        self._record(name, local.time, started=True, committed=False)
-
-                on_first(clear, group, what=f"clearing leftovers under {url}")
-                if owner:  # each directory holds the coordinator's files: sent once, last
-                    self._copy(name, MegatronPayload().coordinator_files)
-            except Exception as exc:
-                error = exc
-            settle(error, f"the drain of {name} to {url}", group=group)
-            on_first(lambda: self._copy(name, ()), group, what=f"the commit of {url}")
-            if owner and local is not None:
-                self._record(name, local.time, started=True, committed=True)
+            tier.drain_ranks(
+                name,
+                remote,
+                prefix,
+                group=group,
+                owner=owner,
+                send=lambda local: self._send(name, local, MegatronPayload().coordinator_files),
+                commit=lambda local, files: self._send(name, local, ()),
+                uncommit=(MEGATRON_MARKER,),
+            )
+            if owner:  # the drain record says it now
+                tier.store.delete(f"{name}{LEGACY_RECORD}")
         finally:
             with self._cond:
                 if self._draining == name:
                     self._draining = None
                 self._cond.notify_all()
 
+    def _send(self, name: str, local: CheckpointInfo, exclude: tuple[str, ...]) -> None:
+        """A drain's copy of ``name``'s local commit ``local`` (:meth:`_copy`); with no
+        ``exclude`` (the coordinator's, ``metadata.json`` last: the bucket's commit) a
+        commit whose objects another save wrote meanwhile is withdrawn."""
+        self._sending[name] = local
+        try:
+            self._copy(name, exclude)
+        except StorageError:
+            if not exclude:
+                assert self.remote is not None
+                prefix = self._remote_prefix(name)
+                LocalTier.withdraw(self.remote.store, prefix + MEGATRON_MARKER)
+            raise
+        finally:
+            self._sending.pop(name, None)
+
     def _copy(self, name: str, exclude: tuple[str, ...]) -> None:
-        """Copy ``name``'s local megatron files to the bucket but those in ``exclude``
-        (commit markers last; files already there whole skipped)."""
+        """Copy ``name``'s local megatron files (of the drain under way, else of its
+        local commit) to the bucket but those in ``exclude`` (commit markers last),
+        keeping only the objects there proven this commit's (LocalTier.send_payload)."""
         assert self.remote is not None
-        copy_tree(
-            self._local_store(),
-            f"{name}/{WEIGHTS}/",
+        self._local().copy_payload(
+            name,
             self.remote.store,
             self._remote_prefix(name),
             self.remote.options,
-            exclude=exclude,
+            exclude,
+            self._sending.get(name),
         )
 
     def drain(self, timeout: float | None = None) -> None:
@@ -444,10 +395,8 @@ class NemoTier:
         if failed:
             raise failed[min(failed)]
         group = drain_group()
-        if self._drain_owner is None:
-            self._drain_owner = directory_owner(self.path, group)[0]
         for name in self._undrained(group):
-            self.drain_one(name, group, self._drain_owner)
+            self.drain_one(name, group)
         self.retain()
 
     def unfinished(self) -> set[str]:
@@ -466,14 +415,11 @@ class NemoTier:
         self._delete(name)
 
     def _delete(self, name: str) -> None:
-        """Delete this rank's local copy of ``name`` (its marker first), folders too."""
-        remove_checkpoint(self._local_store(), f"{name}/", self.options)
-        assert self.journal is not None
-        self.journal.forget(name)
-        self._local_store().delete(f"{name}{LEGACY_RECORD}")
-        for folder in (self.path / name / WEIGHTS, self.path / name):
-            with contextlib.suppress(OSError):  # not empty: a newer save of it began
-                folder.rmdir()
+        """Delete this rank's local copy of ``name`` (its marker first, its folders and
+        records too: LocalTier.drop)."""
+        tier = self._local()
+        tier.drop([name])
+        tier.store.delete(f"{name}{LEGACY_RECORD}")
 
     def recorded_dirpath(self) -> str | None:
         """The bucket ``dirpath`` this directory's run file names (None: none yet)."""
@@ -485,9 +431,9 @@ class NemoTier:
         """Delete this rank's local copies beyond the ``keep_local`` newest, never one
         queued, draining, or not in the bucket (unless removed from it); first sweep the
         temp files of dead writers (never a live writer's)."""
-        if self.store is None:
+        if self.tier is None:
             return
-        sweep_leftovers(self.store)
+        self.tier.sweep()
         if self.keep is None:
             return
         with self._retain_lock:
