@@ -22,14 +22,13 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
-from tiny import Tiny
+from tiny import Tiny, cpu_trainer, top_k_and_last
 
 import cloudckpt
 from cloudckpt.engine.drain import RUN_FILE
 from cloudckpt.engine.journal import JOURNAL_DIR
 from cloudckpt.errors import StorageError
-from cloudckpt.lightning import CloudCheckpointIO, CloudModelCheckpoint
+from cloudckpt.lightning import CloudCheckpointIO
 from cloudckpt.lightning.checkpoint_io import JOURNAL
 from cloudckpt.testing.fault_proxy import FaultProxy
 from servers import S3Server, recorded_bucket, unique_bucket_name
@@ -87,28 +86,11 @@ def journal(tier: Path) -> dict[str, Any]:
 
 def fit(bucket: Bucket, tier: Path, epochs: int, *, async_save: bool, **kw: Any) -> Tiny:
     """A Trainer run of ``epochs`` with top-2 and last in the bucket, through the tier."""
-    callback = CloudModelCheckpoint(
-        dirpath=bucket.url,
-        filename="{epoch}",
-        monitor="score",
-        mode="max",
-        save_top_k=2,
-        save_last=True,
-        storage_options=bucket.storage_options,
-    )
+    callback = top_k_and_last(bucket.url, bucket.storage_options)
     io = CloudCheckpointIO(
         async_save=async_save, local_dir=tier, storage_options=bucket.storage_options
     )
-    trainer = Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        plugins=[io],
-    )
+    trainer = cpu_trainer(epochs, [callback], io)
     model = Tiny()
     trainer.fit(model, **kw)
     return model

@@ -6,36 +6,18 @@ import logging
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
-from tiny import Tiny
+from tiny import Tiny, cpu_trainer, top_k_and_last
 
 import cloudckpt
 from cloudckpt import errors
-from cloudckpt.lightning import CloudCheckpointIO, CloudModelCheckpoint
+from cloudckpt.lightning import CloudCheckpointIO
 from cloudckpt.testing import unique_bucket_name
 
 
 def trainer(s3, dirpath, epochs, *, async_save, top_k=2, io=None):
-    callback = CloudModelCheckpoint(
-        dirpath=dirpath,
-        filename="{epoch}",
-        monitor="score",
-        mode="max",
-        save_top_k=top_k,
-        save_last=True,
-        storage_options=s3.storage_options(),
-    )
+    callback = top_k_and_last(dirpath, s3.storage_options(), save_top_k=top_k)
     io = io or CloudCheckpointIO(async_save=async_save, storage_options=s3.storage_options())
-    return Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        plugins=[io],
-    ), callback
+    return cpu_trainer(epochs, [callback], io), callback
 
 
 def objects(s3, bucket, prefix="run/"):

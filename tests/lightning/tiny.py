@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -37,3 +39,28 @@ class Tiny(LightningModule):
     def val_dataloader(self):
         x = torch.randn(16, self.hparams.width)
         return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+
+
+def top_k_and_last(dirpath: str, storage_options: dict[str, Any], **overrides: Any) -> Any:
+    """A ``CloudModelCheckpoint`` of ``epoch=N.ckpt`` files, the top 2 by ``score`` (the
+    newest), and ``last.ckpt`` at ``dirpath``; ``overrides`` change any argument."""
+    from cloudckpt.lightning import CloudModelCheckpoint
+
+    kwargs: dict[str, Any] = {"filename": "{epoch}", "monitor": "score", "mode": "max"}
+    kwargs |= {"save_top_k": 2, "save_last": True, "storage_options": storage_options}
+    return CloudModelCheckpoint(dirpath=dirpath, **(kwargs | overrides))
+
+
+def cpu_trainer(epochs: int, callbacks: list[Any], io: Any) -> Trainer:
+    """A quiet Trainer of ``epochs`` on one CPU with ``callbacks`` and the checkpoint I/O
+    plugin ``io``."""
+    return Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        plugins=[io],
+    )

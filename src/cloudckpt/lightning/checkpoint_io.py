@@ -11,7 +11,8 @@ With ``local_dir=`` the checkpoints of one bucket directory are written to a loc
 mirror first and drained to the bucket by one background thread (docs/tiers.md,
 "Lightning"); how far each file's drain got is its drain record (engine/journal.py,
 ``_DRAINS/<file>.json``), and each save and removal sweeps the temp files of dead
-writers from the mirror.
+writers from the mirror. No save or removal waits for the bucket: an upload reads a
+private hard link of the version it sends, and removals run in a thread of their own.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 from ..engine.async_save import SaveHandle, async_save
 from ..engine.copy import copy_object
-from ..engine.drain import RUN_FILE, Drainer, claim, read_owner
+from ..engine.drain import RUN_FILE, Drainer, claim, is_outage, read_owner
 from ..engine.journal import (
     JOURNAL_DIR,
     DrainJournal,
@@ -37,7 +38,7 @@ from ..engine.journal import (
     identity,
     matches,
 )
-from ..engine.leftovers import sweep_leftovers
+from ..engine.leftovers import pinned, sweep_leftovers
 from ..engine.load import load
 from ..engine.remove import remove_checkpoint
 from ..engine.save import save
@@ -89,16 +90,18 @@ class _Mirror:
     """The files of the bucket directory ``root`` mirrored in the local tier ``store``:
     each written there first (atomically), then uploaded unchanged by one drainer.
 
-    A file is never uploaded while its local copy is being replaced, nor replaced
-    while it is being uploaded. Each file's drain record (engine/journal.py) says
-    whether it is due for the bucket or, once drained, the bucket object it became.
+    An upload reads a private hard link of the file taken when it starts
+    (engine/leftovers.py ``pinned``), so a save renames a newer version over the file
+    at once, never waiting for the bucket. Each file's drain record (engine/journal.py)
+    names the local version it describes (its modification time): due, that version
+    waits to be sent; committed, the bucket holds it. An upload of an older version
+    never marks a newer one drained: the newer one stays due and is sent next.
     """
 
     def __init__(self, store: LocalStore, root: str, settings: Settings) -> None:
         self.store, self.root, self._settings = store, root, settings
         self._cond = threading.Condition()
         self._writing: Counter[str] = Counter()
-        self._uploading: set[str] = set()
         self._journal_lock = threading.Lock()
         self.journal = DrainJournal(store, root)
         self._adopt_legacy()
@@ -151,49 +154,81 @@ class _Mirror:
                 self.journal.write(key, DrainRecord(None, self.root, objects, committed=True))
         self.store.delete(JOURNAL)
 
-    def _record(self, key: str, *, due: bool, drained: str | None = None) -> None:
-        """Note ``key`` as due for the bucket, or as drained to the object ``drained``
-        (its :func:`~cloudckpt.engine.journal.identity`; None: neither, once removed),
-        in its drain record (written atomically, or deleted)."""
-        with self._journal_lock:
-            if not due and drained is None:
-                self._records.pop(key, None)
-                self.journal.forget(key)
-                return
-            try:
-                when: float | None = self.store.head(key).mtime  # the local copy recorded
-            except NotFoundError:
-                when = None
-            objects = {} if drained is None else {key: drained}
-            record = DrainRecord(when, self.root, objects, committed=not due, due=due)
+    def _version(self, key: str) -> float | None:
+        """The local copy's version: its modification time (None: there is none)."""
+        try:
+            return self.store.head(key).mtime
+        except NotFoundError:
+            return None
+
+    def _write_record(self, key: str, record: DrainRecord | None) -> None:
+        """Keep ``record`` as ``key``'s drain record (None: forget it; under the lock)."""
+        if record is None:
+            self._records.pop(key, None)
+            self.journal.forget(key)
+        else:
             self._records[key] = record
             self.journal.write(key, record)
 
-    def resume(self) -> None:
-        """Queue the drains a process left unfinished (the files still here)."""
+    def _note_due(self, key: str) -> DrainRecord | None:
+        """Record the local copy of ``key`` as it is now as due for the bucket (what an
+        older drain put there is kept: the bucket holds it until the new one lands);
+        forget ``key`` when it has no local copy. The record kept."""
         with self._journal_lock:
-            due = sorted(k for k, r in self._records.items() if r.due)
-        for key in due:
-            if exists(self.store, key):
-                self.drainer.submit(key)
-            else:
-                self._record(key, due=False)
+            version = self._version(key)
+            known = self._records.get(key)
+            record = None
+            if version is not None:
+                objects = {} if known is None else known.objects
+                record = DrainRecord(version, self.root, objects, due=True)
+            self._write_record(key, record)
+            return record
 
-    # -- local writes and uploads, never of one file at once ---------------------------
+    def _note_drained(self, key: str, version: float, drained: str) -> None:
+        """After the version ``version`` of ``key`` became the bucket object ``drained``
+        (its :func:`~cloudckpt.engine.journal.identity`): committed when that is the
+        version the record names; else a newer one was saved meanwhile and stays due."""
+        with self._journal_lock:
+            known = self._records.get(key)
+            if known is None:  # removed meanwhile: nothing here to describe
+                return
+            same = known.time is None or known.time == version  # None: an earlier release's
+            when = version if same else known.time
+            record = DrainRecord(when, self.root, {key: drained}, committed=same, due=not same)
+            self._write_record(key, record)
+
+    def _forget(self, key: str) -> None:
+        """Forget ``key``'s drain record (its local copy is gone)."""
+        with self._journal_lock:
+            self._write_record(key, None)
+
+    def resume(self) -> None:
+        """Queue the drains a process left unfinished: the files due in their record,
+        and those whose record names another version or is missing (a process killed
+        between the local rename and the record)."""
+        with self._journal_lock:
+            records = dict(self._records)
+        here = {o.key for o in self.store.list("") if "/" not in o.key and _is_name(o.key)}
+        for key in sorted(here | set(records)):
+            known = records.get(key)
+            due = known is None or known.due  # no record: killed before it was written
+            stale = known is not None and known.time not in (None, self._version(key))
+            if (due or stale) and self._note_due(key) is not None:
+                self.drainer.submit(key)
+
+    # -- local writes and uploads (a write never waits for an upload) -----------------
     def begin_write(self, key: str) -> None:
         """Before replacing the local copy of ``key``: sweep the temp files of dead
-        writers from the tier (never a live writer's), wait for its upload to end."""
+        writers from the tier (never a live writer's). An upload of ``key`` under way
+        goes on from its own link: nothing here waits for the bucket."""
         sweep_leftovers(self.store)
         with self._cond:
-            while key in self._uploading:
-                self._cond.wait()
             self._writing[key] += 1
 
     def end_write(self, key: str, committed: bool) -> None:
         """After the local write of ``key``: due for the bucket if it committed."""
         try:
-            if committed:
-                self._record(key, due=True)
+            if committed and self._note_due(key) is not None:
                 self.drainer.submit(key)
         finally:
             with self._cond:
@@ -209,22 +244,26 @@ class _Mirror:
                 self._cond.wait()
 
     def _drain(self, key: str) -> None:
-        """The drainer's work: upload the local copy of ``key`` unchanged."""
-        with self._cond:
+        """The drainer's work: upload the local copy of ``key`` unchanged, from a private
+        hard link of the version there when it starts (a save may replace the file
+        meanwhile); nothing when its record is not due (sent already, or removed)."""
+        with self._cond:  # a local write under way: send what it writes, not the old one
             while key in self._writing:
                 self._cond.wait()
-            self._uploading.add(key)
+        with self._journal_lock:
+            known = self._records.get(key)
+        if known is None or not known.due:
+            return
+        remote = self.remote(key)
         try:
-            if not exists(self.store, key):  # removed since (rotation): nothing to send
-                self._record(key, due=False)
-                return
-            remote = self.remote(key)
-            copy_object(self.store, key, remote.store, remote.key, remote.options)
-            self._record(key, due=False, drained=identity(remote.store.head(remote.key)))
-        finally:
-            with self._cond:
-                self._uploading.discard(key)
-                self._cond.notify_all()
+            with pinned(self.store, key) as (link, version):
+                copy_object(self.store, link, remote.store, remote.key, remote.options)
+        except NotFoundError:
+            if exists(self.store, key):
+                raise
+            self._forget(key)  # removed since (rotation): nothing to send
+            return
+        self._note_drained(key, version, identity(remote.store.head(remote.key)))
 
     # -- reads and removals -----------------------------------------------------------
     def choose(self, key: str, remote: Target) -> tuple[bool, str]:
@@ -241,6 +280,18 @@ class _Mirror:
             there = remote.store.head(remote.key)
         except NotFoundError:
             return True, ""  # the local copy is the only one
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            log.warning(
+                "the bucket %s is unreachable (%s: %s): reading %s, drained from here, "
+                "unchecked against the bucket's copy",
+                self.root,
+                type(exc).__name__,
+                exc,
+                self.store.url(key),
+            )
+            return True, ""
         if not matches(drained, there.size, there.etag):
             return False, "the bucket's object is not the one drained from here"
         return True, ""
@@ -249,7 +300,7 @@ class _Mirror:
         """Delete the local copy of ``key`` and forget it; sweep the temp files of dead
         writers (Lightning's rotation is the mirror's retention)."""
         self.store.delete(key)
-        self._record(key, due=False)
+        self._forget(key)
         sweep_leftovers(self.store)
 
 
@@ -286,6 +337,8 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._pending: list[SaveHandle] = []
         self._removals: list[Future[None]] = []
         self._remover: ThreadPoolExecutor | None = None
+        #: Saves asked for, by URL: a removal of a file saved again since is not done.
+        self._saves: Counter[str] = Counter()
         self._lock = threading.Lock()
         #: Bucket directory -> its mirror (None: the local tier belongs to another one).
         self._mirrors: dict[str, _Mirror | None] = {}
@@ -358,6 +411,8 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         ``storage_options`` (Lightning's per-call argument) are TransferOptions fields
         over the ones this IO was made with."""
         url = unwrap(path)
+        with self._lock:
+            self._saves[url] += 1
         self._resume()
         found = self._mirror_for(url, claim_it=True)
         if found is None:
@@ -435,20 +490,25 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
     # -- remove --------------------------------------------------------------------------
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path`` (and its local copy), but only after every earlier save has
-        committed (and, with a local tier, every queued drain has reached the bucket)."""
+        committed (and, with a local tier, every queued drain has reached the bucket).
+        With a local tier this always runs in a thread of its own, so Lightning's
+        rotation never waits for the bucket in the training loop."""
         url = unwrap(path)
         with self._lock:  # still running, or failed: either way the removal must wait
             earlier = [h for h in self._pending if not h.done() or h.failed()]
-        draining = any(m.drainer.unfinished() for m in self._owned())
-        if not earlier and not draining:
+        if not earlier and self.local_dir is None:
             self._delete(url)
             return
         with self._lock:
             if self._remover is None:
                 self._remover = ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-remove")
-            self._removals.append(self._remover.submit(self._delete_after, url, earlier))
+            removal = self._remover.submit(self._delete_after, url, earlier, self._saves[url])
+            self._removals.append(removal)
 
-    def _delete_after(self, url: str, earlier: list[SaveHandle]) -> None:
+    def _delete_after(self, url: str, earlier: list[SaveHandle], saves: int) -> None:
+        """Delete ``url`` once ``earlier`` saves and the drains committed; not when one
+        failed, nor when ``url`` was saved again since the removal was asked for (its
+        ``saves`` count then)."""
         for h in earlier:
             h.wait()
         failed = [h.url for h in earlier if h.failed()]
@@ -467,6 +527,11 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
                     ", ".join(undrained),
                 )
                 return
+        with self._lock:
+            again = self._saves[url] != saves
+        if again:
+            log.info("not removing %s: it was saved again after its removal was asked for", url)
+            return
         self._delete(url)
 
     def _delete(self, url: str) -> None:

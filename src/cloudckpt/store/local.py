@@ -63,12 +63,13 @@ from .base import (
     check_key,
 )
 
-__all__ = ["LocalStore", "open_dir", "refuse_link"]
+__all__ = ["TMP_MARK", "TMP_SUFFIX", "LocalStore", "open_dir", "refuse_link"]
 
-_TMP_MARK = ".cloudckpt-"
+#: A writer's temp file is ``.NAME`` + this + an id + :data:`TMP_SUFFIX` (what sweeps find).
+TMP_MARK = ".cloudckpt-"
 #: Most buffers one preadv call takes (the kernel refuses more with EINVAL).
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-_TMP_SUFFIX = ".part"
+TMP_SUFFIX = ".part"
 #: A directory opened as the filesystem resolves it (a root the caller named) ...
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 #: ... and one inside it: never a symbolic link.
@@ -219,7 +220,7 @@ class LocalStore(Store):
         found: list[ObjectInfo] = []
         for dirpath, _dirs, files in os.walk(base_dir):
             for name in files:
-                if _TMP_MARK in name and name.endswith(_TMP_SUFFIX):
+                if TMP_MARK in name and name.endswith(TMP_SUFFIX):
                     continue
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()
@@ -268,7 +269,7 @@ class LocalStore(Store):
         the directory in between (:meth:`remove_prefix_dir`)."""
         for attempt in range(3):
             dfd, name = self.open_parent(key, create=True)
-            tmp = f".{name}{_TMP_MARK}{uuid.uuid4().hex}{_TMP_SUFFIX}"
+            tmp = f".{name}{TMP_MARK}{uuid.uuid4().hex}{TMP_SUFFIX}"
             try:
                 fd = os.open(tmp, _CREATE, 0o644, dir_fd=dfd)
             except OSError as exc:
@@ -432,7 +433,7 @@ class LocalStore(Store):
     def _remove_temp(self, key: str, tmp: str) -> None:
         """Remove the temp file ``tmp`` beside ``key``'s, if it is one (a name of this
         store's temp files) and is there."""
-        if "/" in tmp or not (tmp.startswith(".") and _TMP_MARK in tmp):
+        if "/" in tmp or not (tmp.startswith(".") and TMP_MARK in tmp):
             return  # not an upload of this store: nothing of ours to remove
         try:
             dfd, _ = self.open_parent(key, create=False)
@@ -523,9 +524,9 @@ class LocalStore(Store):
             return
         for dirpath, _dirs, files in os.walk(base_dir):
             for name in files:
-                if not (name.startswith(".") and _TMP_MARK in name and name.endswith(_TMP_SUFFIX)):
+                if not (name.startswith(".") and TMP_MARK in name and name.endswith(TMP_SUFFIX)):
                     continue
-                target = name[1 : name.index(_TMP_MARK)]
+                target = name[1 : name.index(TMP_MARK)]
                 key = (Path(dirpath) / target).relative_to(self.root).as_posix()
                 if key.startswith(prefix):
                     with contextlib.suppress(FileNotFoundError):
@@ -551,7 +552,7 @@ def _is_dir(dfd: int, name: str) -> bool:
 
 def _is_temp(name: str) -> bool:
     """Whether ``name`` is the name of one of this store's temp files."""
-    return name.startswith(".") and _TMP_MARK in name and name.endswith(_TMP_SUFFIX)
+    return name.startswith(".") and TMP_MARK in name and name.endswith(TMP_SUFFIX)
 
 
 #: The temp files this process writes (device, inode), each locked by its writer.
