@@ -8,15 +8,16 @@ would start them).
         [--module-only]
         [--async] [--local DIR] [--report PATH]
         [--tier DIR [--keep-local N] [--drain | --drain-only] [--kill-after-local STEP]
-         [--fast] [--dump PATH]]
+         [--kill-before-local STEP] [--shared-tier] [--fast] [--dump PATH]]
 
 Losses are deterministic: the batches are a function of the step and the rank, and the
 model has no dropout (DeepSpeed's checkpoint holds no RNG state). A failure of a
 cloudckpt call is written to the report (the error's type and text) and exits with 3.
 
 ``--tier DIR``: every save and load goes through the manager's local tier, rank R's in
-``DIR/rank-R`` (each rank a node of its own); ``--drain`` waits for the drains at the
-end, ``--drain-only`` does nothing else.
+``DIR/rank-R`` (each rank a node of its own; ``--shared-tier``: every rank's in ``DIR``,
+one node); ``--drain`` waits for the drains at the end, ``--drain-only`` does nothing
+else.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--drain", action="store_true", help="drain() after the loop")
     p.add_argument("--drain-only", action="store_true", help="drain() and exit")
     p.add_argument("--kill-after-local", type=int, default=None, help="die once STEP is local")
+    p.add_argument("--kill-before-local", type=int, default=None, help="die before its marker")
+    p.add_argument("--shared-tier", action="store_true", help="local_dir: DIR for every rank")
     p.add_argument("--fast", action="store_true", help="two attempts, short timeouts")
     p.add_argument("--dump", default=None, help="the engine's state at the end, to PATH.R")
     return p.parse_args()
@@ -181,6 +184,8 @@ def main() -> None:
         real_local_commit = LocalTier.commit
 
         def local_commit(self, step, *rest, **kw):  # type: ignore[no-untyped-def]
+            if step == args.kill_before_local:
+                os.kill(os.getpid(), signal.SIGKILL)  # every file written, no local marker
             if step == args.kill_after_local:  # the drains before it done, then die
                 for _, manager in cloud_ds._tiered.values():
                     manager._tiered.drainer.wait()
@@ -190,7 +195,8 @@ def main() -> None:
             return info
 
         LocalTier.commit = local_commit  # type: ignore[method-assign]
-        tier = {"local_dir": os.path.join(args.tier, f"rank-{rank}")}
+        shared = args.tier if args.shared_tier else os.path.join(args.tier, f"rank-{rank}")
+        tier = {"local_dir": shared}
     if args.fast:
         from cloudckpt import TransferOptions
 

@@ -570,3 +570,29 @@ def test_a_local_tier_save_killed_before_its_drain_is_drained_by_the_next_proces
     assert resumed["resumed_from"] == 8 and resumed["sources"] == ["file"], resumed
     assert resumed["losses"] == uninterrupted["losses"][8:]
     assert committed(moto_server, url) == [4, 8, 12]
+
+
+def test_a_resave_on_one_rank_commits_none_of_a_killed_two_rank_saves_files(moto_server, tmp_path):
+    """ZeRO-2 on 2 ranks sharing one local_dir, ``kill -9`` once DeepSpeed wrote every
+    file of step 8 and before its local marker; the job restarts on 1 rank and saves
+    step 8 again: neither marker of step 8 lists the killed save's rank-1 files (the
+    save first removes what the killed one left in its folder)."""
+    bucket = moto_server.make_bucket(unique_bucket_name("ds-tier-leftover"))
+    url, tier = f"s3://{bucket}/run", tmp_path / "tier"
+    args = ("--save-at", "8", "--max-steps", "8", "--tier", str(tier), "--shared-tier")
+    procs = launch(moto_server, url, 2, *args, "--kill-before-local", "8")
+    procs[0].wait(timeout=300)
+    assert procs[0].returncode == -9
+    procs[1].kill()  # waiting for rank 0's local commit
+    procs[1].wait(timeout=60)
+    folder = tier / "step-000000008"
+    theirs = "global_step8/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert (folder / theirs).exists() and not (folder / "_CHECKPOINT.json").exists()
+
+    finish(launch(moto_server, url, 1, *args, "--drain"))
+    local = json.loads((folder / "_CHECKPOINT.json").read_text())
+    local_files = {f["name"] for f in local["files"]}
+    assert "global_step8/zero_pp_rank_0_mp_rank_00_optim_states.pt" in local_files
+    assert theirs not in local_files and not (folder / theirs).exists()
+    info = CheckpointManager(url, storage_options=moto_server.storage_options()).info(8)
+    assert {f.name for f in info.files} == local_files

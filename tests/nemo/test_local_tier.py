@@ -87,6 +87,11 @@ def test_a_name_saved_again_while_it_drains_waits_for_that_drain(
     run_ranks(tw.resave_while_draining, 2, url, so, str(tmp_path), timeout=TIMEOUT)
 
 
+def test_a_save_removes_what_a_killed_save_of_its_name_left(bucket: Any, tmp_path: Path) -> None:
+    url, so, _ = bucket
+    run_ranks(tw.resave_after_a_killed_save, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+
+
 def test_a_context_without_weights_is_not_committed(bucket: Any) -> None:
     """CloudModelCheckpoint uploads context/ before the weights; with a local tier the
     bucket holds it alone until the drain: neither resume nor load takes it."""

@@ -452,3 +452,34 @@ def record_less_copy_drained(
     plain = CloudMegatronCheckpointIO(storage_options=so)
     _check_load(plain, f"{url}/step=1", wanted[0], f"rank {rank}: the bucket's copy")
     assert records(local_dir(root, rank))["step=1"]["committed"]
+
+
+def resave_after_a_killed_save(
+    rank: int, world: int, url: str, so: dict[str, Any], root: str
+) -> None:
+    """Both ranks share one local_dir where a killed save of step=1 left files (one no
+    rank writes again, a folder): the next save of the name removes them first, so
+    neither its local marker nor the bucket's copy holds them, and the copy loads."""
+    cpu_friendly_megatron()
+    checkpoints, wanted = _states()
+    here = Path(local_dir(root, None))
+    stale = here / "step=1" / "weights" / "__9_0.distcp"
+    if rank == 0:
+        stale.parent.mkdir(parents=True)
+        stale.write_bytes(b"a killed save's")
+        (here / "step=1" / "extra").mkdir()
+        (here / "step=1" / "extra" / "x.bin").write_bytes(b"x")
+    dist.barrier()
+    io = _io(root, None, so)
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    info = io._tier.info("step=1")
+    assert info is not None
+    names = {f.name for f in info.files}
+    assert "weights/__9_0.distcp" not in names and "extra/x.bin" not in names, names
+    assert not stale.exists() and not (here / "step=1" / "extra").exists()
+    io.drain()
+    assert "__9_0.distcp" not in names_under(f"{url}/step=1/weights", so)
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    plain = CloudMegatronCheckpointIO(storage_options=so)
+    _check_load(plain, f"{url}/step=1/weights", wanted[0], f"rank {rank}: the bucket's copy")

@@ -70,3 +70,29 @@ def test_a_failed_key_is_kept_until_submitted_again() -> None:
             slow.wait(0.05)
         finally:
             hold.set()
+
+
+def test_a_key_discarded_while_it_drains_is_neither_failed_nor_drained_again() -> None:
+    """A checkpoint deleted during its drain: that drain fails (its copy is gone), and
+    before, every later wait() reported the failure and every retry ran it again."""
+    ran: list[int] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def work(step: int) -> None:
+        ran.append(step)
+        if step == 5:
+            entered.set()
+            assert release.wait(WAIT)
+            raise FileNotFoundError("step 5 is not committed in the local tier")
+
+    drainer: Drainer[int] = Drainer(work, "/local", "s3://b/run")
+    drainer.submit(5)
+    assert entered.wait(WAIT)
+    drainer.submit(6)
+    drainer.discard(5)  # deleted meanwhile
+    release.set()
+    assert drainer.wait(WAIT) == {}
+    drainer.retry_failed()
+    assert drainer.wait(WAIT) == {}
+    assert ran == [5, 6]
+    assert drainer.unfinished() == set()

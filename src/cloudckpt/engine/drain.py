@@ -214,6 +214,8 @@ class Drainer(Generic[K]):
         self._queue: deque[K] = deque()
         self._busy: K | None = None
         self._failed: dict[K, BaseException] = {}
+        #: Keys deleted while their drain ran (:meth:`discard`): its outcome is dropped.
+        self._discarded: set[K] = set()
         self._thread: threading.Thread | None = None
         self._prepare = prepare
         self._prepared = prepare is None
@@ -267,6 +269,17 @@ class Drainer(Generic[K]):
         for key in failed:
             self.submit(key)
         self.kick()
+
+    def discard(self, key: K) -> None:
+        """Forget ``key`` (its checkpoint was deleted): no longer queued or failed, and a
+        drain of it under way, which fails without the deleted copy, is not kept as
+        failed: no later ``wait()`` or retry reports it."""
+        with self._cond:
+            self._queue = deque(k for k in self._queue if k != key)
+            self._failed.pop(key, None)
+            if self._busy == key:
+                self._discarded.add(key)
+            self._cond.notify_all()
 
     def unfinished(self) -> set[K]:
         """Keys queued, draining or failed: due for the bucket, not there yet."""
@@ -334,7 +347,9 @@ class Drainer(Generic[K]):
                 error.__cause__ = exc
             with self._cond:
                 self._busy = None
-                if error is not None:
+                if key in self._discarded:
+                    self._discarded.discard(key)
+                elif error is not None:
                     self._failed[key] = error
                     self._failure(error)
                 else:

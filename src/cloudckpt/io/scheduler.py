@@ -121,6 +121,12 @@ class _Scheduler:
         self.budget = ByteBudget(None)
 
     def set_budget(self, capacity: int | None) -> ByteBudget:
+        """The process's budget, made ``capacity`` bytes; with None, an unbounded one of
+        the caller's own, leaving the process's as it is: a transfer without
+        ``max_bytes_in_flight`` (a local tier's save) never waits for the bytes another
+        transfer holds, such as a drain's parts stalled on a bucket that stopped answering."""
+        if capacity is None:
+            return ByteBudget(None)
         with self._lock:
             if self.budget.capacity != capacity:
                 self.budget = ByteBudget(capacity)

@@ -555,13 +555,15 @@ class CheckpointManager:
         """The checks before a save writes anything: the step is new, and a local tier
         is this run's and has room (LocalTierFullError, naming the steps that wait for
         the bucket). With a local tier nothing here asks the bucket: crash leftovers are
-        swept from the tier (the drainer, started after the commit, finds the drains an
-        earlier process left, in its own thread)."""
+        swept from the tier and a killed save's files of the step removed (the drainer,
+        started after the commit, finds the drains an earlier process left, in its own
+        thread)."""
         tiered = self._tiered
         if tiered is not None:
             tiered.before_save(self.kind)
         self._refuse_committed(step)
         if tiered is not None:
+            tiered.clear(step)
             tiered.check_room(state)
 
     def _target(self, step: int) -> tuple[str, TransferOptions]:
@@ -582,7 +584,7 @@ class CheckpointManager:
         """Commit a save where it was written: the local tier if any, else the bucket
         (exactly the files the save ``wrote``, where it says)."""
         if self._tier is not None:
-            return self._tier.commit(step, self.kind.name, metrics, metadata)
+            return self._tier.commit(step, self.kind.name, metrics, metadata, files=wrote)
         return self._commit(step, metrics, metadata, files=wrote)
 
     def _commit(

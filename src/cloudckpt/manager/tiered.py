@@ -155,6 +155,24 @@ class TieredRun:
         self.tier.settle()  # the files the last save's retention dropped are gone first
         self.tier.sweep()
 
+    def clear(self, step: int) -> None:
+        """Before a save writes ``step`` into the tier (after the check that it is not
+        committed): what an earlier, killed save of the step left in its folder is
+        removed (LocalTier.clear), so the local commit records this save's files only;
+        with several ranks each directory's first rank removes it and every rank waits
+        (a collective on the checkpoint group). A step this manager is saving already
+        (an async save in flight) is AlreadyExistsError: its files are never removed."""
+        if self.ranked():  # a save of several ranks waited for the one in flight first
+            self.tier.clear_ranks(step, checkpoint_group())
+            return
+        with self.bucket._lock:
+            busy = step in self.bucket._pending
+        if busy:
+            raise AlreadyExistsError(
+                f"step {step} is being saved at {self.tier.step_url(step)}; wait for that save"
+            )
+        self.tier.clear(step)
+
     def check_room(self, state: Any) -> None:
         """LocalTierFullError before anything is written, naming the steps that wait."""
         copies = 2 if self.replicate_to_peer and self.ranked() else 1
@@ -597,6 +615,8 @@ class TieredRun:
         tier = self.tier
         if not tier.owned:
             return 0
+        if not self.ranked():  # several ranks: every rank runs the same drains
+            self.drainer.discard(step)  # its drain, failed without the copy, is not retried
         tier.settle()
         removed = remove_checkpoint(tier.store, tier.step_prefix(step), tier.options)
         tier.forget(step)

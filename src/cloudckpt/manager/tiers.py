@@ -44,6 +44,7 @@ from ..engine.leftovers import sweep_leftovers
 from ..engine.proof import replaced
 from ..engine.remove import remove_checkpoint, remove_markers
 from ..errors import (
+    AlreadyExistsError,
     ConfigError,
     CorruptCheckpointError,
     LocalTierFullError,
@@ -66,7 +67,7 @@ from .marker import (
     read_marker,
     step_dir,
 )
-from .payload import PayloadKind
+from .payload import PayloadKind, Wrote
 from .retention import KeepLast, to_delete
 
 __all__ = [
@@ -126,8 +127,10 @@ class LocalTier:
         self.store = LocalStore(self.path)
         self.url = self.store.root_url
         self.remote_url = remote_url
-        # The bucket's storage options (endpoint, credentials) mean nothing here.
-        self.options = options.replace(storage_options={})
+        # The bucket's storage options (endpoint, credentials) mean nothing here, and its
+        # writes take nothing from the process's byte budget, which the drains' parts
+        # hold while a bucket stalls: a save never waits for the bucket.
+        self.options = options.replace(storage_options={}, max_bytes_in_flight=None)
         self.keep = keep_local
         self.every = every
         self.owner = self._claim()
@@ -262,6 +265,46 @@ class LocalTier:
             f"drained: {list(waiting)}"
         )
 
+    def clear(self, key: Key) -> None:
+        """Before a save writes ``key``'s folder: remove what is there uncommitted (a
+        killed save's files, the temp files of its dead writers, its subfolders), so the
+        commit, which lists the folder, records this save's files only. Never a
+        committed copy (AlreadyExistsError: uncommit it first) nor a live writer's
+        files (StorageError: its temp files are locked, another process saves there)."""
+        prefix = self.step_prefix(key)
+        if self.info(key) is not None:
+            raise AlreadyExistsError(
+                f"{self.label(key)} is committed at {self.step_url(key)}; it is not saved over"
+            )
+        self.store.sweep_temps(prefix)  # a dead writer's: its lock is free
+        live = [self.store.url(u.key) for u in self.store.list_multipart(prefix)]
+        if live:
+            raise StorageError(
+                f"{self.step_url(key)} is being written by another process ({', '.join(live)}"
+                f"): {self.label(key)} is not saved there meanwhile"
+            )
+        removed = remove_checkpoint(self.store, prefix, self.options)
+        if removed:
+            log.warning(
+                "removed %d file(s) an earlier, uncommitted save of %s left at %s",
+                removed,
+                self.label(key),
+                self.step_url(key),
+            )
+
+    def clear_ranks(self, key: Key, group: Any) -> None:
+        """:meth:`clear` on every rank of ``group`` (a collective): each directory's
+        first rank clears ``key``'s folder, and no rank returns (and writes there)
+        before every directory is cleared; raises on every rank if any failed."""
+        owner, _ = directory_owner(self.path, group)
+        error: BaseException | None = None
+        try:
+            if owner:
+                self.clear(key)
+        except Exception as exc:
+            error = exc
+        settle(error, f"clearing {self.step_url(key)} before its save", group=group)
+
     def commit(
         self,
         step: int,
@@ -269,11 +312,13 @@ class LocalTier:
         metrics: Mapping[str, float],
         metadata: Mapping[str, Any],
         key: Key | None = None,
+        files: Wrote = None,
     ) -> CheckpointInfo:
         """Write the local marker of ``step`` (after its payload; under ``key``'s
         folder, default the step's), create-only; in a job of several processes it
         records their number (``ranks``), which decides whether a restore on another
-        number of ranks may read this copy."""
+        number of ranks may read this copy. ``files``: the names the save wrote (then
+        exactly those are recorded), else the folder's listing."""
         ranks = world_size()
         info = commit_step(
             self.store,
@@ -283,6 +328,7 @@ class LocalTier:
             metrics,
             metadata,
             ranks=ranks if ranks > 1 else 0,
+            files=files,
         )
         return replace(info, tiers=(LOCAL,))
 

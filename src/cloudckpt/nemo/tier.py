@@ -191,11 +191,15 @@ class NemoTier:
         settle(error, f"the room check of the local tiers ({self.path})", group=checkpoint_group())
 
     def forget(self, name: str) -> None:
-        """Uncommit an older local copy of ``name`` before it is saved again (every rank,
-        a collective on the checkpoint group). A drain of it under way ends first: the
-        first rank's drain of a name spans every rank's copying of it, so once the first
-        rank has waited for it no rank's drainer reads the files this save replaces; and
-        with the first rank's marker gone, no drain of the old copy starts after."""
+        """Uncommit an older local copy of ``name`` before it is saved again, then remove
+        its files and whatever a killed save of the name left (every rank, collectives
+        on the checkpoint group), so the commit, which lists the folder, records this
+        save's files only. A drain of it under way ends first: the first rank's drain of
+        a name spans every rank's copying of it, so once the first rank has waited for
+        it no rank's drainer reads the files this save replaces; and with the first
+        rank's marker gone, no drain of the old copy starts after. Each directory's
+        first rank then clears the folder (LocalTier.clear_ranks) before any rank writes."""
+        group = checkpoint_group()
         error: BaseException | None = None
         try:
             with self._cond:
@@ -204,7 +208,8 @@ class NemoTier:
                 self._local().store.delete(f"{name}/{MARKER_NAME}")
         except Exception as exc:
             error = exc
-        settle(error, f"uncommitting the local copy of {name}", group=checkpoint_group())
+        settle(error, f"uncommitting the local copy of {name}", group=group)
+        self._local().clear_ranks(name, group)
 
     def commit(self, name: str, step: int) -> None:
         """After megatron's save into every rank's ``weights_path(name)``: each directory
