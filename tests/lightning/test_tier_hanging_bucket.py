@@ -109,6 +109,25 @@ def returns_within(call: Callable[[], object], what: str) -> None:
     assert not done.is_alive(), f"{what} waited for the bucket"
 
 
+def fit_in_background(
+    trainer: Trainer, ended: threading.Event
+) -> tuple[threading.Thread, list[BaseException]]:
+    """Start ``trainer.fit(Tiny())`` in a daemon thread; an error it raises is kept in
+    the list returned and sets ``ended`` (which a callback sets when training ends)."""
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit(Tiny())
+        except BaseException as exc:
+            errors.append(exc)
+            ended.set()
+
+    run = threading.Thread(target=fit, daemon=True)
+    run.start()
+    return run, errors
+
+
 def record(tier: Path, name: str) -> dict[str, Any]:
     return dict(json.loads((tier / "_DRAINS" / f"{name}.json").read_bytes()))
 
@@ -159,23 +178,11 @@ def test_fit_saves_last_every_epoch_while_the_bucket_never_answers(
 
     with tiered(moto_server, tier, at_last_upload, async_save=async_save) as (bucket, io):
         watch = Watch(io, bucket)
-        # Top-2 (epoch=0.ckpt is rotated out at epoch 2, during the silence) and last.
-        # Lightning's version counter asks the bucket whether each name exists
-        # (CloudFileSystem.exists) before every save: a request on the save's path this
-        # IO cannot answer locally (docs/tiers.md, "Lightning").
-        callback = top_k_and_last(bucket.url, bucket.options, enable_version_counter=False)
-        trainer = cpu_trainer(epochs, [watch, callback], io)
-        errors: list[BaseException] = []
-
-        def fit() -> None:
-            try:
-                trainer.fit(Tiny())
-            except BaseException as exc:
-                errors.append(exc)
-                watch.ended.set()
-
-        run = threading.Thread(target=fit, daemon=True)
-        run.start()
+        # Top-2 (epoch=0.ckpt is rotated out at epoch 2, during the silence) and last,
+        # with Lightning's version counter: the IO answers it from the listing taken at
+        # setup (docs/tiers.md, "Lightning"; test_tier_version_counter.py).
+        callback = top_k_and_last(bucket.url, bucket.options)
+        run, errors = fit_in_background(cpu_trainer(epochs, [watch, callback], io), watch.ended)
         try:
             assert watch.ended.wait(BOUND), "a save waited for the bucket"
             assert not errors, errors

@@ -9,18 +9,25 @@ a URL (``s3://...``) it uses cloudckpt for everything Lightning does through fss
   narrow listing of ``DIRPATH/last``; with ``torch.distributed`` initialized only rank 0
   lists and broadcasts the answer;
 - top-k and ``last`` rotation never delete the checkpoint the run resumed from, nor
-  anything outside ``dirpath``.
+  anything outside ``dirpath``;
+- with a :class:`~cloudckpt.lightning.CloudCheckpointIO` whose local tier serves
+  ``dirpath``, Lightning's version counter (``enable_version_counter=True``: "does this
+  name exist?" before every save) is answered by the IO from one listing taken at
+  setup and the saves and removals since, so no save waits for the bucket; a file an
+  earlier run left there still gets its ``-v1``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ..format.commit import DCP_MARKER
 from ..options import TransferOptions
 from ..ranks.collectives import on_first
 from ._compat import ModelCheckpoint
+from .checkpoint_io import CloudCheckpointIO
 from .fs import (
     CloudFileSystem,
     is_remote,
@@ -48,6 +55,8 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
         url = remote_dirpath(dirpath, options, storage_options)
         super().__init__(dirpath if url is None else None, *args, **kwargs)
         self._remote = url is not None
+        #: Set at setup (on every rank) when a local tier answers :meth:`file_exists`.
+        self._tier_names: Callable[[Any], bool | None] | None = None
         if url is not None:
             self.dirpath, self._fs = url, CloudFileSystem()
 
@@ -56,6 +65,25 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
             super().setup(trainer, pl_module, stage)
             return
         setup_remote_dirpath(self, trainer)
+        self._tier_names = None
+        io = _checkpoint_io(trainer)
+        if isinstance(io, CloudCheckpointIO) and io.local_dir is not None:  # on every rank
+            holds = io.tier_names(self.dirpath) if trainer.is_global_zero else None
+            if trainer.strategy.broadcast(holds is not None):
+                self._tier_names = holds or _rank_zero_answers
+
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        """Whether ``filepath`` exists (Lightning's version counter, before each save):
+        rank 0's answer on every rank. With a local tier serving ``dirpath``, from the
+        IO's listing taken at setup and the saves and removals since (no bucket request);
+        else Lightning's check, through :class:`CloudFileSystem`."""
+        holds = self._tier_names
+        if holds is None:
+            return bool(super().file_exists(filepath, trainer))
+        known = holds(filepath)
+        if known is None:  # outside dirpath: only the bucket knows
+            known = bool(self._fs.exists(filepath))
+        return bool(trainer.strategy.broadcast(known))
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         if not self._remote:
@@ -88,3 +116,18 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
         if resumed is not None and previous == resumed:
             return False
         return previous.startswith(str(self.dirpath).rstrip("/") + "/")
+
+
+def _checkpoint_io(trainer: Any) -> Any:
+    """The trainer's checkpoint IO, inside any of Lightning's wrappers of it."""
+    io: Any = getattr(trainer.strategy, "checkpoint_io", None)
+    for _ in range(8):  # a wrapper's wrapped IO (a few levels at most)
+        if isinstance(io, CloudCheckpointIO) or not hasattr(io, "checkpoint_io"):
+            break
+        io = io.checkpoint_io
+    return io
+
+
+def _rank_zero_answers(path: Any) -> bool:
+    """A rank other than 0: rank 0's answer is broadcast (this one is not used)."""
+    return False

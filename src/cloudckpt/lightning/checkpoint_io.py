@@ -13,6 +13,9 @@ mirror first and drained to the bucket by one background thread (docs/tiers.md,
 ``_DRAINS/<file>.json``), and each save and removal sweeps the temp files of dead
 writers from the mirror. No save or removal waits for the bucket: an upload reads a
 private hard link of the version it sends, and removals run in a thread of their own.
+Nor does Lightning's version counter: :meth:`CloudCheckpointIO.tier_names` lists the
+bucket directory once (at the callback's setup) and answers "does this name exist?"
+from that listing and the saves and removals asked for since.
 """
 
 from __future__ import annotations
@@ -52,7 +55,14 @@ from ..options import TransferOptions
 from ..ranks.collectives import rank
 from ..store import Settings, Target
 from ..store.local import LocalStore
-from ..store.paths import MAX_RECORD_BYTES, dir_prefix, exists, is_prefix, read_capped
+from ..store.paths import (
+    MAX_RECORD_BYTES,
+    children,
+    dir_prefix,
+    exists,
+    is_prefix,
+    read_capped,
+)
 from ._compat import CheckpointIO
 from .fs import is_remote, register_settings, unwrap
 
@@ -110,6 +120,11 @@ class _Mirror:
             found = self.journal.read(name)
             if found is not None and _is_name(name):
                 self._records[name] = found
+        #: The names in the directory (bucket or tier) as this run knows them, from one
+        #: listing (:meth:`survey`) and the saves and removals asked for since; None
+        #: until surveyed.
+        self._names: set[str] | None = None
+        self._names_lock = threading.Lock()
         self.drainer: Drainer[str] = Drainer(
             self._drain,
             store.root_url,
@@ -208,13 +223,42 @@ class _Mirror:
         between the local rename and the record)."""
         with self._journal_lock:
             records = dict(self._records)
-        here = {o.key for o in self.store.list("") if "/" not in o.key and _is_name(o.key)}
-        for key in sorted(here | set(records)):
+        for key in sorted(self._local_names() | set(records)):
             known = records.get(key)
             due = known is None or known.due  # no record: killed before it was written
             stale = known is not None and known.time not in (None, self._version(key))
             if (due or stale) and self._note_due(key) is not None:
                 self.drainer.submit(key)
+
+    def _local_names(self) -> set[str]:
+        """The checkpoint files in the tier (its run file, records and temp files aside)."""
+        return {o.key for o in self.store.list("") if "/" not in o.key and _is_name(o.key)}
+
+    # -- the names in the directory (Lightning's version counter) ----------------------
+    def survey(self) -> None:
+        """List the bucket directory once (an object, or a sharded checkpoint's prefix,
+        is a name) and add the checkpoints of the tier and its drain records (due ones
+        the bucket will hold): from now on :meth:`holds` answers without the bucket,
+        kept current by :meth:`note`. Raises what the listing raises."""
+        remote = self._settings.open(self.root)
+        below = children(remote.store, remote.key)
+        with self._journal_lock:
+            recorded = set(self._records)
+        names = set(below.files) | set(below.dirs) | self._local_names() | recorded
+        with self._names_lock:
+            self._names = names
+
+    def note(self, key: str, present: bool) -> None:
+        """A save (``present``) or a removal of ``key`` was asked for: what Lightning
+        sees of the directory from now on (a removal runs later, in the background)."""
+        with self._names_lock:
+            if self._names is not None:
+                (self._names.add if present else self._names.discard)(key)
+
+    def holds(self, key: str) -> bool | None:
+        """Whether the directory holds ``key`` as this run knows it (None: not surveyed)."""
+        with self._names_lock:
+            return None if self._names is None else key in self._names
 
     # -- local writes and uploads (a write never waits for an upload) -----------------
     def begin_write(self, key: str) -> None:
@@ -307,10 +351,10 @@ class _Mirror:
 class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
     """Save, load and remove Lightning checkpoints at any cloudckpt URL (or local path).
 
-    ``local_dir``: a local tier for the bucket directory of the first checkpoint saved
-    (its ``dirpath``): saves commit there and return, one thread drains them to the
-    bucket, loads read the local copy when it is valid (docs/tiers.md, "Lightning").
-    """
+    ``local_dir``: a local tier for one bucket directory (the callback's ``dirpath``,
+    claimed at its setup by :meth:`tier_names`, else that of the first checkpoint
+    saved): saves commit there and return, one thread drains them to the bucket, loads
+    read the local copy when it is valid (docs/tiers.md, "Lightning")."""
 
     def __init__(
         self,
@@ -381,6 +425,42 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         mirror = self._mirror_at(root, claim_it)
         return None if mirror is None else (mirror, name)
 
+    def tier_names(self, dirpath: Any) -> Callable[[Any], bool | None] | None:
+        """For a checkpoint callback's setup (rank 0): when the local tier serves the
+        bucket directory ``dirpath``, whether a checkpoint path exists, answered without
+        the bucket (None for paths outside that directory: ask the bucket).
+
+        The directory is listed once, here; the answers then follow the saves and
+        removals this IO is asked for, so Lightning's version counter (a check per save)
+        never waits for the bucket and still finds a file an earlier run left there.
+        None (ask the bucket per save, as without a tier) with no tier for ``dirpath``,
+        or when the listing fails for an outage (a WARNING says so)."""
+        if self.local_dir is None or not is_remote(dirpath):
+            return None
+        root = unwrap(dirpath).rstrip("/")
+        mirror = self._mirror_at(root, claim_it=True)
+        if mirror is None:
+            return None
+        try:
+            mirror.survey()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            log.warning(
+                "the bucket directory %s could not be listed (%s: %s): whether a "
+                "checkpoint's name is taken is asked of the bucket at each save",
+                root,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+
+        def holds(path: Any) -> bool | None:
+            parent, _, name = unwrap(path).rpartition("/")
+            return mirror.holds(name) if parent == root and _is_name(name) else None
+
+        return holds
+
     def _owned(self) -> list[_Mirror]:
         with self._lock:
             return [m for m in self._mirrors.values() if m is not None]
@@ -419,6 +499,7 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self._save(checkpoint, self._settings.open(url, **(storage_options or {})))
             return
         mirror, key = found
+        mirror.note(key, present=True)
         mirror.drainer.retry_failed()
         target = self._settings.open(mirror.store.url(key), **(storage_options or {}))
         mirror.begin_write(key)
@@ -494,6 +575,9 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         With a local tier this always runs in a thread of its own, so Lightning's
         rotation never waits for the bucket in the training loop."""
         url = unwrap(path)
+        found = self._mirror_for(url, claim_it=False)
+        if found is not None:
+            found[0].note(found[1], present=False)
         with self._lock:  # still running, or failed: either way the removal must wait
             earlier = [h for h in self._pending if not h.done() or h.failed()]
         if not earlier and self.local_dir is None:
