@@ -283,12 +283,40 @@ def resave_while_draining(rank: int, world: int, url: str, so: dict[str, Any], r
         forget(name)
         order.append("resave began")
 
+    from cloudckpt.errors import NotFoundError
+    from cloudckpt.manager import MARKER_NAME
+    from cloudckpt.options import resolve_options
+    from cloudckpt.store import open_url
+
+    commit_url = f"{url}/step=1/weights/metadata.json"  # the bucket's commit of the name
+    bucket, commit = open_url(commit_url, resolve_options(storage_options=so))
+    uncommitted: list[bool] = []  # at each uncommit of the old copy: is the bucket's committed?
+
+    def committed() -> bool:
+        try:
+            bucket.head(commit)
+        except NotFoundError:
+            return False
+        return True
+
     tier._copy = held_copy
     io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
     assert started.wait(TIMEOUT)
+    local = tier._local().store  # bound by the first save
+    delete = local.delete
+
+    def noted_delete(key: str) -> None:
+        if key == f"step=1/{MARKER_NAME}" and resaving.is_set():
+            uncommitted.append(committed())
+        delete(key)
+
+    local.delete = noted_delete  # type: ignore[method-assign]
     tier.forget = marked_forget
     io.save_checkpoint(checkpoints[1], f"{url}/step=1.ckpt")  # the same name, new state
     assert order == ["first drain copied", "resave began"], (rank, order)
+    # No rank uncommits its old copy before the drain committed it in the bucket: a
+    # crash in between left nothing to restore (rank 1 did it at once).
+    assert uncommitted == [True], (rank, uncommitted)
     io.drain()
     assert tier.unfinished() == set()
     from cloudckpt.nemo import CloudMegatronCheckpointIO

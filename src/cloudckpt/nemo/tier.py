@@ -85,6 +85,7 @@ class NemoTier:
         self._cond = threading.Condition()
         self._draining: str | None = None
         self._removed: set[str] = set()  # removed from the bucket: never drained
+        self._forgetting: set[str] = set()  # being saved again: no drain of the old copy
         #: The local commit each drain under way sends (read when it began: a new save
         #: of the name uncommits it meanwhile, and waits for the drain to end).
         self._sending: dict[str, CheckpointInfo] = {}
@@ -196,19 +197,29 @@ class NemoTier:
         on the checkpoint group), so the commit, which lists the folder, records this
         save's files only. A drain of it under way ends first: the first rank's drain of
         a name spans every rank's copying of it, so once the first rank has waited for
-        it no rank's drainer reads the files this save replaces; and with the first
-        rank's marker gone, no drain of the old copy starts after. Each directory's
+        it no rank's drainer reads the files this save replaces; every rank waits for
+        that before any uncommits (the drain commits the bucket's copy first), and no
+        drain of the old copy starts meanwhile. Each directory's
         first rank then clears the folder (LocalTier.clear_ranks) before any rank writes."""
         group = checkpoint_group()
-        error: BaseException | None = None
+        with self._cond:  # only the first rank's drainer ever has one under way
+            while self._draining == name:
+                self._cond.wait()
+            self._forgetting.add(name)  # and none of the old copy starts from now
         try:
-            with self._cond:
-                while self._draining == name:
-                    self._cond.wait()
+            # Every rank past that drain before any uncommits: a rank that uncommitted
+            # at once left its copy unmarked while the drain had already removed the
+            # bucket's older commit of the name; a crash then left nothing to restore.
+            settle(None, f"the drain of {name} before it is saved again", group=group)
+            error: BaseException | None = None
+            try:
                 self._local().store.delete(f"{name}/{MARKER_NAME}")
-        except Exception as exc:
-            error = exc
-        settle(error, f"uncommitting the local copy of {name}", group=group)
+            except Exception as exc:
+                error = exc
+            settle(error, f"uncommitting the local copy of {name}", group=group)
+        finally:
+            with self._cond:
+                self._forgetting.discard(name)
         self._local().clear_ranks(name, group)
 
     def commit(self, name: str, step: int) -> None:
@@ -324,6 +335,8 @@ class NemoTier:
             with self._cond:  # the marker read under the lock forget() deletes it under
                 if name in self._removed:
                     return "removed"
+                if name in self._forgetting:  # being saved again: its new copy drains
+                    return "done"
                 info = self.info(name)
                 if info is None or self._drained(info, name):
                     return "done"
