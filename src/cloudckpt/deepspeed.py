@@ -101,6 +101,7 @@ from .manager.marker import (
 )
 from .manager.payload import Wrote
 from .manager.retention import KeepLast
+from .manager.tiers import check_positive
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
@@ -592,12 +593,8 @@ def _tiered_run(
 def _keep_local(value: int | None) -> int | None:
     """``keep_local`` checked by the rule of the manager's retention counts: a positive
     integer (ConfigError naming it otherwise), or None (every local step kept)."""
-    if value is None:
-        return None
-    try:
-        return KeepLast(value).n
-    except ConfigError:
-        raise ConfigError(f"keep_local={value!r} must be a positive integer") from None
+    check_positive("keep_local", value)
+    return value
 
 
 def _save_tiered(

@@ -25,7 +25,9 @@ class RetentionPolicy(Protocol):
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]: ...
 
 
-def _positive(name: str, value: int) -> int:
+def positive(name: str, value: int) -> int:
+    """``value`` if it is a positive int (not a bool); else ConfigError naming the option
+    ``name``: the rule of every count the manager takes (retention, its local tier)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
     return value
@@ -38,7 +40,7 @@ class KeepLast:
     n: int
 
     def __post_init__(self) -> None:
-        _positive("keep_last", self.n)
+        positive("keep_last", self.n)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in sorted(checkpoints, key=lambda c: c.step)[-self.n :]}
@@ -51,7 +53,7 @@ class KeepEveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        _positive("keep_every_n_steps", self.n)
+        positive("keep_every_n_steps", self.n)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in checkpoints if c.step % self.n == 0}
@@ -70,7 +72,7 @@ class KeepTopK:
     mode: str = "min"
 
     def __post_init__(self) -> None:
-        _positive("keep_top_k", self.k)
+        positive("keep_top_k", self.k)
         if not self.metric:
             raise ConfigError("keep_top_k needs metric= (the name of the metric to rank by)")
         if self.mode not in ("min", "max"):

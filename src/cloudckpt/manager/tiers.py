@@ -68,7 +68,7 @@ from .marker import (
     step_dir,
 )
 from .payload import PayloadKind, Wrote
-from .retention import KeepLast, to_delete
+from .retention import KeepLast, positive, to_delete
 
 __all__ = [
     "JOURNAL_DIR",
@@ -95,8 +95,8 @@ Key: TypeAlias = int | str
 
 def check_positive(name: str, value: object) -> None:
     """ConfigError unless ``value`` (the option ``name``) is None or a positive int."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if value is not None:
+        positive(name, value)  # type: ignore[arg-type]
 
 
 class LocalTier:
