@@ -187,6 +187,49 @@ def test_saves_return_in_local_time_while_the_bucket_never_answers(
     assert len(outage_warnings(caplog)) == 1
 
 
+def test_a_restart_while_the_bucket_refuses_connections_restores_from_the_local_tier(
+    moto_server: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job restarted while the bucket is away resumes from its local tier (WARNING:
+    only the local tier was seen); a node whose tier is empty refuses to start fresh
+    (the bucket may hold the run); a manager without a tier raises as before."""
+    bucket = moto_server.make_bucket(unique_bucket_name("refused-restart"))
+    port = free_port()
+    options = {**moto_server.storage_options(), "endpoint_url": f"http://127.0.0.1:{port}"}
+    root, tier = f"s3://{bucket}/run", tmp_path / "tier"
+    timed_saves(
+        CheckpointManager(root, local_dir=tier, storage_options=options, **FAST), range(1, 4)
+    )
+
+    caplog.set_level(logging.WARNING, logger="cloudckpt")
+    restarted = CheckpointManager(root, local_dir=tier, storage_options=options, **FAST)
+    got = restarted.restore()  # before: RetriesExhaustedError from the bucket's listing
+    assert restarted.restored_step == 3 and torch.equal(got["w"], state(3)["w"])
+    said = [m for m in outage_warnings(caplog) if "reading the local tier" in m]
+    assert said and root in said[0] and str(tier) in said[0], said
+    assert [(c.step, c.tiers) for c in restarted.list()] == [(s, ("local",)) for s in (1, 2, 3)]
+    latest = restarted.latest()
+    assert latest is not None and latest.step == 3
+    assert restarted.info(2).tiers == ("local",)
+    assert torch.equal(restarted.restore(step=2)["w"], state(2)["w"])
+    with pytest.raises(StorageError, match=r"unreachable|refused"):
+        restarted.info(7)  # not in the local tier: the bucket's error, not "not found"
+
+    fresh = CheckpointManager(
+        root, local_dir=tmp_path / "new-node", storage_options=options, **FAST
+    )
+    with pytest.raises(StorageError, match="not starting fresh"):
+        fresh.restore()
+    with pytest.raises(StorageError, match=r"unreachable|refused|attempt"):
+        CheckpointManager(root, storage_options=options, **FAST).restore()
+
+    restarted.save(4, state(4))  # the run goes on from step 3
+    with FaultProxy(moto_server.endpoint_url, port=port):
+        restarted.drain()
+        check_bucket(root, options, [1, 2, 3, 4])
+        assert fresh.restore()["step"] == 4  # the bucket answers: read from it
+
+
 @pytest.mark.parametrize(
     ("kind", "mode"),
     [("object", "async"), ("dcp", "sync"), ("dcp", "async")],
@@ -237,6 +280,19 @@ def _ranks_save_while_away(rank: int, world: int, url: str, so: dict[str, Any], 
         m.drain()  # every rank: the bucket is still away
 
 
+def _ranks_restore_while_away(
+    rank: int, world: int, url: str, so: dict[str, Any], base: str
+) -> None:
+    """Every rank, restarted while the bucket still refuses: the newest step every
+    rank's local tier holds is restored."""
+    m = CheckpointManager(
+        url, local_dir=Path(base) / f"node{rank}", kind="dcp", storage_options=so, **FAST
+    )
+    got = m.restore(state={f"own{rank}": torch.zeros(300)})
+    assert m.restored_step == 3
+    assert torch.equal(got[f"own{rank}"], torch.full((300,), 3.0))
+
+
 def _ranks_drain(rank: int, world: int, url: str, so: dict[str, Any], base: str) -> None:
     m = CheckpointManager(
         url, local_dir=Path(base) / f"node{rank}", kind="dcp", storage_options=so, **FAST
@@ -256,6 +312,7 @@ def test_every_rank_saves_locally_while_the_bucket_refuses_connections(
     options = {**moto_server.storage_options(), "endpoint_url": f"http://127.0.0.1:{port}"}
     url = f"s3://{bucket}/run"
     run_ranks(_ranks_save_while_away, 2, url, options, str(tmp_path), timeout=300)
+    run_ranks(_ranks_restore_while_away, 2, url, options, str(tmp_path), timeout=300)
     with FaultProxy(moto_server.endpoint_url, port=port):
         run_ranks(_ranks_drain, 2, url, options, str(tmp_path), timeout=300)
 

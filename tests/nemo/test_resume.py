@@ -121,3 +121,71 @@ def _latest_on_every_rank(rank: int, world: int, url: str, so: dict[str, Any]) -
 
 def test_rank_zero_lists_and_broadcasts(several: str, moto_server: Any) -> None:
     run_ranks(_latest_on_every_rank, 2, several, moto_server.storage_options(), timeout=120)
+
+
+def _local_commit(local_dir: Path, dirpath: str, name: str, step: int) -> None:
+    """``name`` committed in the local tier of ``dirpath`` as the I/O commits it (the
+    manager's marker over its ``weights/`` folder) and not drained."""
+    from cloudckpt.manager.tiers import LocalTier
+    from cloudckpt.options import TransferOptions
+
+    tier = LocalTier(local_dir, dirpath, TransferOptions(), None, 1, payload="weights/")
+    tier.store.put(f"{name}/weights/__0_0.distcp", b"x")
+    tier.store.put(f"{name}/weights/metadata.json", encode_config())
+    tier.commit(step, "megatron", {}, {"nemo_name": name}, key=name)
+
+
+def test_a_checkpoint_committed_in_the_local_tier_only_is_resumed(
+    several: str, tmp_path: Path
+) -> None:
+    """A ``-last`` committed locally whose drain has not committed the bucket's copy is
+    the newest: found through the trainer's I/O (or ``local_dir``), never taken for an
+    unfinished one; the bucket alone still gives its own newest."""
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    local = tmp_path / "node"
+    _local_commit(local, several, "m--step=11-last", 11)  # the bucket's copy: no commit
+    io = CloudMegatronCheckpointIO(local_dir=local)
+    callback = SimpleNamespace(dirpath=several, last_model_path="")
+    trainer = SimpleNamespace(
+        checkpoint_callback=callback, ckpt_path=None, strategy=SimpleNamespace(checkpoint_io=io)
+    )
+    CloudAutoResume(resume_if_exists=True).setup(trainer)  # before: step=10, the bucket's
+    assert trainer.ckpt_path == f"{several}/m--step=11-last/weights"
+
+    def find(**kwargs: Any) -> Any:
+        resume = CloudAutoResume(resume_if_exists=True, resume_from_directory=several, **kwargs)
+        return resume.get_trainer_ckpt_path()
+
+    assert find(local_dir=local) == f"{several}/m--step=11-last/weights"
+    assert find() == f"{several}/m--step=10-last/weights"
+    other = tmp_path / "other"  # a tier of another dirpath is not read
+    _local_commit(other, f"{several}-elsewhere", "m--step=13-last", 13)
+    assert find(local_dir=other) == f"{several}/m--step=10-last/weights"
+
+
+def test_a_bucket_that_is_away_resumes_from_the_local_tier(
+    remote: str, moto_server: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bucket refusing connections: the local tier's newest ``-last`` is resumed
+    (WARNING); with nothing there the bucket's error is raised, never a fresh start."""
+    from servers import free_port
+
+    refused = {**moto_server.storage_options(), "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+    register_options(remote, storage_options=refused, max_attempts=1)
+    local = tmp_path / "node"
+    _local_commit(local, remote, "m--step=4-last", 4)
+    caplog.set_level("WARNING", logger="cloudckpt")
+
+    def find(where: Path) -> Any:
+        return CloudAutoResume(
+            resume_if_exists=True,
+            resume_from_directory=remote,
+            resume_ignore_no_checkpoint=True,
+            local_dir=where,
+        ).get_trainer_ckpt_path()
+
+    assert find(local) == f"{remote}/m--step=4-last/weights"
+    assert any("unreachable" in r.getMessage() for r in caplog.records)
+    with pytest.raises(Exception, match="connect"):
+        find(tmp_path / "empty")

@@ -224,9 +224,9 @@ class CheckpointManager:
     def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest step first (one listing, markers only); with a
         local tier, those of either tier, each saying which tiers hold it. The bucket's
-        listing and marker reads are bounded by the manager's ``deadline``."""
-        found = on_first(self._list_local, what=f"the listing of {self.root_url}")
-        return found if self._tier is None else merge_tiers(found, self._tier.list())
+        listing and marker reads are bounded by the manager's ``deadline``. With a local
+        tier and the bucket unreachable, the local tier's alone (WARNING)."""
+        return self._scan()[0]
 
     def _list_local(self) -> builtins.list[CheckpointInfo]:
         return self._scan_local()[0]
@@ -249,13 +249,21 @@ class CheckpointManager:
             self._tiered.learn(found)
         return found, damaged
 
-    def _scan(self) -> tuple[builtins.list[CheckpointInfo], builtins.list[DamagedMarker]]:
-        """:meth:`list`, with the damaged steps no tier holds a valid copy of."""
-        found, damaged = on_first(self._scan_local, what=f"the listing of {self.root_url}")
-        if self._tier is not None:
-            found = merge_tiers(found, self._tier.list(damaged))
+    def _scan(
+        self,
+    ) -> tuple[builtins.list[CheckpointInfo], builtins.list[DamagedMarker], str | None]:
+        """:meth:`list`, with the damaged steps no tier holds a valid copy of, and why
+        the bucket was not listed (None: it was): with a local tier, a bucket that
+        cannot be reached leaves the local tier's steps (TieredRun.scan_bucket)."""
+        what = f"the listing of {self.root_url}"
+        if self._tiered is None:
+            found, damaged = on_first(self._scan_local, what=what)
+            away = None
+        else:
+            found, damaged, away = on_first(self._tiered.scan_bucket, what=what)
+            found = merge_tiers(found, self._tiered.tier.list(damaged))
         valid = {c.step for c in found}
-        return found, [d for d in damaged if d.step not in valid]
+        return found, [d for d in damaged if d.step not in valid], away
 
     def _damaged_error(self, damaged: Sequence[DamagedMarker]) -> CorruptCheckpointError:
         """What a restore of the newest step raises when every step's marker is damaged:
@@ -292,8 +300,14 @@ class CheckpointManager:
         self._check_step(step)
 
         def read() -> CheckpointInfo:
-            with deadline_scope(self.options.deadline):
-                found = read_marker(self.store, marker_key(self.root_key, step))
+            try:
+                with deadline_scope(self.options.deadline):
+                    found = read_marker(self.store, marker_key(self.root_key, step))
+            except Exception as exc:  # with a local tier, a bucket away leaves its copy
+                local = self._tier.info(step) if self._tier is not None else None
+                if local is None or self._tiered is None or not self._tiered.away(exc):
+                    raise
+                found = None
             if self._tier is not None:
                 local = self._tier.info(step)
                 both = merge_tiers([found] if found else [], [local] if local else [])
@@ -336,15 +350,18 @@ class CheckpointManager:
         self._before_save(step, state)
         with self._lock:
             self._pending.add(step)
-        url, options = self._target(step)
+        try:
+            url, options = self._target(step)
+        except BaseException:
+            self._saved(step)
+            raise
         tiered = self._tiered
         if tiered is not None and tiered.ranked():
             try:
                 self.kind.save(state, url, options)
                 info = tiered.commit_ranks(step, metrics, metadata or {})
             finally:
-                with self._lock:
-                    self._pending.discard(step)
+                self._saved(step)
             tiered.retain_local()
             return info
         try:
@@ -356,8 +373,7 @@ class CheckpointManager:
                 what=f"the commit of {url}",
             )
         finally:
-            with self._lock:
-                self._pending.discard(step)
+            self._saved(step)
         on_first(
             lambda: self._after_commit(step, defer=True), what=f"retention under {self.root_url}"
         )
@@ -404,15 +420,14 @@ class CheckpointManager:
             self._before_save(step, state)
         with self._lock:
             self._pending.add(step)
-        prefix_url, options = self._target(step)
         called = time.monotonic()
-        if deadline is not None:  # the write, in its thread: what is left of the deadline
-            options = replace(options, deadline=max(deadline.remaining(), 1e-3))
         try:
+            prefix_url, options = self._target(step)
+            if deadline is not None:  # the write, in its thread: what is left of the deadline
+                options = replace(options, deadline=max(deadline.remaining(), 1e-3))
             inner = engine_async_save(state, prefix_url + self.kind.filename, options=options)
         except BaseException:
-            with self._lock:
-                self._pending.discard(step)
+            self._saved(step)
             raise
         # The write's deadline starts once the call returns (after the snapshot and the
         # wait for earlier saves, neither of them this save's requests): the commit's too.
@@ -448,8 +463,7 @@ class CheckpointManager:
                 handle.finish(None, exc)
                 return
             finally:
-                with self._lock:
-                    self._pending.discard(handle.step)
+                self._saved(handle.step)
             if retain:
                 self._after_commit(handle.step)
         handle.finish(info, None)
@@ -475,13 +489,12 @@ class CheckpointManager:
         with self._lock:
             self._pending.add(step)
         started = time.perf_counter()
-        prefix_url, options = self._target(step)
         try:
+            prefix_url, options = self._target(step)
             with within(deadline):  # the payload's save starts under it (DCP: set_up...)
                 pending = self.kind.async_save(state, prefix_url, options, group)
         except BaseException:
-            with self._lock:
-                self._pending.discard(step)
+            self._saved(step)
             raise
         handle = ManagedSaveHandle(step, prefix_url, time.perf_counter() - started)
         self._ranked_saves.add(handle)
@@ -563,8 +576,20 @@ class CheckpointManager:
             tiered.before_save(self.kind)
         self._refuse_committed(step)
         if tiered is not None:
-            tiered.clear(step)
-            tiered.check_room(state)
+            tiered.clear(step)  # takes the step folder's save lock (LocalTier.clear)
+            try:
+                tiered.check_room(state)
+            except BaseException:
+                tiered.tier.release(step)
+                raise
+
+    def _saved(self, step: int) -> None:
+        """A save of ``step`` ended, committed or not: it is no longer in flight, and the
+        local tier's save lock on its folder is given up."""
+        with self._lock:
+            self._pending.discard(step)
+        if self._tier is not None:
+            self._tier.release(step)
 
     def _target(self, step: int) -> tuple[str, TransferOptions]:
         """Where a save writes ``step``'s payload: the local tier if any, else the bucket."""
@@ -751,8 +776,10 @@ class CheckpointManager:
             self._await_in_flight()
             return tiered.restore_ranks(step, map_location, weights_only, state)
         if step is None:
-            found, damaged = self._scan()
+            found, damaged, away = self._scan()
             if not found:
+                if away is not None and tiered is not None:
+                    raise tiered.nothing_local(away)
                 if damaged:
                     raise self._damaged_error(damaged)
                 return self._start_fresh()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
-from ..engine.drain import Drainer, directory_owner
+from ..engine.drain import Drainer, directory_owner, is_outage
 from ..engine.remove import remove_checkpoint
 from ..errors import (
     AlreadyExistsError,
@@ -28,6 +28,7 @@ from ..errors import (
     LocalTierFullError,
     NoSpaceError,
     NotFoundError,
+    StorageError,
 )
 from ..options import TransferOptions
 from ..ranks.collectives import agree, on_first, rank, world_size
@@ -128,6 +129,49 @@ class TieredRun:
     def _entered_bucket(self, step: int) -> None:
         with self._lock:
             self._in_bucket.add(step)  # committed there: by this drain, or another save
+
+    # -- a bucket that is away ------------------------------------------------------------
+    def scan_bucket(
+        self,
+    ) -> tuple[builtins.list[CheckpointInfo], builtins.list[DamagedMarker], str | None]:
+        """The bucket's committed and damaged steps, and None; a bucket that cannot be
+        reached (:func:`~cloudckpt.engine.drain.is_outage`, its retries spent) gives
+        none of either and what failed, said at WARNING: a listing or restore then sees
+        the local tier only (docs/tiers.md, "When the bucket is away")."""
+        try:
+            found, damaged = self.bucket._scan_local()
+        except Exception as exc:
+            if not self.away(exc):
+                raise
+            return [], [], f"{type(exc).__name__}: {exc}"
+        return found, damaged, None
+
+    def away(self, error: BaseException) -> bool:
+        """Whether a read of the bucket that raised ``error`` may be answered from the
+        local tier alone: the bucket cannot be reached, and the tier is this run's. Said
+        at WARNING when so."""
+        if not (self.tier.owned and is_outage(error)):
+            return False
+        log.warning(
+            "the bucket %s is unreachable (%s: %s); reading the local tier %s only: a step "
+            "only the bucket holds (drained by another node, or this tier's dropped) is "
+            "not seen",
+            self.bucket.root_url,
+            type(error).__name__,
+            error,
+            self.tier.url,
+        )
+        return True
+
+    def nothing_local(self, why: str) -> StorageError:
+        """The error of a restore of the newest step while the bucket is away and the
+        local tier holds none: the run may have checkpoints there, so it is not
+        started fresh."""
+        return StorageError(
+            f"the bucket {self.bucket.root_url} is unreachable ({why}) and the local tier "
+            f"{self.tier.url} holds no committed step: not starting fresh over a run the "
+            "bucket may hold; restore again once the bucket answers"
+        )
 
     # -- saves ---------------------------------------------------------------------------
     def refuse_committed(self, step: int) -> None:
@@ -432,7 +476,7 @@ class TieredRun:
         tier, bucket = self.tier, self.bucket
         world = world_size()
         group = checkpoint_group() if world > 1 else None
-        listed, damaged = on_first(bucket._scan_local, group, what="the bucket listing")
+        listed, damaged, away = on_first(self.scan_bucket, group, what="the bucket listing")
         remote = {c.step for c in listed}
         mine_damaged: builtins.list[DamagedMarker] = []
         whole = set(tier.whole_steps(mine_damaged))
@@ -449,6 +493,8 @@ class TieredRun:
         damaged += [d for h in holds for d in h.damaged if d.step not in remote]
         choice = choose_step(holds, remote, step=step, ring=layout, root_url=bucket.root_url)
         if choice is None:  # every rank computed the same: all return None together
+            if step is None and away is not None:
+                raise self.nothing_local(away)
             if damaged:
                 raise bucket._damaged_error(damaged)
             return bucket._start_fresh()

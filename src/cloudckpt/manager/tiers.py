@@ -54,7 +54,7 @@ from ..errors import (
 from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..ranks.collectives import agree, on_first, settle, world_size
-from ..store import ObjectInfo, Store
+from ..store import MultipartUpload, ObjectInfo, Store
 from ..store.local import LocalStore
 from .marker import (
     MARKER_NAME,
@@ -91,6 +91,10 @@ REMOTE = "remote"
 #: How the tier addresses one checkpoint: a step (the manager's ``step-N/``) or a
 #: checkpoint's name (NeMo's ``<name>/``).
 Key: TypeAlias = int | str
+#: The key, in a checkpoint's folder, of the locked temp file its saving process holds
+#: from the clearing of the folder to the local commit (never a file of the checkpoint:
+#: listings skip temp files).
+SAVE_LOCK = "_SAVING"
 
 
 def check_positive(name: str, value: object) -> None:
@@ -143,6 +147,8 @@ class LocalTier:
         self._drained: set[tuple[str, float]] = set()
         #: The thread removing the files of the steps a deferred retention dropped.
         self._removing: threading.Thread | None = None
+        #: The save locks this process holds, by folder name (:meth:`clear`).
+        self._saving: dict[str, MultipartUpload] = {}
 
     def _claim(self) -> str:
         """Create the run file naming ``remote_url`` (create-only), or read the owner
@@ -266,19 +272,33 @@ class LocalTier:
         )
 
     def clear(self, key: Key) -> None:
-        """Before a save writes ``key``'s folder: remove what is there uncommitted (a
-        killed save's files, the temp files of its dead writers, its subfolders), so the
-        commit, which lists the folder, records this save's files only. Never a
-        committed copy (AlreadyExistsError: uncommit it first) nor a live writer's
-        files (StorageError: its temp files are locked, another process saves there)."""
+        """Before a save writes ``key``'s folder: take the folder's save lock, then
+        remove what is there uncommitted (a killed save's files, the temp files of its
+        dead writers, its subfolders), so the commit, which lists the folder, records
+        this save's files only. Never a committed copy (AlreadyExistsError: uncommit it
+        first) nor a live writer's files (StorageError: another process saves there,
+        its temp files or its save lock are held).
+
+        The lock (a locked temp file, ``SAVE_LOCK``, held until :meth:`commit` or
+        :meth:`release`) is made before the check for other writers: of two processes
+        saving the same checkpoint into one directory, at least one sees the other's and
+        fails, so neither's clearing removes the other's finished files and no commit
+        lists another save's bytes. A process that dies releases it with its
+        descriptors; the next save sweeps it."""
         prefix = self.step_prefix(key)
         if self.info(key) is not None:
             raise AlreadyExistsError(
                 f"{self.label(key)} is committed at {self.step_url(key)}; it is not saved over"
             )
         self.store.sweep_temps(prefix)  # a dead writer's: its lock is free
-        live = [self.store.url(u.key) for u in self.store.list_multipart(prefix)]
+        lock = self._hold(key)
+        live = [
+            self.store.url(u.key)
+            for u in self.store.list_multipart(prefix)
+            if u.upload_id != lock.upload_id
+        ]
         if live:
+            self.release(key)
             raise StorageError(
                 f"{self.step_url(key)} is being written by another process ({', '.join(live)}"
                 f"): {self.label(key)} is not saved there meanwhile"
@@ -292,10 +312,34 @@ class LocalTier:
                 self.step_url(key),
             )
 
+    def _hold(self, key: Key) -> MultipartUpload:
+        """This process's save lock on ``key``'s folder: the one it holds already (a
+        save of it that failed before its commit), else a new locked temp file."""
+        name = self.name_of(key)
+        with self._lock:
+            held = self._saving.get(name)
+        if held is not None:
+            return held
+        lock = self.store.create_multipart(self.step_prefix(key) + SAVE_LOCK)
+        with self._lock:
+            self._saving[name] = lock
+        return lock
+
+    def release(self, key: Key) -> None:
+        """Give up the save lock on ``key``'s folder, if this process holds it (after
+        the local commit, or a save that failed: its folder goes too when the lock was
+        all it held)."""
+        with self._lock:
+            lock = self._saving.pop(self.name_of(key), None)
+        if lock is not None:
+            self.store.abort_multipart(lock)
+            self.store.remove_prefix_dir(self.step_prefix(key))
+
     def clear_ranks(self, key: Key, group: Any) -> None:
         """:meth:`clear` on every rank of ``group`` (a collective): each directory's
         first rank clears ``key``'s folder, and no rank returns (and writes there)
-        before every directory is cleared; raises on every rank if any failed."""
+        before every directory is cleared; raises on every rank if any failed (each
+        first rank's save lock given up then: the save does not go on)."""
         owner, _ = directory_owner(self.path, group)
         error: BaseException | None = None
         try:
@@ -303,7 +347,11 @@ class LocalTier:
                 self.clear(key)
         except Exception as exc:
             error = exc
-        settle(error, f"clearing {self.step_url(key)} before its save", group=group)
+        try:
+            settle(error, f"clearing {self.step_url(key)} before its save", group=group)
+        except BaseException:
+            self.release(key)
+            raise
 
     def commit(
         self,
@@ -320,16 +368,19 @@ class LocalTier:
         number of ranks may read this copy. ``files``: the names the save wrote (then
         exactly those are recorded), else the folder's listing."""
         ranks = world_size()
-        info = commit_step(
-            self.store,
-            self.step_prefix(step if key is None else key),
-            step,
-            kind,
-            metrics,
-            metadata,
-            ranks=ranks if ranks > 1 else 0,
-            files=files,
-        )
+        try:
+            info = commit_step(
+                self.store,
+                self.step_prefix(step if key is None else key),
+                step,
+                kind,
+                metrics,
+                metadata,
+                ranks=ranks if ranks > 1 else 0,
+                files=files,
+            )
+        finally:
+            self.release(step if key is None else key)
         return replace(info, tiers=(LOCAL,))
 
     def commit_ranks(
@@ -347,26 +398,29 @@ class LocalTier:
         ``coordinator_files``, in commit order), then its first rank commits it
         locally (:meth:`commit`); raises on every rank if any rank failed. ``what``
         names the checkpoint in errors."""
-        owner, coordinators = directory_owner(self.path, group)
-        prefix = self.step_prefix(key) + self.payload
-        names = kind.coordinator_files
-        for folder, batch in _by_folder(names):  # DeepSpeed's: some in the tag's folder
-            complete_directories(
-                self.store,
-                prefix + folder,
-                batch,
-                owner=owner,
-                coordinators=coordinators,
-                group=group,
-                what=f"{what}'s coordinator files ({', '.join(names)})",
-            )
-        error: BaseException | None = None
-        try:  # every directory is whole: each commits (a checkpoint some rank lacks is skipped)
-            if owner:
-                self.commit(step, kind.name, metrics, metadata, key)
-        except Exception as exc:
-            error = exc
-        settle(error, f"the local commit of {what} in {self.path}", group=group)
+        try:
+            owner, coordinators = directory_owner(self.path, group)
+            prefix = self.step_prefix(key) + self.payload
+            names = kind.coordinator_files
+            for folder, batch in _by_folder(names):  # DeepSpeed's: some in the tag's folder
+                complete_directories(
+                    self.store,
+                    prefix + folder,
+                    batch,
+                    owner=owner,
+                    coordinators=coordinators,
+                    group=group,
+                    what=f"{what}'s coordinator files ({', '.join(names)})",
+                )
+            error: BaseException | None = None
+            try:  # every directory is whole: each commits (a checkpoint some rank lacks is skipped)
+                if owner:
+                    self.commit(step, kind.name, metrics, metadata, key)
+            except Exception as exc:
+                error = exc
+            settle(error, f"the local commit of {what} in {self.path}", group=group)
+        finally:  # the save lock of each directory's first rank, whatever the outcome
+            self.release(key)
 
     def retain(
         self, protected: Callable[[], set[int]], *, defer: bool = False

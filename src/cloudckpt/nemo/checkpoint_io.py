@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,14 +130,20 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         validate = not (self.validated_consistency and self.assume_constant_structure)
         self.validated_consistency = True
         start = time.monotonic()
-        handle = cm.save(
-            checkpoint,
-            url,
-            async_save=self.async_save,
-            content_metadata=(storage_options or {}).get("content_metadata"),
-            validate_access_integrity=validate,
-            **where,
-        )
+        try:
+            handle = cm.save(
+                checkpoint,
+                url,
+                async_save=self.async_save,
+                content_metadata=(storage_options or {}).get("content_metadata"),
+                validate_access_integrity=validate,
+                **where,
+            )
+        except BaseException:
+            if name is not None:  # the local copy is not committed: its folder's lock goes
+                assert self._tier is not None
+                self._tier.release(name)
+            raise
         log.info(
             "%s checkpoint to %s in %.3fs",
             "staged" if handle is not None else "saved",
@@ -154,6 +161,11 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         return request
 
     # -- the local tier ------------------------------------------------------------------
+    @property
+    def local_dir(self) -> Path | None:
+        """The local tier's directory (None: checkpoints go straight to the bucket)."""
+        return None if self._tier is None else self._tier.path
+
     def _tier_name(self, path: Any) -> str | None:
         """The checkpoint's name when the local tier serves ``path``'s ``dirpath``
         (binding the tier on first use: every rank calls this), else None."""

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..engine.drain import is_outage
 from ..errors import NotFoundError
 from ..lightning.callback import is_remote
 from ..lightning.fs import register_options
@@ -28,7 +30,7 @@ from ..megatron.layout import CONFIG_NAME
 from ..options import TransferOptions
 from ..ranks.collectives import on_first
 from ..redact import dataclass_repr
-from ._compat import AppState, AutoResume
+from ._compat import AppState, AutoResume, WrappingCheckpointIO
 from .paths import (
     CONTEXT,
     UNFINISHED_SUFFIX,
@@ -39,6 +41,7 @@ from .paths import (
     download_tree,
     object_exists,
 )
+from .tier import committed_locally
 
 __all__ = ["CheckpointEntry", "CloudAutoResume", "latest_checkpoint", "list_checkpoints"]
 
@@ -55,6 +58,9 @@ class CheckpointEntry:
     url: str
     committed_at: float | None  # mtime of weights/metadata.json; None: not committed
     unfinished: bool  # NeMo's <name>-unfinished marker is set
+    #: Its commit is the local tier's (CloudAutoResume's ``local_dir``): the bucket's
+    #: copy is older or not committed yet.
+    local: bool = False
 
     @property
     def name(self) -> str:
@@ -72,19 +78,55 @@ def list_checkpoints(dirpath: Any) -> list[CheckpointEntry]:
     With ``torch.distributed`` initialized, rank 0 lists and every rank gets its answer.
     """
     root = as_url(dirpath)
+    return on_first(lambda: _scan(root), what=f"the listing of {root}")
 
-    def scan() -> list[CheckpointEntry]:
-        dirs, files = children(root)
+
+def _scan(root: str) -> list[CheckpointEntry]:
+    """:func:`list_checkpoints`' listing, on this rank."""
+    dirs, files = children(root)
+    entries = []
+    for name, objects in dirs.items():
+        commit = [o.mtime for o in objects if o.key.endswith(f"/{name}/{_COMMIT}")]
+        marker = name.removesuffix("-EMA") + UNFINISHED_SUFFIX
+        entries.append(
+            CheckpointEntry(f"{root}/{name}", commit[0] if commit else None, marker in files)
+        )
+    return _by_commit(entries)
+
+
+def _by_commit(entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+    return sorted(entries, key=lambda e: (e.committed_at or 0.0, e.name))
+
+
+def _with_local_tier(root: str, local_dir: str | os.PathLike[str]) -> list[CheckpointEntry]:
+    """:func:`_scan` of ``root`` with what the local tier at ``local_dir`` committed for
+    it: a checkpoint committed there (not drained yet, or saved again since) counts,
+    at its local commit's time. A bucket that cannot be reached leaves the local
+    tier's alone (WARNING), when it holds any."""
+    local = committed_locally(local_dir, root)
+    try:
+        entries = _scan(root)
+    except Exception as exc:
+        if not (local and is_outage(exc)):
+            raise
+        log.warning(
+            "the bucket %s is unreachable (%s: %s); resuming from the local tier %s only: "
+            "a checkpoint only the bucket holds is not seen",
+            root,
+            type(exc).__name__,
+            exc,
+            local_dir,
+        )
         entries = []
-        for name, objects in dirs.items():
-            commit = [o.mtime for o in objects if o.key.endswith(f"/{name}/{_COMMIT}")]
-            marker = name.removesuffix("-EMA") + UNFINISHED_SUFFIX
-            entries.append(
-                CheckpointEntry(f"{root}/{name}", commit[0] if commit else None, marker in files)
-            )
-        return sorted(entries, key=lambda e: (e.committed_at or 0.0, e.name))
-
-    return on_first(scan, what=f"the listing of {root}")
+    by_name = {e.name: e for e in entries}
+    for info, name in local:
+        seen = by_name.get(name)
+        when = max(info.time, (seen.committed_at or 0.0) if seen else 0.0)
+        newer = seen is None or seen.committed_at is None or info.time > seen.committed_at
+        by_name[name] = CheckpointEntry(
+            f"{root}/{name}", when, seen.unfinished if seen else False, local=newer
+        )
+    return _by_commit(list(by_name.values()))
 
 
 def latest_checkpoint(dirpath: Any, *, suffix: str = "last") -> str | None:
@@ -110,8 +152,16 @@ class CloudAutoResume(AutoResume):  # type: ignore[misc]
 
     options: TransferOptions | None = None
     storage_options: dict[str, Any] | None = None
+    #: The checkpoint I/O's local tier (``CloudMegatronCheckpointIO(local_dir=...)``): a
+    #: checkpoint committed there and not drained yet counts. Default: the trainer's
+    #: I/O's, found by setup.
+    local_dir: str | os.PathLike[str] | None = None
     #: The trainer's checkpoint callback's dirpath, when remote (set by setup).
     _callback_dirpath: str | None = dataclasses.field(default=None, init=False, repr=False)
+    #: The local tier of the trainer's checkpoint I/O (set by setup).
+    _io_local_dir: Path | None = dataclasses.field(default=None, init=False, repr=False)
+    #: The checkpoints the last listing found committed in the local tier only.
+    _local_only: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._register(self.resume_from_directory, self.resume_from_path)
@@ -131,6 +181,7 @@ class CloudAutoResume(AutoResume):  # type: ignore[misc]
         callback = getattr(trainer, "checkpoint_callback", None)
         dirpath = getattr(callback, "dirpath", None)
         self._callback_dirpath = as_url(dirpath) if dirpath and is_remote(dirpath) else None
+        self._io_local_dir = _io_local_dir(trainer)
         self._register(self._callback_dirpath)
         super().setup(trainer, model)
 
@@ -146,7 +197,14 @@ class CloudAutoResume(AutoResume):  # type: ignore[misc]
         if not self._remote():
             return super()._find_trainer_ckpt_path()
         directory = as_url(self._directory())
-        entries = list_checkpoints(directory)
+        tier = self.local_dir if self.local_dir is not None else self._io_local_dir
+        if tier is None:
+            entries = list_checkpoints(directory)
+        else:
+            entries = on_first(
+                lambda: _with_local_tier(directory, tier), what=f"the listing of {directory}"
+            )
+        self._local_only = {e.url for e in entries if e.local}
         end = [e for e in entries if e.name.endswith("end")]
         last = [e for e in entries if e.name.endswith("last")]
         finished_end = [e for e in end if e.finished]
@@ -204,13 +262,25 @@ class CloudAutoResume(AutoResume):  # type: ignore[misc]
             raise NotFoundError(f"no NeMo context at {context}")
         return local
 
-    @staticmethod
-    def _weights_of(url: str) -> str:
-        """``<checkpoint>/weights`` if it is committed, else the URL as given."""
+    def _weights_of(self, url: str) -> str:
+        """``<checkpoint>/weights`` if it is committed (in the bucket, or in the local
+        tier where the last listing found it), else the URL as given."""
         base = checkpoint_dir(url)
+        if base in self._local_only:  # the I/O loads the local copy: nothing to ask
+            return f"{base}/{WEIGHTS}"
         if object_exists(f"{base}/{_ADAPTER_META}"):
             raise NotImplementedError(
                 f"{base} is a PEFT adapter checkpoint; resuming adapters from object storage "
                 "is not supported by cloudckpt.nemo"
             )
         return f"{base}/{WEIGHTS}" if object_exists(f"{base}/{_COMMIT}") else url
+
+
+def _io_local_dir(trainer: Any) -> Path | None:
+    """The local tier of the trainer's CloudMegatronCheckpointIO, if it has one."""
+    from .checkpoint_io import CloudMegatronCheckpointIO
+
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    while isinstance(io, WrappingCheckpointIO):
+        io = io.checkpoint_io
+    return io.local_dir if isinstance(io, CloudMegatronCheckpointIO) else None

@@ -51,7 +51,7 @@ from ..store.overlay import OverlayStore
 from ..store.paths import MAX_RECORD_BYTES, read_capped
 from .paths import WEIGHTS
 
-__all__ = ["NemoTier"]
+__all__ = ["NemoTier", "committed_locally", "local_commits"]
 
 log = logging.getLogger("cloudckpt")
 
@@ -163,19 +163,7 @@ class NemoTier:
 
     def local(self) -> list[tuple[CheckpointInfo, str]]:
         """This rank's locally committed checkpoints and their names, oldest first."""
-        store = self._local().store
-        found = []
-        for o in store.list(""):
-            parts = o.key.split("/")
-            if len(parts) == 2 and parts[1] == MARKER_NAME:
-                try:
-                    info = read_marker(store, o.key)
-                except CorruptCheckpointError as exc:
-                    log.warning("skipping %s: %s", store.url(o.key), exc)
-                    continue
-                if info is not None:
-                    found.append((info, parts[0]))
-        return sorted(found, key=lambda item: (item[0].time, item[1]))
+        return local_commits(self._local().store)
 
     def check_room(self, checkpoint: Any) -> None:
         """Before a save writes anything, on every rank (a collective): each rank's local
@@ -221,6 +209,11 @@ class NemoTier:
             with self._cond:
                 self._forgetting.discard(name)
         self._local().clear_ranks(name, group)
+
+    def release(self, name: str) -> None:
+        """Give up the save lock on ``name``'s folder that :meth:`forget` took, if this
+        rank holds it (a save that failed before its commit)."""
+        self._local().release(name)
 
     def commit(self, name: str, step: int) -> None:
         """After megatron's save into every rank's ``weights_path(name)``: each directory
@@ -467,3 +460,39 @@ class NemoTier:
                         self._delete(name)
                 except Exception as exc:
                     log.warning("retention in the local tier %s failed: %s", self.path, exc)
+
+
+def local_commits(store: LocalStore) -> list[tuple[CheckpointInfo, str]]:
+    """The checkpoints committed in the local tier ``store`` and their names, oldest
+    first (a damaged marker is skipped, WARNING)."""
+    found = []
+    for o in store.list(""):
+        parts = o.key.split("/")
+        if len(parts) == 2 and parts[1] == MARKER_NAME:
+            try:
+                info = read_marker(store, o.key)
+            except CorruptCheckpointError as exc:
+                log.warning("skipping %s: %s", store.url(o.key), exc)
+                continue
+            if info is not None:
+                found.append((info, parts[0]))
+    return sorted(found, key=lambda item: (item[0].time, item[1]))
+
+
+def committed_locally(
+    local_dir: str | os.PathLike[str], dirpath: str
+) -> list[tuple[CheckpointInfo, str]]:
+    """The checkpoints committed in the local tier at ``local_dir`` for the bucket
+    ``dirpath`` and their names, oldest first: none when the directory is missing or
+    its run file names another ``dirpath`` (read only: nothing is claimed or made)."""
+    path = Path(local_dir).expanduser()
+    if not path.is_dir():
+        return []
+    store = LocalStore(path)
+    try:
+        if read_owner(store) != dirpath:
+            return []
+    except CorruptCheckpointError as exc:
+        log.warning("local_dir %s is not read: %s", path, exc)
+        return []
+    return local_commits(store)
