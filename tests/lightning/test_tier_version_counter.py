@@ -12,6 +12,7 @@ fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,12 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from test_tier import mirrored
 from test_tier_hanging_bucket import SilentBucket, fit_in_background, tiered
-from tiny import cpu_trainer, top_k_and_last
+from tiny import Tiny, cpu_trainer, top_k_and_last
 
+from cloudckpt.errors import StorageError
 from cloudckpt.lightning import CloudCheckpointIO, CloudModelCheckpoint
-from servers import S3Server
+from cloudckpt.testing.fault_proxy import FaultProxy
+from servers import S3Server, free_port, unique_bucket_name
 
 #: Seconds training may take while the bucket is silent (a tiny model's few epochs take
 #: a few seconds; one save waiting for the bucket waits far longer).
@@ -121,3 +124,62 @@ def test_a_name_an_earlier_run_left_in_the_bucket_gets_its_version(
     assert {name: there[name] for name in earlier} == earlier  # never overwritten
     assert {name: there[name] for name in ours} == local
     assert torch.load(tier / "last-v1.ckpt", weights_only=False)["epoch"] == 1
+
+
+class BucketBack(Callback):  # type: ignore[misc]
+    """Starts the proxy in front of the bucket at the end of training (the bucket
+    refused every connection until then); notes the epochs saved."""
+
+    def __init__(self, proxy: FaultProxy) -> None:
+        self.proxy = proxy
+        self.epochs_saved: list[int] = []
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self.epochs_saved.append(trainer.current_epoch)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self.proxy.__enter__()
+
+
+def test_a_bucket_away_at_setup_saves_on_and_never_overwrites_an_earlier_runs_file(
+    moto_server: S3Server, tmp_path: Path
+) -> None:
+    """The bucket refuses connections from setup to the end of training: every epoch
+    saves (names from the tier and the run's saves), and once it answers the drains
+    send this run's files but not one over a file an earlier run left there."""
+    tier = tmp_path / "tier"
+    name = moto_server.make_bucket(unique_bucket_name("away-at-setup"))
+    earlier = {f"epoch=0-step={STEPS}.ckpt": b"an earlier run's", "last.ckpt": b"its last"}
+    for key, body in earlier.items():
+        moto_server.client().put_object(Bucket=name, Key=f"run/{key}", Body=body)
+    port = free_port()  # nothing listens there until the proxy starts
+    options = {**moto_server.storage_options(), "endpoint_url": f"http://127.0.0.1:{port}"}
+    fast = {"max_attempts": 1, "connect_timeout": 1.0, "request_timeout": 2.0}
+    io = CloudCheckpointIO(local_dir=tier, storage_options=options, **fast)
+    callback = CloudModelCheckpoint(
+        dirpath=f"s3://{name}/run", save_top_k=-1, save_last=True, storage_options=options
+    )
+    proxy = FaultProxy(moto_server.endpoint_url, port=port)
+    back = BucketBack(proxy)
+    try:
+        # Before: the first save's check of its name failed the fit (connection refused).
+        with pytest.raises(StorageError, match=re.escape(f"epoch=0-step={STEPS}.ckpt")) as err:
+            cpu_trainer(2, [back, callback], io).fit(Tiny())
+        assert "this run did not write it" in str(err.value)
+        assert back.epochs_saved == [0, 1]
+        local = mirrored(tier)
+        assert sorted(local) == [
+            f"epoch=0-step={STEPS}.ckpt",
+            f"epoch=1-step={2 * STEPS}.ckpt",
+            "last.ckpt",
+        ]
+        there = {
+            o["Key"].removeprefix("run/"): o
+            for o in moto_server.client().list_objects_v2(Bucket=name)["Contents"]
+        }
+        assert sorted(there) == sorted([*earlier, f"epoch=1-step={2 * STEPS}.ckpt"])
+        for key, body in earlier.items():  # never overwritten
+            got = moto_server.client().get_object(Bucket=name, Key=f"run/{key}")["Body"].read()
+            assert got == body
+    finally:
+        proxy.__exit__(None, None, None)

@@ -49,6 +49,7 @@ from ..errors import (
     CorruptCheckpointError,
     InvalidURLError,
     NotFoundError,
+    StorageError,
     UnsupportedFormatError,
 )
 from ..options import TransferOptions
@@ -125,6 +126,12 @@ class _Mirror:
         #: until surveyed.
         self._names: set[str] | None = None
         self._names_lock = threading.Lock()
+        #: Set when the listing at setup failed (an outage): the names the tier knew
+        #: then; the drainer lists the bucket before its next upload (:meth:`_vet`).
+        self._unlisted: set[str] | None = None
+        #: The bucket's names that neither this tier nor its records knew when the run
+        #: chose names without the bucket: never overwritten by a drain.
+        self._foreign: set[str] = set()
         self.drainer: Drainer[str] = Drainer(
             self._drain,
             store.root_url,
@@ -248,6 +255,43 @@ class _Mirror:
         with self._names_lock:
             self._names = names
 
+    def survey_later(self) -> None:
+        """The listing failed (an outage): :meth:`holds` answers from the tier's files
+        and drain records and this run's saves, and the drainer lists the bucket before
+        its next upload (:meth:`_vet`), keeping a file this run did not write there."""
+        with self._journal_lock:
+            recorded = set(self._records)
+        known = self._local_names() | recorded
+        with self._names_lock:
+            self._names, self._unlisted = set(known), known
+
+    def _vet(self, key: str) -> None:
+        """Before an upload of ``key``: when the run chose names without the bucket
+        (:meth:`survey_later`), list it once (an outage fails the drain, tried again
+        later) and learn its names; StorageError, leaving the bucket's object, when
+        ``key`` is a file there that the tier did not know (an earlier run's: the
+        version counter would have named this one ``-v1``)."""
+        with self._names_lock:
+            known = self._unlisted
+        if known is not None:
+            remote = self._settings.open(self.root)
+            below = children(remote.store, remote.key)
+            there = set(below.files) | set(below.dirs)
+            with self._names_lock:
+                self._foreign = there - known
+                if self._names is not None:
+                    self._names |= there
+                self._unlisted = None
+        with self._names_lock:
+            foreign = key in self._foreign
+        if foreign:
+            raise StorageError(
+                f"{self.root}/{key} is in the bucket and this run did not write it (an "
+                "earlier run's file: this run named its checkpoint while the bucket was "
+                "unreachable); it is not overwritten, and this run's file stays at "
+                f"{self.store.url(key)}"
+            )
+
     def note(self, key: str, present: bool) -> None:
         """A save (``present``) or a removal of ``key`` was asked for: what Lightning
         sees of the directory from now on (a removal runs later, in the background)."""
@@ -298,6 +342,7 @@ class _Mirror:
             known = self._records.get(key)
         if known is None or not known.due:
             return
+        self._vet(key)
         remote = self.remote(key)
         try:
             with pinned(self.store, key) as (link, version):
@@ -433,8 +478,10 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
         The directory is listed once, here; the answers then follow the saves and
         removals this IO is asked for, so Lightning's version counter (a check per save)
         never waits for the bucket and still finds a file an earlier run left there.
-        None (ask the bucket per save, as without a tier) with no tier for ``dirpath``,
-        or when the listing fails for an outage (a WARNING says so)."""
+        None (ask the bucket per save, as without a tier) with no tier for ``dirpath``.
+        When the listing fails for an outage (a WARNING says so) the answers come from
+        the tier and this run's saves until the drainer lists the bucket, and a drain
+        never overwrites a file there that the tier did not know (_Mirror._vet)."""
         if self.local_dir is None or not is_remote(dirpath):
             return None
         root = unwrap(dirpath).rstrip("/")
@@ -447,13 +494,16 @@ class CloudCheckpointIO(CheckpointIO):  # type: ignore[misc]
             if not is_outage(exc):
                 raise
             log.warning(
-                "the bucket directory %s could not be listed (%s: %s): whether a "
-                "checkpoint's name is taken is asked of the bucket at each save",
+                "the bucket directory %s could not be listed (%s: %s): checkpoint names "
+                "are chosen from the local tier and this run's saves until the drainer "
+                "lists it; a file an earlier run left there under a name chosen meanwhile "
+                "is not overwritten (its drain fails, this run's copy stays in %s)",
                 root,
                 type(exc).__name__,
                 exc,
+                self.local_dir,
             )
-            return None
+            mirror.survey_later()
 
         def holds(path: Any) -> bool | None:
             parent, _, name = unwrap(path).rpartition("/")
