@@ -181,5 +181,14 @@ def test_a_bucket_away_at_setup_saves_on_and_never_overwrites_an_earlier_runs_fi
         for key, body in earlier.items():  # never overwritten
             got = moto_server.client().get_object(Bucket=name, Key=f"run/{key}")["Body"].read()
             assert got == body
+        # The next process on this local_dir (the bucket answering) resumes the drains
+        # left due: those two still fail, the earlier run's files are still intact.
+        restarted = CloudCheckpointIO(local_dir=tier, storage_options=options, **fast)
+        with pytest.raises(StorageError, match="this run did not write it"):
+            restarted.wait()
+        for key, body in earlier.items():  # before: overwritten by the restarted drains
+            got = moto_server.client().get_object(Bucket=name, Key=f"run/{key}")["Body"].read()
+            assert got == body
+        assert mirrored(tier) == local
     finally:
         proxy.__exit__(None, None, None)

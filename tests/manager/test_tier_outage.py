@@ -291,6 +291,8 @@ def _ranks_restore_while_away(
     got = m.restore(state={f"own{rank}": torch.zeros(300)})
     assert m.restored_step == 3
     assert torch.equal(got[f"own{rank}"], torch.full((300,), 3.0))
+    with pytest.raises(StorageError, match="unreachable"):  # not "in no tier"
+        m.restore(step=9, state={f"own{rank}": torch.zeros(300)})
 
 
 def _ranks_drain(rank: int, world: int, url: str, so: dict[str, Any], base: str) -> None:

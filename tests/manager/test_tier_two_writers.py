@@ -20,7 +20,7 @@ import torch
 from test_tier_leftovers import SPAWN_TIMEOUT_S, temps
 
 from cloudckpt.errors import AlreadyExistsError, StorageError
-from cloudckpt.manager import CheckpointManager
+from cloudckpt.manager import CheckpointManager, tiers
 from cloudckpt.manager.marker import step_dir
 from cloudckpt.manager.tiers import LocalTier
 from cloudckpt.options import TransferOptions
@@ -121,3 +121,79 @@ def test_the_lock_is_the_tiers_not_the_processes(tmp_path: Path) -> None:
     manager.save(5, _state(2.0))
     assert torch.equal(manager.restore(step=5)["w"], _state(2.0)["w"])
     assert temps(node) == []
+
+
+def test_an_interrupted_clearing_gives_up_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while a save removes a killed save's leftovers (after it took the step's
+    lock) gives the lock up: the process lives on (a notebook) and another saves."""
+    bucket, node = _managers(tmp_path)
+    manager = CheckpointManager(bucket, local_dir=node)
+    folder = node / step_dir(7)
+    folder.mkdir(parents=True)
+    (folder / "state.pt").write_bytes(b"what a killed save left")
+
+    def interrupted(*args: Any, **kwargs: Any) -> int:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tiers, "remove_checkpoint", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(7, _state(1.0))
+    assert temps(node) == []  # before: its lock, held until the process exits
+    other = CheckpointManager(bucket, local_dir=node)
+    other.save(7, _state(2.0))
+    assert torch.equal(manager.restore(step=7)["w"], _state(2.0)["w"])
+
+
+def test_gc_keeps_a_step_a_live_save_holds(tmp_path: Path) -> None:
+    """gc with no grace period leaves an uncommitted step alone while a save holds its
+    lock (between its payload and its marker); once given up, the step is garbage."""
+    bucket, node = _managers(tmp_path)
+    manager = CheckpointManager(bucket, local_dir=node)
+    holder = LocalTier(node, manager.root_url, TransferOptions(), None, 1)
+    holder.clear(5)  # another save of step 5: its payload written, its marker to come
+    (node / step_dir(5) / "state.pt").write_bytes(b"a payload whose marker is coming")
+    report = manager.gc(grace_seconds=0)
+    assert (node / step_dir(5) / "state.pt").exists()  # before: removed under the save
+    assert any(step_dir(5) in url for url in report.skipped_young), report
+    holder.release(5)
+    manager.gc(grace_seconds=0)
+    assert not (node / step_dir(5)).exists()
+
+
+def _one_rank_full(rank: int, world: int, base: str) -> None:
+    """Two ranks, a directory each: rank 1's tier has no room. The save fails on both
+    before either writes (rank 1 LocalTierFullError, rank 0 naming rank 1), and the
+    step is saved once there is room."""
+    import shutil
+
+    from cloudckpt.errors import CollectiveError, LocalTierFullError
+
+    m = CheckpointManager(
+        str(Path(base) / "bucket"), local_dir=Path(base) / f"node{rank}", kind="dcp"
+    )
+    state = {f"w{rank}": torch.full((1024,), 1.0)}
+    usage = shutil.disk_usage
+    if rank == 1:
+        shutil.disk_usage = lambda path: usage(path)._replace(free=1024)  # type: ignore[assignment]
+    try:
+        with pytest.raises((LocalTierFullError, CollectiveError)) as err:
+            m.save(5, state)
+        if rank == 0:
+            assert isinstance(err.value, CollectiveError) and "rank 1" in str(err.value)
+        else:
+            assert isinstance(err.value, LocalTierFullError)
+    finally:
+        shutil.disk_usage = usage  # type: ignore[assignment]
+    assert not list((Path(base) / f"node{rank}").glob("step-*/*"))  # nothing written
+    m.save(5, state)  # both locks were given up
+    assert [c.step for c in m.list()] == [5]
+
+
+def test_a_full_tier_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("cloudckpt.dcp")
+    from ranks import run_ranks
+
+    run_ranks(_one_rank_full, 2, str(tmp_path), timeout=300)  # before: rank 0 hung in DCP

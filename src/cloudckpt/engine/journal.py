@@ -7,9 +7,9 @@ Every tier keeps them the same way: the manager's (``manager/tiers.py``, names
 (``lightning/checkpoint_io.py``, file names such as ``epoch=3-step=40.ckpt``). A record
 says which local commit it belongs to (its time), the bucket it drains to, the objects
 the drain wrote or proved there (size, ETag and time as the bucket gave them), whether
-the bucket committed it, and two states a tier may need: ``started`` (a drain of this
-commit has begun: the manager's tier writes no record before) and ``due`` (Lightning:
-still to be sent). So "is
+the bucket committed it, and the states a tier may need: ``started`` (a drain of this
+commit has begun: the manager's tier writes no record before), ``due`` (Lightning:
+still to be sent) and ``unlisted`` (Lightning: named without the bucket's listing). So "is
 this checkpoint drained?" is answered from the tier itself, without asking the bucket.
 
 A name is one path component: anything that could leave ``_DRAINS/`` (``/``, ``..``, a
@@ -68,6 +68,9 @@ class DrainRecord:
     started: bool = False
     #: Lightning: the local copy waits to be sent.
     due: bool = False
+    #: Lightning: the name was chosen while the bucket's directory could not be listed;
+    #: the drain sends it over a bucket object only when ``objects`` names that object.
+    unlisted: bool = False
 
 
 def check_name(name: object) -> str:
@@ -157,6 +160,7 @@ class DrainJournal:
             "committed": record.committed,
             "started": record.started,
             "due": record.due,
+            "unlisted": record.unlisted,
         }
         self.store.put(self.key(name), json.dumps(body, sort_keys=True).encode())
 
@@ -189,7 +193,7 @@ def _decode(body: Any) -> DrainRecord:
         raise TypeError("objects must map names to strings")
     if time is not None and (isinstance(time, bool) or not isinstance(time, (int, float))):
         raise TypeError("time must be a number")
-    flags = {k: body.get(k, False) for k in ("committed", "started", "due")}
+    flags = {k: body.get(k, False) for k in ("committed", "started", "due", "unlisted")}
     if not isinstance(remote, str) or not all(isinstance(v, bool) for v in flags.values()):
-        raise TypeError("remote must be a string, committed, started and due booleans")
+        raise TypeError("remote must be a string, committed, started, due and unlisted booleans")
     return DrainRecord(time=time, remote=remote, objects=objects, **flags)

@@ -126,12 +126,9 @@ class _Mirror:
         #: until surveyed.
         self._names: set[str] | None = None
         self._names_lock = threading.Lock()
-        #: Set when the listing at setup failed (an outage): the names the tier knew
-        #: then; the drainer lists the bucket before its next upload (:meth:`_vet`).
-        self._unlisted: set[str] | None = None
-        #: The bucket's names that neither this tier nor its records knew when the run
-        #: chose names without the bucket: never overwritten by a drain.
-        self._foreign: set[str] = set()
+        #: Set when the listing at setup failed (an outage) until the drainer lists the
+        #: bucket (:meth:`_vet`): the files saved meanwhile are recorded ``unlisted``.
+        self._unlisted = False
         self.drainer: Drainer[str] = Drainer(
             self._drain,
             store.root_url,
@@ -202,7 +199,11 @@ class _Mirror:
             record = None
             if version is not None:
                 objects = {} if known is None else known.objects
-                record = DrainRecord(version, self.root, objects, due=True)
+                with self._names_lock:
+                    unlisted = self._unlisted  # named without the bucket's names
+                if known is not None and known.unlisted and not known.committed:
+                    unlisted = True  # still never sent: still unchecked
+                record = DrainRecord(version, self.root, objects, due=True, unlisted=unlisted)
             self._write_record(key, record)
             return record
 
@@ -257,34 +258,42 @@ class _Mirror:
 
     def survey_later(self) -> None:
         """The listing failed (an outage): :meth:`holds` answers from the tier's files
-        and drain records and this run's saves, and the drainer lists the bucket before
-        its next upload (:meth:`_vet`), keeping a file this run did not write there."""
+        and drain records and this run's saves, and each file saved until the drainer
+        lists the bucket is recorded ``unlisted`` (:meth:`_vet`)."""
         with self._journal_lock:
             recorded = set(self._records)
         known = self._local_names() | recorded
         with self._names_lock:
-            self._names, self._unlisted = set(known), known
+            self._names, self._unlisted = known, True
 
     def _vet(self, key: str) -> None:
-        """Before an upload of ``key``: when the run chose names without the bucket
-        (:meth:`survey_later`), list it once (an outage fails the drain, tried again
-        later) and learn its names; StorageError, leaving the bucket's object, when
-        ``key`` is a file there that the tier did not know (an earlier run's: the
-        version counter would have named this one ``-v1``)."""
+        """Before an upload of ``key``: once after :meth:`survey_later`, list the bucket
+        (an outage fails the drain, tried again later) so later names avoid its files;
+        and when ``key``'s record is ``unlisted`` (named without the bucket's names, in
+        this process or an earlier one), StorageError, leaving the bucket's object, when
+        the bucket holds ``key`` and the record does not name that object as its own
+        drain's (an earlier run's file: the version counter would have named this one
+        ``-v1``)."""
         with self._names_lock:
-            known = self._unlisted
-        if known is not None:
+            pending = self._unlisted
+        if pending:
             remote = self._settings.open(self.root)
             below = children(remote.store, remote.key)
-            there = set(below.files) | set(below.dirs)
             with self._names_lock:
-                self._foreign = there - known
                 if self._names is not None:
-                    self._names |= there
-                self._unlisted = None
-        with self._names_lock:
-            foreign = key in self._foreign
-        if foreign:
+                    self._names |= set(below.files) | set(below.dirs)
+                self._unlisted = False
+        with self._journal_lock:
+            record = self._records.get(key)
+        if record is None or not record.unlisted:
+            return
+        target = self.remote(key)
+        try:
+            there = target.store.head(target.key)
+        except NotFoundError:
+            return
+        ours = record.objects.get(key)
+        if ours is None or not matches(ours, there.size, there.etag):
             raise StorageError(
                 f"{self.root}/{key} is in the bucket and this run did not write it (an "
                 "earlier run's file: this run named its checkpoint while the bucket was "

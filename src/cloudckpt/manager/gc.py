@@ -104,7 +104,9 @@ def find_leftovers(
     on, and what ``cloudckpt ls --all`` shows. ``listing`` is the root's listing if the
     caller has it already. The steps in ``protected`` (saves in flight) are left out,
     their prefixes and their uploads. An upload on the filesystem whose writer lives is
-    kept; with ``trust_locks`` one whose writer is gone is not (module docstring)."""
+    kept, and so is its step's prefix whatever its age (a save between its payload and
+    its marker holds a lock there: LocalTier.clear); with ``trust_locks`` an upload whose
+    writer is gone is not kept (module docstring)."""
     now = time.time() if now is None else now
     prefix = root_prefix(root_key)
     protected = set(protected)
@@ -114,6 +116,22 @@ def find_leftovers(
         step = parse_step(head)
         if obj.key.startswith(prefix) and sep and step is not None and step not in protected:
             by_step.setdefault(prefix + head + "/", []).append(obj)
+    alive = getattr(store, "upload_alive", None)  # the filesystem: its writer's lock
+    uploads: list[Leftover] = []
+    busy: set[str] = set()  # step prefixes a live process writes (its temp files, its lock)
+    for upload in store.list_multipart(prefix):
+        age = now - upload.initiated if upload.initiated is not None else float("inf")
+        head, sep, _ = upload.key[len(prefix) :].partition("/")
+        if sep and parse_step(head) in protected:
+            continue  # a save (or drain) in flight writes it
+        live = alive(upload, own=trust_locks) if callable(alive) else None
+        if live and sep and parse_step(head) is not None:
+            busy.add(prefix + head + "/")
+        by_age = live is None or (live is False and not trust_locks)
+        kept = age < grace_seconds if by_age else bool(live)
+        uploads.append(
+            Leftover("upload", store.url(upload.key), age, kept=kept, upload_id=upload.upload_id)
+        )
     found: list[Leftover] = []
     for step_prefix, objects in sorted(by_step.items()):
         if any(o.key == step_prefix + MARKER_NAME for o in objects):
@@ -124,23 +142,12 @@ def find_leftovers(
                 "prefix",
                 store.url(step_prefix),
                 age,
-                kept=age < grace_seconds,
+                kept=age < grace_seconds or step_prefix in busy,
                 objects=len(objects),
                 bytes=sum(o.size for o in objects),
             )
         )
-    alive = getattr(store, "upload_alive", None)  # the filesystem: its writer's lock
-    for upload in store.list_multipart(prefix):
-        age = now - upload.initiated if upload.initiated is not None else float("inf")
-        head, sep, _ = upload.key[len(prefix) :].partition("/")
-        if sep and parse_step(head) in protected:
-            continue  # a save (or drain) in flight writes it
-        live = alive(upload, own=trust_locks) if callable(alive) else None
-        by_age = live is None or (live is False and not trust_locks)
-        kept = age < grace_seconds if by_age else bool(live)
-        found.append(
-            Leftover("upload", store.url(upload.key), age, kept=kept, upload_id=upload.upload_id)
-        )
+    found += uploads
     return found
 
 

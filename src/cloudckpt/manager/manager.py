@@ -460,10 +460,10 @@ class CheckpointManager:
             try:
                 info = commit()
             except BaseException as exc:
+                self._saved(handle.step)  # before the handle says so: nothing of it left
                 handle.finish(None, exc)
                 return
-            finally:
-                self._saved(handle.step)
+            self._saved(handle.step)
             if retain:
                 self._after_commit(handle.step)
         handle.finish(info, None)

@@ -31,7 +31,7 @@ from ..errors import (
     StorageError,
 )
 from ..options import TransferOptions
-from ..ranks.collectives import agree, on_first, rank, world_size
+from ..ranks.collectives import agree, on_first, rank, settle, world_size
 from ..ranks.groups import checkpoint_group, drain_group
 from ..store import Store, Target
 from ..store.deadline import deadline_scope
@@ -218,9 +218,22 @@ class TieredRun:
         self.tier.clear(step)
 
     def check_room(self, state: Any) -> None:
-        """LocalTierFullError before anything is written, naming the steps that wait."""
+        """LocalTierFullError before anything is written, naming the steps that wait;
+        with several ranks a collective on the checkpoint group: one rank's tier full
+        fails the save on every rank before any writes (CollectiveError naming that
+        rank on the others)."""
         copies = 2 if self.replicate_to_peer and self.ranked() else 1
-        self.tier.check_room(state, copies=copies, waiting=self.waiting)
+        if not self.ranked():
+            self.tier.check_room(state, copies=copies, waiting=self.waiting)
+            return
+        error: BaseException | None = None
+        try:
+            self.tier.check_room(state, copies=copies, waiting=self.waiting)
+        except Exception as exc:
+            error = exc
+        settle(
+            error, f"the room in every rank's local tier {self.tier.url}", group=checkpoint_group()
+        )
 
     @contextlib.contextmanager
     def room(self) -> Iterator[None]:
@@ -491,7 +504,14 @@ class TieredRun:
             bucket._check_step(step)
         # The same on every rank: the bucket's (one listing) and every directory's.
         damaged += [d for h in holds for d in h.damaged if d.step not in remote]
-        choice = choose_step(holds, remote, step=step, ring=layout, root_url=bucket.root_url)
+        try:
+            choice = choose_step(holds, remote, step=step, ring=layout, root_url=bucket.root_url)
+        except NotFoundError as exc:
+            if away is None:
+                raise
+            raise StorageError(
+                f"{exc}; the bucket was not asked: it is unreachable ({away})"
+            ) from None
         if choice is None:  # every rank computed the same: all return None together
             if step is None and away is not None:
                 raise self.nothing_local(away)

@@ -292,18 +292,21 @@ class LocalTier:
             )
         self.store.sweep_temps(prefix)  # a dead writer's: its lock is free
         lock = self._hold(key)
-        live = [
-            self.store.url(u.key)
-            for u in self.store.list_multipart(prefix)
-            if u.upload_id != lock.upload_id
-        ]
-        if live:
+        try:  # whatever fails from here (Ctrl-C included), the lock is given up
+            live = [
+                self.store.url(u.key)
+                for u in self.store.list_multipart(prefix)
+                if u.upload_id != lock.upload_id
+            ]
+            if live:
+                raise StorageError(
+                    f"{self.step_url(key)} is being written by another process "
+                    f"({', '.join(live)}): {self.label(key)} is not saved there meanwhile"
+                )
+            removed = remove_checkpoint(self.store, prefix, self.options)
+        except BaseException:
             self.release(key)
-            raise StorageError(
-                f"{self.step_url(key)} is being written by another process ({', '.join(live)}"
-                f"): {self.label(key)} is not saved there meanwhile"
-            )
-        removed = remove_checkpoint(self.store, prefix, self.options)
+            raise
         if removed:
             log.warning(
                 "removed %d file(s) an earlier, uncommitted save of %s left at %s",
