@@ -409,3 +409,43 @@ def test_cp_r_resume_copies_again_a_same_size_object_with_other_bytes(
     local, local_key = open_url(str(out), opts.replace(storage_options={}))
     plan = {e.name: e.skip for e in plan_tree(src, src_key, local, local_key)}
     assert plan == {"big.bin": True, "small.bin": False}
+
+
+def test_a_delete_during_a_drain_past_its_uploads_leaves_nothing_committed(
+    moto_server: S3Server, tmp_path: Path
+) -> None:
+    """delete(step) while the step's drain waits on the bucket's marker PUT (its data
+    uploaded): the delete waits for that drain, then removes the step from both tiers;
+    the marker never lands after the delete (a committed step with its files gone)."""
+    import threading
+
+    bucket = moto_server.make_bucket(unique_bucket_name("delete-mid-drain"))
+    root, tier = f"s3://{bucket}/run", tmp_path / "tier"
+    held, release = threading.Event(), threading.Event()
+
+    def hold_marker_of_step_2(method: str, target: str) -> bool:
+        path = unquote(urlsplit(target).path)
+        if method == "PUT" and path.endswith(f"/{step_dir(2)}/{MARKER_NAME}"):
+            held.set()
+            assert release.wait(120)
+        return False
+
+    with FaultProxy(moto_server.endpoint_url, match=hold_marker_of_step_2) as proxy:
+        options = {**moto_server.storage_options(), "endpoint_url": proxy.url}
+        m = CheckpointManager(root, local_dir=tier, storage_options=options, **FAST)
+        m.save(1, state(1))
+        m.drain()
+        m.async_save(2, state(2)).result(timeout=60)  # committed locally, drain queued
+        assert held.wait(60), "the drain never reached the bucket's marker"
+        deleting = threading.Thread(target=m.delete, args=(2,))
+        deleting.start()
+        deleting.join(0.5)
+        assert deleting.is_alive()  # it waits for the drain under way
+        release.set()
+        deleting.join(120)
+        assert not deleting.is_alive()
+        m.drain()
+        plain = CheckpointManager(root, storage_options=options)
+        assert [c.step for c in plain.list()] == [1]  # before: step 2's marker landed
+        assert list(plain.store.list(f"run/{step_dir(2)}/")) == []
+        assert [c.step for c in m.list()] == [1]

@@ -73,9 +73,12 @@ def test_a_failed_key_is_kept_until_submitted_again() -> None:
 
 
 def test_a_key_discarded_while_it_drains_is_neither_failed_nor_drained_again() -> None:
-    """A checkpoint deleted during its drain: that drain fails (its copy is gone), and
-    before, every later wait() reported the failure and every retry ran it again."""
+    """A checkpoint deleted during its drain: the delete waits for that drain to end
+    (else a drain past its uploads commits the step after the delete removed it), the
+    drain's failure is not kept (before, every later wait() reported it and every retry
+    ran it again)."""
     ran: list[int] = []
+    order: list[str] = []
     entered, release = threading.Event(), threading.Event()
 
     def work(step: int) -> None:
@@ -83,14 +86,25 @@ def test_a_key_discarded_while_it_drains_is_neither_failed_nor_drained_again() -
         if step == 5:
             entered.set()
             assert release.wait(WAIT)
+            order.append("drain of 5 ended")
             raise FileNotFoundError("step 5 is not committed in the local tier")
 
     drainer: Drainer[int] = Drainer(work, "/local", "s3://b/run")
     drainer.submit(5)
     assert entered.wait(WAIT)
     drainer.submit(6)
-    drainer.discard(5)  # deleted meanwhile
+
+    def delete() -> None:
+        drainer.discard(5)  # deleted meanwhile
+        order.append("discard returned")
+
+    deleting = threading.Thread(target=delete)
+    deleting.start()
+    deleting.join(0.5)  # before: discard had returned by now
+    assert order == [] and deleting.is_alive()  # it waits for the drain under way
     release.set()
+    deleting.join(WAIT)
+    assert order == ["drain of 5 ended", "discard returned"]
     assert drainer.wait(WAIT) == {}
     drainer.retry_failed()
     assert drainer.wait(WAIT) == {}

@@ -271,15 +271,21 @@ class Drainer(Generic[K]):
         self.kick()
 
     def discard(self, key: K) -> None:
-        """Forget ``key`` (its checkpoint was deleted): no longer queued or failed, and a
-        drain of it under way, which fails without the deleted copy, is not kept as
-        failed: no later ``wait()`` or retry reports it."""
+        """Forget ``key`` (its checkpoint is being deleted): no longer queued or failed;
+        a drain of it under way ends first (this waits for it, unless called from the
+        drain itself), so what the caller then deletes is not committed after by a
+        drain already past its uploads. That drain's outcome is not kept: no later
+        ``wait()`` or retry reports it."""
         with self._cond:
             self._queue = deque(k for k in self._queue if k != key)
             self._failed.pop(key, None)
             if self._busy == key:
                 self._discarded.add(key)
             self._cond.notify_all()
+            if threading.current_thread() is self._thread:
+                return
+            while self._busy == key:
+                self._cond.wait(SLICE)  # in slices: Ctrl-C lands
 
     def unfinished(self) -> set[K]:
         """Keys queued, draining or failed: due for the bucket, not there yet."""

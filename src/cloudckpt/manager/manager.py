@@ -703,6 +703,8 @@ class CheckpointManager:
         self._check_step(step)
 
         def remove() -> None:
+            if self._tiered is not None:  # a drain of it under way ends first
+                self._tiered.stop_drain(step)
             removed = remove_checkpoint(self.store, self._step_prefix(step), self.options)
             if self._tiered is not None:
                 self._tiered.left_bucket(step)

@@ -675,6 +675,14 @@ class TieredRun:
         return bucket._load_committed(info, load)
 
     # -- removals ------------------------------------------------------------------------
+    def stop_drain(self, step: int) -> None:
+        """Before ``step`` is deleted: its drain is no longer queued, and one under way
+        ends first (Drainer.discard), so it does not commit the step in the bucket
+        after the delete removed it there. Several ranks: their drains are collectives
+        in drain(), never beside a delete on the same rank."""
+        if not self.ranked():
+            self.drainer.discard(step)
+
     def delete(self, step: int) -> int:
         """Delete the local copy of ``step`` (its marker first) and its journal, if the
         directory is this run's; returns the objects deleted."""
