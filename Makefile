@@ -18,9 +18,12 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: venv
 	$(BIN)/python examples/demo.py $(if $(URL),--url $(URL))
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist; each starts its own servers on
+# free ports): 2 halves it on a 2-core machine (docs/testing.md).
+TEST_WORKERS ?= 2
 test: venv
 	$(BIN)/python tests/servers.py install-azurite >/dev/null  # Azure emulator, from npm
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 # The quick tier for iterating (about a minute on 2 cores): unit tests and the store
 # tests that need none of rclone, the GCS emulator and Azurite (filesystem, memory, moto).

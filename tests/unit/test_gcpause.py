@@ -151,7 +151,9 @@ def test_a_frozen_heap_is_asked_about_once_and_stays_frozen(freeze_opt_in, monke
             with paused_gc(kept=True):
                 built = [_Node() for _ in range(gcpause.FEW + 100)]
         assert len(asked) == 1 and built  # then taken as frozen for RECHECK seconds
-        assert real() >= count  # nothing thawed
+        # Nothing thawed: a thaw empties the permanent generation, while frozen objects
+        # that other threads free (a pytest-xdist worker's) only lower its count.
+        assert real() >= len(frozen_before) and count >= len(frozen_before)
         assert not any(id(n) in _young() for n in frozen_before)
     finally:
         _unfreeze()
