@@ -765,7 +765,9 @@ class CheckpointManager:
         INFO line, so a job's first start runs the same code as its restarts; with
         several ranks every rank returns None. A ``step`` that is not committed is a
         NotFoundError; a missing bucket, rejected credentials or an unreachable store
-        raise as on any other call. Retention never deletes the restored step afterwards.
+        raise as on any other call, except that with a local tier an unreachable
+        bucket leaves the tier's steps (WARNING; none there: StorageError, never a
+        fresh start). Retention never deletes the restored step afterwards.
 
         A step whose marker exists but is damaged (cannot be decoded, or names another
         step) is not committed and not nothing: ``restore()`` loads the newest valid step
