@@ -56,12 +56,10 @@ deepspeed is imported only inside the functions: this module imports without it.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
 import tempfile
-import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -86,8 +84,8 @@ from .errors import (
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
+from .manager.folders import TieredRuns, checked_keep_local, commit_folder, save_to_tier, tiered_run
 from .manager.folders import checked_step as _checked_step
-from .manager.folders import commit_folder
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
 from .manager.folders import step_prefix as _step_prefix
@@ -100,8 +98,6 @@ from .manager.marker import (
     read_marker,
 )
 from .manager.payload import Wrote
-from .manager.retention import KeepLast
-from .manager.tiers import check_positive
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
@@ -554,10 +550,9 @@ def _local_folder(prefix_url: str, options: TransferOptions) -> Path:
 
 
 #: The managers of the runs saved with a local tier, one per (run URL, local directory)
-#: in a process, with the settings they were opened with: the drainer of a save's
-#: manager outlives the call, and the next save, load and :func:`drain` use it.
-_tiered: dict[tuple[str, str], tuple[tuple[Any, str], CheckpointManager]] = {}
-_tiered_lock = threading.Lock()
+#: in a process (manager/folders.tiered_run): the drainer of a save's manager outlives
+#: the call, and the next save, load and :func:`drain` use it.
+_tiered: TieredRuns = {}
 
 
 def _tiered_run(
@@ -567,54 +562,10 @@ def _tiered_run(
     storage_options: Mapping[str, Any] | None,
 ) -> CheckpointManager:
     """This process's manager of the run at ``url`` with the local tier ``local_dir``
-    (made at the first call); ConfigError when a call passes other ``options`` or
-    ``storage_options`` than the first (a second manager would drain the same steps)."""
-    if not isinstance(local_dir, (str, os.PathLike)):
-        raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
-    path = str(Path(local_dir).expanduser().resolve())
-    key = (os.fspath(url).rstrip("/"), path)
-    settings = (options, json.dumps(dict(storage_options or {}), sort_keys=True, default=repr))
-    with _tiered_lock:
-        found = _tiered.get(key)
-        if found is None:
-            manager = _open_run(
-                url, options, storage_options, kind=DeepSpeedPayload(), local_dir=path
-            )
-            _tiered[key] = (settings, manager)
-            return manager
-    if found[0] != settings:
-        raise ConfigError(
-            f"local_dir {path} serves the run {key[0]} in this process with other options= "
-            "or storage_options=: pass the same ones to every call of the run"
-        )
-    return found[1]
-
-
-def _keep_local(value: int | None) -> int | None:
-    """``keep_local`` checked by the rule of the manager's retention counts: a positive
-    integer (ConfigError naming it otherwise), or None (every local step kept)."""
-    check_positive("keep_local", value)
-    return value
-
-
-def _save_tiered(
-    manager: CheckpointManager,
-    step: int,
-    call: _SaveCall,
-    metrics: Mapping[str, float] | None,
-    metadata: Mapping[str, Any],
-) -> CheckpointInfo:
-    """The manager's save of ``step`` into its local tier (committed there on return).
-    One process: its drainer drains the step in the background. Several: every rank
-    queues the step for its drainer after the same collective commit (the manager's
-    order for an ``async_save``), the drain group made here, by every rank in step."""
-    info = manager.save(step, call, metrics=metrics, metadata=metadata)
-    tiered = manager._tiered
-    if tiered is not None and tiered.ranked():
-        drain_group()
-        if tiered.tier.due(step):
-            tiered.drainer.submit(step)
-    return info
+    and the DeepSpeed payload kind (manager/folders.tiered_run)."""
+    return tiered_run(
+        _tiered, url, local_dir, options, storage_options, lambda _path: DeepSpeedPayload()
+    )
 
 
 def drain(
@@ -693,7 +644,7 @@ def save_checkpoint(
             "async_save=True does not take local_dir=: a save to the local tier returns "
             "once committed on local disk and drains to the bucket in the background"
         )
-    keep = _keep_local(keep_local)  # before the tier's directory is made
+    keep = checked_keep_local(keep_local)  # before the tier's directory is made
     if local_dir is None:
         manager = _open_run(url, options, storage_options, keep_last=keep_last)
     else:
@@ -704,14 +655,18 @@ def save_checkpoint(
     name = _checked_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     metadata = _metadata(deepspeed, engine, name)
     if local_dir is not None:
-        tier = manager._tier
-        assert tier is not None  # a manager with local_dir
-        tier.keep = keep
-        manager.policies = [] if keep_last is None else [KeepLast(keep_last)]
         if restored is not None:
             manager.restored_step = restored
         call = _SaveCall(engine, name, client_state, exclude_frozen_parameters)
-        return _save_tiered(manager, chosen, call, metrics, metadata)
+        return save_to_tier(
+            manager,
+            chosen,
+            call,
+            metadata=metadata,
+            metrics=metrics,
+            keep_local=keep,
+            keep_last=keep_last,
+        )
     store, prefix, url_of_step = (
         manager.store,
         _step_prefix(manager, chosen),

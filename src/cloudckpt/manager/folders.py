@@ -1,12 +1,16 @@
 """What the integrations that commit a folder of files per step share (Accelerate,
 DeepSpeed, the Hugging Face callback): the run's manager, the group their collectives
 run on, a step's prefix, the checks of a step number, the files a folder holds, and
-the upload of each rank's folder with the one commit after it."""
+the upload of each rank's folder with the one commit after it; with a local tier
+(Accelerate, DeepSpeed), the process's manager of a run and directory, and a save
+into it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,19 +20,26 @@ from ..engine.remove import remove_checkpoint
 from ..errors import ConfigError, DistributedSaveError
 from ..options import TransferOptions
 from ..ranks.collectives import agree, is_distributed, on_first, rank
-from ..ranks.groups import checkpoint_group
+from ..ranks.groups import checkpoint_group, drain_group
 from ..store.local import LocalStore
 from .manager import CheckpointManager
 from .marker import MARKER_NAME, CheckpointInfo, Written, commit_step, root_prefix, step_dir
+from .payload import PayloadKind
+from .retention import KeepLast
+from .tiers import check_positive
 
 __all__ = [
+    "TieredRuns",
+    "checked_keep_local",
     "checked_step",
     "commit_folder",
     "files_under",
     "gathered",
     "open_run",
     "run_group",
+    "save_to_tier",
     "step_prefix",
+    "tiered_run",
     "written_by",
 ]
 
@@ -46,6 +57,81 @@ def open_run(
     if storage_options is not None:
         manager_args["storage_options"] = dict(storage_options)
     return CheckpointManager(url, options=options, **manager_args)
+
+
+#: An integration's managers of the runs saved with a local tier, one per (run URL,
+#: local directory) in a process, with the settings each was opened with: the drainer
+#: of a save's manager outlives the call, and the next save, load and drain use it.
+TieredRuns = dict[tuple[str, str], tuple[tuple[Any, str], CheckpointManager]]
+
+_tiered_lock = threading.Lock()
+
+
+def tiered_run(
+    runs: TieredRuns,
+    url: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str],
+    options: TransferOptions | None,
+    storage_options: Mapping[str, Any] | None,
+    kind: Callable[[Path], PayloadKind],
+) -> CheckpointManager:
+    """This process's manager in ``runs`` of the run at ``url`` with the local tier
+    ``local_dir`` (made at the first call, its payload kind ``kind(directory)``);
+    ConfigError when a call passes other ``options`` or ``storage_options`` than the
+    first (a second manager would drain the same steps)."""
+    if not isinstance(local_dir, (str, os.PathLike)):
+        raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
+    path = Path(local_dir).expanduser().resolve()
+    key = (os.fspath(url).rstrip("/"), str(path))
+    settings = (options, json.dumps(dict(storage_options or {}), sort_keys=True, default=repr))
+    with _tiered_lock:
+        found = runs.get(key)
+        if found is None:
+            manager = open_run(url, options, storage_options, kind=kind(path), local_dir=path)
+            runs[key] = (settings, manager)
+            return manager
+    if found[0] != settings:
+        raise ConfigError(
+            f"local_dir {path} serves the run {key[0]} in this process with other options= "
+            "or storage_options=: pass the same ones to every call of the run"
+        )
+    return found[1]
+
+
+def checked_keep_local(value: int | None) -> int | None:
+    """``keep_local`` checked by the rule of the manager's retention counts: a positive
+    integer (ConfigError naming it otherwise), or None (every local step kept)."""
+    check_positive("keep_local", value)
+    return value
+
+
+def save_to_tier(
+    manager: CheckpointManager,
+    step: int,
+    state: Any,
+    *,
+    metadata: Mapping[str, Any],
+    metrics: Mapping[str, float] | None = None,
+    keep_local: int | None = None,
+    keep_last: int | None = None,
+) -> CheckpointInfo:
+    """The save of ``step`` by ``manager`` (one of :func:`tiered_run`) into its local
+    tier, committed there on return; ``keep_local`` newest local steps kept (None: all),
+    ``keep_last`` the bucket's retention after each drain. One process: its drainer
+    drains the step in the background. Several: every rank queues the step for its
+    drainer after the same collective commit (the manager's order for an
+    ``async_save``), the drain group made here, by every rank in step."""
+    tiered = manager._tiered
+    if tiered is None:
+        raise ConfigError(f"{manager!r} has no local tier (local_dir=)")
+    tiered.tier.keep = keep_local
+    manager.policies = [] if keep_last is None else [KeepLast(keep_last)]
+    info = manager.save(step, state, metrics=metrics, metadata=metadata)
+    if tiered.ranked():
+        drain_group()
+        if tiered.tier.due(step):
+            tiered.drainer.submit(step)
+    return info
 
 
 def run_group() -> Any:
