@@ -17,6 +17,19 @@ file and everything shared), checks the files against the marker and hands the f
 to ``accelerator.load_state``, so exactly what accelerate restores is restored. See
 docs/integrations.md (Accelerate).
 
+``save_state(..., local_dir=DIR)`` uses the manager's local tier (docs/tiers.md)
+instead: a :class:`CheckpointManager` with ``local_dir`` and the Accelerate payload
+kind (:class:`AcceleratePayload`) has ``accelerator.save_state`` write into
+``DIR/step-N/``, commits it there and returns, with no request to the bucket; the
+manager's drainer copies it to ``URL/step-N/`` in the background and commits it there,
+the same layout and marker as above (``drain`` waits for that). With several ranks
+each directory also gets the files the main process alone wrote (its
+``coordinator_files``: every file but the ranks' own RNG states and sharded files), so
+every node's copy loads on its own. ``load_state(..., local_dir=DIR)`` is the
+manager's restore: the newest step of either tier, copied from the local copy when it
+is whole, else from the bucket. One manager per run and directory serves a process
+(its drainer outlives the call).
+
 accelerate is imported only inside the functions: this module imports without it.
 """
 
@@ -24,9 +37,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,21 +53,30 @@ from .errors import (
     ConfigError,
     DistributedLoadError,
     DistributedSaveError,
+    NotFoundError,
 )
 from .format.commit import read_committed
-from .manager import MARKER_NAME, CheckpointInfo
+from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager, list_checkpoints
+from .manager.folders import (
+    TieredRuns,
+    checked_keep_local,
+    commit_folder,
+    gathered,
+    save_to_tier,
+    tiered_run,
+)
 from .manager.folders import checked_step as _checked_step
-from .manager.folders import commit_folder
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
 from .manager.folders import step_prefix as _step_prefix
-from .manager.marker import check_files, check_remote, marker_key
+from .manager.marker import check_files, check_remote, marker_key, read_marker
 from .options import TransferOptions
-from .ranks.collectives import is_distributed, on_first, rank, settle, world_size
+from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
+from .store import Store, Target, open_target
 from .store.local import LocalStore
 
-__all__ = ["AccelerateSaveHandle", "load_state", "save_state"]
+__all__ = ["AccelerateSaveHandle", "drain", "load_state", "save_state"]
 
 log = logging.getLogger("cloudckpt")
 
@@ -86,6 +110,195 @@ def _require_accelerate() -> Any:
     return accelerate
 
 
+#: The RNG states file accelerate writes for each rank (its ``RNG_STATE_NAME``).
+_RNG = re.compile(r"random_states_\d+\.pkl")
+
+#: A file of accelerate's that one rank writes for itself (its own RNG states, its
+#: shard of an FSDP sharded state: DCP's ``__R_N.distcp``), by its last name part: never
+#: one of the files every local directory gets.
+_PER_RANK = re.compile(rf"{_RNG.pattern}|__\d+_\d+\.distcp")
+
+#: What a local tier's directories get from the main process before any save of this
+#: process said otherwise, and before the tier holds a step (accelerate's weights).
+_DEFAULT_SHARED = ("model.safetensors",)
+
+
+def _rng_name(r: int) -> str:
+    """The RNG states file accelerate writes for rank ``r`` (:data:`_RNG`)."""
+    return f"random_states_{r}.pkl"
+
+
+def _shared_files(names: list[str]) -> tuple[str, ...]:
+    """Of the files the main process's directory holds, those every directory gets:
+    all but the files a rank writes for itself (:data:`_PER_RANK`)."""
+    return tuple(sorted(n for n in names if not _PER_RANK.fullmatch(n.rpartition("/")[2])))
+
+
+@dataclass
+class _SaveCall:
+    """What :meth:`AcceleratePayload.save` saves: the accelerator and accelerate's arguments."""
+
+    accelerator: Any
+    safe_serialization: bool = True
+
+
+@dataclass
+class _LoadCall:
+    """What :meth:`AcceleratePayload.load` restores into, and how."""
+
+    accelerator: Any
+    staging_dir: str | os.PathLike[str] | None = None
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class AcceleratePayload:
+    """The manager's payload kind of an Accelerate checkpoint in a local tier
+    (docs/tiers.md): :func:`save_state` and :func:`load_state` with ``local_dir=`` pass
+    it to their :class:`CheckpointManager`; it is not meant to be given one by hand.
+
+    ``save`` runs ``accelerator.save_state`` into the tier's ``step-N/`` folder (a
+    local path) on every rank; ``load`` copies a committed copy (a URL, or the
+    manager's view of both tiers) into a folder of its own and hands it to
+    ``accelerator.load_state``, as :func:`load_state` does with the bucket's.
+    """
+
+    name = KIND
+
+    def __init__(self, local_dir: Path) -> None:
+        #: The tier's directory, whose newest step says which files are shared before
+        #: a save of this process did.
+        self.local_dir = local_dir
+        #: The files every directory gets, as the ranks agreed on at the last save.
+        self._shared: tuple[str, ...] | None = None
+
+    @property
+    def coordinator_files(self) -> tuple[str, ...]:
+        """The files only the main process writes, which every local directory gets:
+        those of the last save (every file of the main process's folder but the ranks'
+        own: RNG states, FSDP shards); before one, those of the tier's newest step, else
+        accelerate's weights file."""
+        if self._shared is not None:
+            return self._shared
+        found = list_checkpoints(LocalStore(self.local_dir), "", TransferOptions())
+        if found:
+            shared = _shared_files([f.name for f in found[-1].files])
+            if shared:
+                return shared
+        return _DEFAULT_SHARED
+
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+        """``accelerator.save_state`` of ``state`` (a :class:`_SaveCall`) into the local
+        folder ``prefix_url`` names, on every rank; a rank's failure raised on every
+        rank. Then the ranks agree on the files every directory gets (those the main
+        process's folder holds but the ranks' own)."""
+        call = _checked_call(state, _SaveCall)
+        folder = _local_folder(prefix_url, options)
+        group = _group()
+        error: BaseException | None = None
+        try:
+            call.accelerator.save_state(str(folder), safe_serialization=call.safe_serialization)
+        except Exception as exc:
+            error = exc
+        settle(
+            error,
+            f"accelerate's save_state to {prefix_url}",
+            group=group,
+            error_type=DistributedSaveError,
+        )
+        names: list[str] = []
+        try:
+            names = sorted(o.key for o in LocalStore(folder).list(""))  # no temp files
+        except Exception as exc:
+            error = exc
+        listings = gathered(
+            error, names, group, f"the listing of each rank's files in {prefix_url}"
+        )
+        self._shared = _shared_files(listings[0])
+        return None  # the tier's commit lists the folder
+
+    def load(
+        self,
+        prefix_url: str | Target,
+        options: TransferOptions,
+        *,
+        map_location: Any,
+        weights_only: bool,
+        state: Any,
+        local: bool = False,
+    ) -> CheckpointInfo:
+        """Restore ``state`` (a :class:`_LoadCall`) from the committed copy at
+        ``prefix_url`` (a URL, or an opened ``Target``: the manager's view of the local
+        copy over the bucket's); returns the copy's :class:`CheckpointInfo`. ``local``:
+        a copy in a local tier, whose sizes the manager checked (the ETags are the
+        bucket's to check)."""
+        call = _checked_call(state, _LoadCall)
+        target = prefix_url if isinstance(prefix_url, Target) else open_target(prefix_url, options)
+        prefix = target.key.rstrip("/") + "/" if target.key else ""  # a folder's keys
+        info = read_marker(target.store, prefix + MARKER_NAME)
+        if info is None:
+            raise NotFoundError(f"no committed checkpoint at {target.url}")
+        _load_step(call, target.store, prefix, target.options, info, check_etags=not local)
+        return info
+
+
+def _checked_call(state: Any, expected: type[Any]) -> Any:
+    """``state`` if it is an ``expected`` (ConfigError naming what it is otherwise)."""
+    if not isinstance(state, expected):
+        raise ConfigError(
+            f"the Accelerate payload kind takes the state its functions pass "
+            f"({expected.__name__}), not {type(state).__name__}: use "
+            "cloudckpt.accelerate.save_state / load_state with local_dir="
+        )
+    return state
+
+
+def _local_folder(prefix_url: str, options: TransferOptions) -> Path:
+    """The local folder ``prefix_url`` names (ConfigError for one in a bucket)."""
+    target = open_target(prefix_url, options)
+    if not isinstance(target.store, LocalStore):
+        raise ConfigError(
+            f"the Accelerate payload kind saves into a local tier's folder, not {prefix_url}"
+        )
+    return Path(os.path.abspath(target.store.root / target.key))
+
+
+#: The managers of the runs saved with a local tier, one per (run URL, local directory)
+#: in a process (manager/folders.tiered_run): the drainer of a save's manager outlives
+#: the call, and the next save, load and :func:`drain` use it.
+_tiered: TieredRuns = {}
+
+
+def _tiered_run(
+    url: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str],
+    options: TransferOptions | None,
+    storage_options: Mapping[str, Any] | None,
+) -> CheckpointManager:
+    """This process's manager of the run at ``url`` with the local tier ``local_dir``
+    and the Accelerate payload kind (manager/folders.tiered_run)."""
+    return tiered_run(_tiered, url, local_dir, options, storage_options, AcceleratePayload)
+
+
+def _next_step(manager: CheckpointManager) -> int:
+    """One past the newest committed step (0 for a new run); with a local tier on
+    several ranks, one past the newest any rank's listing found, the same on every rank
+    (each rank lists its own tier beside the bucket)."""
+    newest = manager.latest()
+    step = 0 if newest is None else newest.step + 1
+    if is_distributed():
+        step = max(agree(value=step, group=_group()).values)
+    return step
+
+
+def _check_naming(accelerator: Any) -> None:
+    """ConfigError when accelerate names its checkpoint folders itself."""
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ConfigError(
+            "cloudckpt.accelerate.save_state names the checkpoint itself; "
+            "turn off ProjectConfiguration(automatic_checkpoint_naming=True)"
+        )
+
+
 def save_state(
     accelerator: Any,
     url: str | os.PathLike[str],
@@ -93,6 +306,8 @@ def save_state(
     step: int | None = None,
     async_save: bool = False,
     keep_last: int | None = None,
+    local_dir: str | os.PathLike[str] | None = None,
+    keep_local: int | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
     safe_serialization: bool = True,
     options: TransferOptions | None = None,
@@ -108,15 +323,40 @@ def save_state(
     local disk, and the upload and commit run in a background thread: the returned
     :class:`AccelerateSaveHandle`'s ``result()`` waits (the next save of the run waits
     for it first). ``keep_last``: the manager's retention after each commit.
-    ``staging_dir``: where each process's local folder is made (default the temp dir).
+    ``staging_dir``: where each process's local folder is made (default the temp dir;
+    with ``local_dir`` accelerate writes into the tier instead).
+
+    ``local_dir``: the manager's local tier (docs/tiers.md): accelerate writes into
+    ``local_dir/step-N/``, committed there when this returns (no request to the bucket
+    on the way, so a bucket that is away does not stop it) and drained to ``url`` in
+    the background, where ``keep_last`` applies after each drain; ``keep_local`` newest
+    local steps are kept (default all; never one not drained yet). Every rank passes its
+    node's directory. Call :func:`drain` before a planned exit. Not with ``async_save``
+    (ConfigError): the save already returns at local-disk speed.
     """
     _require_accelerate()
-    if accelerator.project_configuration.automatic_checkpoint_naming:
-        raise ConfigError(
-            "cloudckpt.accelerate.save_state names the checkpoint itself; "
-            "turn off ProjectConfiguration(automatic_checkpoint_naming=True)"
-        )
+    _check_naming(accelerator)
     in_flight.raise_unreported()
+    if local_dir is None and keep_local is not None:
+        raise ConfigError("keep_local= needs local_dir=")
+    if local_dir is not None and async_save:
+        raise ConfigError(
+            "async_save=True does not take local_dir=: a save to the local tier returns "
+            "once committed on local disk and drains to the bucket in the background"
+        )
+    keep = checked_keep_local(keep_local)  # before the tier's directory is made
+    if local_dir is not None:
+        tiered = _tiered_run(url, local_dir, options, storage_options)
+        _line.make_room(tiered.root_url)
+        chosen = _checked_step(_next_step(tiered) if step is None else step)
+        return save_to_tier(
+            tiered,
+            chosen,
+            _SaveCall(accelerator, safe_serialization),
+            metadata={"world_size": world_size()},
+            keep_local=keep,
+            keep_last=keep_last,
+        )
     manager = _open_run(url, options, storage_options, keep_last=keep_last)
     _line.make_room(manager.root_url)
     group = _group()
@@ -186,6 +426,7 @@ def load_state(
     url: str | os.PathLike[str],
     *,
     step: int | None = None,
+    local_dir: str | os.PathLike[str] | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
     options: TransferOptions | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -200,48 +441,76 @@ def load_state(
     ``staging_dir``, default the temp dir; every file but the other ranks' RNG files),
     checks it against the marker (:class:`~cloudckpt.errors.CorruptCheckpointError`)
     and calls ``accelerator.load_state(folder, **load_kwargs)``.
+
+    ``local_dir``: the local tier :func:`save_state` was given (the manager's restore,
+    docs/tiers.md): the step is chosen among both tiers' committed steps (with several
+    ranks, one every rank can read), copied from the local copy when it is whole (a
+    local copy that fails its checks: a WARNING, and the bucket's copy), else from the
+    bucket.
     """
     _require_accelerate()
-    from accelerate.utils import RNG_STATE_NAME
-
+    if local_dir is not None:
+        tiered = _tiered_run(url, local_dir, options, storage_options)
+        _line.make_room(tiered.root_url)  # this process's background save of the run first
+        call = _LoadCall(accelerator, staging_dir, dict(load_kwargs))
+        loaded: CheckpointInfo | None = tiered.restore(step, state=call)
+        return loaded
     manager = _open_run(url, options, storage_options)
     _line.make_room(manager.root_url)  # this process's background save of the run commits first
-    group = _group()
     info = manager.latest() if step is None else manager.info(_checked_step(step))
     if info is None:
         return None
-    prefix = _step_prefix(manager, info.step)
+    call = _LoadCall(accelerator, staging_dir, dict(load_kwargs))
+    _load_step(call, manager.store, _step_prefix(manager, info.step), manager.options, info)
+    manager.restored_step = info.step
+    return info
+
+
+def _load_step(
+    call: _LoadCall,
+    store: Store,
+    prefix: str,
+    options: TransferOptions,
+    info: CheckpointInfo,
+    *,
+    check_etags: bool = True,
+) -> None:
+    """Restore ``call.accelerator`` from the committed copy of ``info``'s step under
+    ``prefix`` in ``store`` (the bucket's, a local tier's, or the manager's view of
+    both): each rank copies every file but the other ranks' RNG files into a folder of
+    its own, checked against the marker (``check_etags``: the ETags too, before the
+    copy), the ranks agree, then ``accelerator.load_state`` of that folder."""
+    group = _group()
     me, ranks = rank(), world_size()
-    if info.metadata.get("world_size", ranks) != ranks:
+    saved = info.metadata.get("world_size", ranks)
+    if saved != ranks:
         log.warning(
             "%s was saved by %s processes and is restored by %d: accelerate restores the "
             "RNG states of the ranks both runs have",
             info.url,
-            info.metadata.get("world_size"),
+            saved,
             ranks,
         )
-    others = tuple(
-        f.name
-        for f in info.files
-        if f.name.startswith(RNG_STATE_NAME + "_")
-        and f.name != f"{RNG_STATE_NAME}_{me}.pkl"
-        and "/" not in f.name
+    count = max(saved, ranks) if isinstance(saved, int) else ranks
+    listed = {f.name for f in info.files if _RNG.fullmatch(f.name)}
+    rngs = listed | {_rng_name(r) for r in range(count)}  # a view lists the bucket's too
+    others = sorted(rngs - {_rng_name(me)})
+    folder = Path(
+        tempfile.mkdtemp(prefix=f"cloudckpt-accelerate-{info.step}-", dir=call.staging_dir)
     )
-    folder = Path(tempfile.mkdtemp(prefix=f"cloudckpt-accelerate-{info.step}-", dir=staging_dir))
     try:
         error: BaseException | None = None
         try:
             fetched = LocalStore(folder)
-            check_remote(manager.store, prefix, info)  # sizes and ETags, naming the object
-            copy_tree(
-                manager.store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME, *others)
-            )
+            if check_etags:
+                check_remote(store, prefix, info)  # sizes and ETags, naming the object
+            copy_tree(store, prefix, fetched, "", options, exclude=(MARKER_NAME, *others))
             check_files(fetched, "", info, skip=others)
         except Exception as exc:
             error = exc
         settle(error, f"the download of {info.url}", group=group, error_type=DistributedLoadError)
         try:
-            accelerator.load_state(str(folder), **load_kwargs)
+            call.accelerator.load_state(str(folder), **call.load_kwargs)
         except Exception as exc:
             error = exc
         settle(
@@ -252,5 +521,20 @@ def load_state(
         )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    manager.restored_step = info.step
-    return info
+
+
+def drain(
+    url: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str],
+    *,
+    timeout: float | None = None,
+    options: TransferOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Wait until every step :func:`save_state` committed in ``local_dir`` is committed
+    in the bucket at ``url`` (the manager's ``drain``: failed drains tried again first,
+    the error of one that fails again raised, naming its step; TimeoutError after
+    ``timeout`` s). Every process calls it, before a planned exit: a drain left
+    unfinished is finished by the next process on ``local_dir`` (accelerate itself is
+    not needed: a drain copies the files as they are)."""
+    _tiered_run(url, local_dir, options, storage_options).drain(timeout)

@@ -4,9 +4,19 @@ run it as one process or as several gloo ranks, each a process of its own).
     python run_accel.py URL STORAGE_OPTIONS_JSON --max-steps 12 --save-every 4 \\
         [--resume] [--block-at N] [--kill-before-commit N] [--fail-upload RANK:STEP]
         [--async] [--report PATH]
+        [--local-dir DIR [--drain | --drain-only] [--kill-after-local STEP] [--fast]]
 
 Losses are deterministic: the batches are a function of the step and the rank, and
 dropout draws from the RNG states accelerate saves and restores.
+
+``--local-dir DIR``: every save and load goes through the manager's local tier, rank R's
+in ``DIR/rank-R`` (each rank a node of its own); ``--drain`` waits for the drains at the
+end (the report's ``drain_error`` names the error of one that failed: no background
+drain is left running into the exit), ``--drain-only`` drains and exits;
+``--kill-after-local STEP`` dies by SIGKILL once STEP is committed locally (the drains
+before it done); ``--fast``: two attempts and short timeouts, for a bucket that refuses.
+The report's ``sources`` says where the restore read the step's files: ``file`` (a
+local tier), ``s3`` (the bucket).
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+import cloudckpt.accelerate as cloud_accel
 import cloudckpt.manager.folders as cloud_folders
+from cloudckpt import TransferOptions
 from cloudckpt.accelerate import load_state, save_state
 from cloudckpt.errors import CloudCkptError, StorageError
 
@@ -38,6 +50,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fail-upload", default=None, help="RANK:STEP whose upload fails")
     p.add_argument("--async", dest="async_save", action="store_true")
     p.add_argument("--report", default=None)
+    p.add_argument("--local-dir", default=None, help="local_dir: DIR/rank-R for rank R")
+    p.add_argument("--drain", action="store_true", help="drain() after the loop")
+    p.add_argument("--drain-only", action="store_true", help="drain() and exit")
+    p.add_argument("--kill-after-local", type=int, default=None)
+    p.add_argument("--fast", action="store_true", help="two attempts, short timeouts")
     return p.parse_args()
 
 
@@ -59,10 +76,51 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    tier: dict[str, object] = {}
+    if args.local_dir is not None:
+        tier["local_dir"] = os.path.join(args.local_dir, f"rank-{accelerator.process_index}")
+    if args.fast:
+        tier["options"] = TransferOptions(
+            max_attempts=2,
+            backoff_base=0.05,
+            backoff_max=0.2,
+            connect_timeout=1.0,
+            request_timeout=2.0,
+        )
+    if args.drain_only:
+        cloud_accel.drain(args.url, storage_options=storage_options, **tier)  # type: ignore[arg-type]
+        accelerator.end_training()
+        return
+    if args.kill_after_local is not None:
+        from cloudckpt.manager.tiers import LocalTier
+
+        real_local_commit = LocalTier.commit
+
+        def local_commit(self, step, *rest, **kw):  # type: ignore[no-untyped-def]
+            if step == args.kill_after_local:  # the drains before it done, then die
+                for _, manager in cloud_accel._tiered.values():
+                    manager._tiered.drainer.wait()
+            info = real_local_commit(self, step, *rest, **kw)
+            if step == args.kill_after_local:
+                os.kill(os.getpid(), signal.SIGKILL)  # committed locally, not drained
+            return info
+
+        LocalTier.commit = local_commit  # type: ignore[method-assign]
+    sources: set[str] = set()
+    real_copy_tree = cloud_accel.copy_tree
+
+    def copy_from(src, src_prefix, *rest, **kw):  # type: ignore[no-untyped-def]
+        copied = real_copy_tree(src, src_prefix, *rest, **kw)
+        sources.add(src.url(src_prefix).split("://", 1)[0])  # file: a local tier
+        if getattr(src, "remote_reads", (0, 0))[0]:  # a view of both tiers: the bucket served
+            sources.add("s3")
+        return copied
+
+    cloud_accel.copy_tree = copy_from  # type: ignore[assignment]
     start = 0
     resumed_from = None
     if args.resume:
-        info = load_state(accelerator, args.url, storage_options=storage_options)
+        info = load_state(accelerator, args.url, storage_options=storage_options, **tier)  # type: ignore[arg-type]
         if info is not None:
             start, resumed_from = info.step, info.step
     if args.kill_before_commit is not None:
@@ -107,6 +165,7 @@ def main() -> None:
                     step=step,
                     async_save=args.async_save,
                     storage_options=storage_options,
+                    **tier,  # type: ignore[arg-type]
                 )
             except CloudCkptError as exc:  # the report says which error each rank raised
                 with open(f"{args.report}.{accelerator.process_index}", "w") as f:
@@ -116,10 +175,22 @@ def main() -> None:
                 handles.append(saved)
     for h in handles:
         h.result()
+    drain_error = None
+    if args.drain:
+        try:
+            cloud_accel.drain(args.url, storage_options=storage_options, **tier)  # type: ignore[arg-type]
+        except CloudCkptError as exc:  # the bucket away: raised on every rank alike
+            drain_error = type(exc).__name__
     if args.report:
         path = f"{args.report}.{accelerator.process_index}"
+        report = {
+            "losses": losses,
+            "resumed_from": resumed_from,
+            "sources": sorted(sources),
+            "drain_error": drain_error,
+        }
         with open(path, "w") as f:
-            json.dump({"losses": losses, "resumed_from": resumed_from}, f)
+            json.dump(report, f)
     accelerator.end_training()
 
 

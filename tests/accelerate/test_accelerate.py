@@ -37,9 +37,11 @@ def committed(server, url):
     return [c.step for c in CheckpointManager(url, storage_options=server.storage_options()).list()]
 
 
-def launch(server, url, world, *extra, report=None):
-    """Start the loop as ``world`` processes (gloo ranks when more than one)."""
-    cmd = [sys.executable, SCRIPT, url, json.dumps(server.storage_options()), *extra]
+def launch(server, url, world, *extra, report=None, storage_options=None):
+    """Start the loop as ``world`` processes (gloo ranks when more than one); the
+    bucket's ``storage_options`` default to ``server``'s."""
+    options = server.storage_options() if storage_options is None else storage_options
+    cmd = [sys.executable, SCRIPT, url, json.dumps(options), *extra]
     if report is not None:
         cmd += ["--report", str(report)]
     port = free_port()
@@ -241,3 +243,144 @@ def test_another_steps_file_copied_over_is_refused_naming_it(moto_server, tmp_pa
     with pytest.raises(CorruptCheckpointError, match=r"step-000000004/model\.safetensors changed"):
         load_state(accelerator, url, storage_options=options)
     assert torch.equal(model.weight, torch.full((4, 4), 4.0))  # nothing loaded
+
+
+# -- the manager's local tier (local_dir=) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(moto_server, tmp_path_factory):
+    """The losses of each rank of a run saving to the bucket alone, steps 1 to 12, per
+    world size (made once, at the first test asking for it)."""
+    made: dict[int, list] = {}
+
+    def losses(world):
+        if world not in made:
+            path = tmp_path_factory.mktemp(f"whole-{world}") / "whole"
+            bucket = moto_server.make_bucket(unique_bucket_name(f"accel-whole-{world}"))
+            finish(launch(moto_server, f"s3://{bucket}/run", world, report=path))
+            made[world] = [r["losses"] for r in reports(path, world)]
+            assert [s for s, _ in made[world][0]] == list(range(1, 13))
+        return made[world]
+
+    return losses
+
+
+def local_tier_steps(tier):
+    """The steps committed in a local tier directory (a marker in their folder)."""
+    return sorted(int(p.name[5:]) for p in tier.glob("step-*") if (p / "_CHECKPOINT.json").exists())
+
+
+def held(tier, step):
+    """The files of ``step``'s folder in a local tier directory, marker included."""
+    folder = tier / f"step-{step:09d}"
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_local_tier_saves_go_on_while_the_bucket_refuses_and_drain_once_it_is_back(
+    moto_server, uninterrupted, tmp_path, monkeypatch, world
+):
+    """local_dir= while every connection to the bucket is refused: each save returns
+    committed in each rank's local tier, nothing in the bucket. Once the bucket answers
+    again (a proxy to it on that port), drain() commits both steps there, with the
+    layout and marker of a save without local_dir (cloudckpt verify reads it); a run with
+    a new, empty local_dir resumes from the bucket alone with the same losses."""
+    from cloudckpt.testing.fault_proxy import FaultProxy
+
+    base = uninterrupted(world)
+    bucket = moto_server.make_bucket(unique_bucket_name(f"accel-tier-away-{world}"))
+    url, tier = f"s3://{bucket}/run", tmp_path / "tier"
+    port = free_port()
+    away = {**moto_server.storage_options(), "endpoint_url": f"http://{HOST}:{port}"}
+    args = ("--max-steps", "8", "--local-dir", str(tier), "--fast")
+    away_run = launch(
+        moto_server, url, world, *args, "--drain", report=tmp_path / "a", storage_options=away
+    )
+    finish(away_run)
+    saved = reports(tmp_path / "a", world)
+    for r in range(world):
+        assert saved[r]["losses"] == base[r][:8]
+        assert saved[r]["drain_error"] is not None  # drain() says the steps wait
+        assert local_tier_steps(tier / f"rank-{r}") == [4, 8]
+        files = held(tier / f"rank-{r}", 8)
+        assert "model.safetensors" in files and f"random_states_{r}.pkl" in files
+        assert f"random_states_{1 - r}.pkl" not in files  # each rank's own RNG states only
+        assert any(n.startswith("optimizer") for n in files)
+    if world == 2:  # rank 1's directory got what the main process alone wrote
+        assert held(tier / "rank-1", 8) - {"random_states_1.pkl"} == held(tier / "rank-0", 8) - {
+            "random_states_0.pkl"
+        }
+    assert committed(moto_server, url) == []  # the bucket never answered
+
+    with FaultProxy(moto_server.endpoint_url, port=port):
+        finish(launch(moto_server, url, world, *args, "--drain-only", storage_options=away))
+    assert committed(moto_server, url) == [4, 8]
+    info = CheckpointManager(url, storage_options=moto_server.storage_options()).info(8)
+    assert info.kind == "accelerate" and info.metadata["world_size"] == world
+    names = {f.name for f in info.files}
+    assert names == held(tier / "rank-0", 8) - {"_CHECKPOINT.json"} | {
+        f"random_states_{r}.pkl" for r in range(world)
+    }
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    assert cli_main(["verify", url]) == 0
+
+    fresh = ("--resume", "--local-dir", str(tmp_path / "fresh"), "--drain")
+    finish(launch(moto_server, url, world, *fresh, report=tmp_path / "b"))
+    resumed = reports(tmp_path / "b", world)
+    for r in range(world):
+        assert resumed[r]["resumed_from"] == 8 and resumed[r]["sources"] == ["s3"], resumed[r]
+        assert resumed[r]["losses"] == base[r][8:] and resumed[r]["drain_error"] is None
+    assert committed(moto_server, url) == [4, 8, 12]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_run_killed_after_a_local_commit_resumes_from_its_local_tier(
+    moto_server, uninterrupted, tmp_path, world
+):
+    """``kill -9`` once step 8 is committed in every rank's local tier and before its
+    drain (step 4 drained): the bucket's newest step is 4. The next run on the same
+    local_dirs resumes from the local step 8, reading nothing of it from the bucket,
+    with the losses of an uninterrupted run, and drains it."""
+    base = uninterrupted(world)
+    bucket = moto_server.make_bucket(unique_bucket_name(f"accel-tier-kill-{world}"))
+    url, tier = f"s3://{bucket}/run", tmp_path / "tier"
+    procs = launch(moto_server, url, world, "--local-dir", str(tier), "--kill-after-local", "8")
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == -9, err.decode()[-4000:]
+    assert committed(moto_server, url) == [4]
+    for r in range(world):
+        assert local_tier_steps(tier / f"rank-{r}") == [4, 8]
+
+    args = ("--resume", "--local-dir", str(tier), "--drain")
+    finish(launch(moto_server, url, world, *args, report=tmp_path / "r"))
+    resumed = reports(tmp_path / "r", world)
+    for r in range(world):
+        assert resumed[r]["resumed_from"] == 8 and resumed[r]["sources"] == ["file"], resumed[r]
+        assert resumed[r]["losses"] == base[r][8:] and resumed[r]["drain_error"] is None
+    assert committed(moto_server, url) == [4, 8, 12]
+
+
+def test_local_dir_refuses_async_save_and_keep_local_needs_it(moto_server, tmp_path):
+    from accelerate import Accelerator
+
+    from cloudckpt.accelerate import save_state
+
+    bucket = moto_server.make_bucket(unique_bucket_name("accel-tier-config"))
+    url, options = f"s3://{bucket}/run", moto_server.storage_options()
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(ConfigError, match="async_save=True does not take local_dir="):
+        save_state(
+            accelerator,
+            url,
+            step=1,
+            async_save=True,
+            local_dir=tmp_path / "tier",
+            storage_options=options,
+        )
+    with pytest.raises(ConfigError, match="keep_local= needs local_dir="):
+        save_state(accelerator, url, step=1, keep_local=2, storage_options=options)
+    assert committed(moto_server, url) == []
+    assert not (tmp_path / "tier").exists()  # refused before the tier's directory is made

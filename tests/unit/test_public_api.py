@@ -179,7 +179,7 @@ SUBPACKAGES = {
     },
     "torchtitan": {"CloudCheckpointManager"},
     "hf": {"CloudCheckpointCallback", "fetch_latest"},
-    "accelerate": {"AccelerateSaveHandle", "load_state", "save_state"},
+    "accelerate": {"AccelerateSaveHandle", "drain", "load_state", "save_state"},
     "deepspeed": {"DeepSpeedSaveHandle", "drain", "load_checkpoint", "save_checkpoint"},
     "ray": {"report", "restore", "run_url", "storage"},
     "store": {
