@@ -62,7 +62,9 @@ from .manager.folders import (
     checked_keep_local,
     commit_folder,
     gathered,
+    payload_call,
     save_to_tier,
+    tier_folder,
     tiered_run,
 )
 from .manager.folders import checked_step as _checked_step
@@ -82,6 +84,8 @@ log = logging.getLogger("cloudckpt")
 
 #: The ``kind`` recorded in the marker of an Accelerate checkpoint.
 KIND = "accelerate"
+#: What a local tier's payload kind of this module is given by (its ConfigError names it).
+_FUNCTIONS = "cloudckpt.accelerate.save_state / load_state"
 
 #: The background saves, a line per run URL: the next save of a run waits (engine/background.py).
 _line = SaveLine()
@@ -191,8 +195,8 @@ class AcceleratePayload:
         folder ``prefix_url`` names, on every rank; a rank's failure raised on every
         rank. Then the ranks agree on the files every directory gets (those the main
         process's folder holds but the ranks' own)."""
-        call = _checked_call(state, _SaveCall)
-        folder = _local_folder(prefix_url, options)
+        call = payload_call(state, _SaveCall, "Accelerate", _FUNCTIONS)
+        folder = tier_folder(prefix_url, options, "Accelerate")
         group = _group()
         error: BaseException | None = None
         try:
@@ -231,7 +235,7 @@ class AcceleratePayload:
         copy over the bucket's); returns the copy's :class:`CheckpointInfo`. ``local``:
         a copy in a local tier, whose sizes the manager checked (the ETags are the
         bucket's to check)."""
-        call = _checked_call(state, _LoadCall)
+        call = payload_call(state, _LoadCall, "Accelerate", _FUNCTIONS)
         target = prefix_url if isinstance(prefix_url, Target) else open_target(prefix_url, options)
         prefix = target.key.rstrip("/") + "/" if target.key else ""  # a folder's keys
         info = read_marker(target.store, prefix + MARKER_NAME)
@@ -239,27 +243,6 @@ class AcceleratePayload:
             raise NotFoundError(f"no committed checkpoint at {target.url}")
         _load_step(call, target.store, prefix, target.options, info, check_etags=not local)
         return info
-
-
-def _checked_call(state: Any, expected: type[Any]) -> Any:
-    """``state`` if it is an ``expected`` (ConfigError naming what it is otherwise)."""
-    if not isinstance(state, expected):
-        raise ConfigError(
-            f"the Accelerate payload kind takes the state its functions pass "
-            f"({expected.__name__}), not {type(state).__name__}: use "
-            "cloudckpt.accelerate.save_state / load_state with local_dir="
-        )
-    return state
-
-
-def _local_folder(prefix_url: str, options: TransferOptions) -> Path:
-    """The local folder ``prefix_url`` names (ConfigError for one in a bucket)."""
-    target = open_target(prefix_url, options)
-    if not isinstance(target.store, LocalStore):
-        raise ConfigError(
-            f"the Accelerate payload kind saves into a local tier's folder, not {prefix_url}"
-        )
-    return Path(os.path.abspath(target.store.root / target.key))
 
 
 #: The managers of the runs saved with a local tier, one per (run URL, local directory)

@@ -84,7 +84,15 @@ from .errors import (
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
-from .manager.folders import TieredRuns, checked_keep_local, commit_folder, save_to_tier, tiered_run
+from .manager.folders import (
+    TieredRuns,
+    checked_keep_local,
+    commit_folder,
+    payload_call,
+    save_to_tier,
+    tier_folder,
+    tiered_run,
+)
 from .manager.folders import checked_step as _checked_step
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
@@ -110,6 +118,8 @@ log = logging.getLogger("cloudckpt")
 
 #: The ``kind`` recorded in the marker of a DeepSpeed checkpoint.
 KIND = "deepspeed"
+#: What a local tier's payload kind of this module is given by (its ConfigError names it).
+_FUNCTIONS = "cloudckpt.deepspeed.save_checkpoint / load_checkpoint"
 
 #: The file in each step's folder naming its tag, as DeepSpeed's own ``latest``.
 LATEST = "latest"
@@ -479,8 +489,8 @@ class DeepSpeedPayload:
     def save(self, state: Any, prefix_url: str, options: TransferOptions) -> Wrote:
         """DeepSpeed's save of ``state`` (a :class:`_SaveCall`) into the local folder
         ``prefix_url`` names; a rank's failure raised on every rank."""
-        call = _checked_call(state, _SaveCall)
-        folder = _local_folder(prefix_url, options)
+        call = payload_call(state, _SaveCall, "DeepSpeed", _FUNCTIONS)
+        folder = tier_folder(prefix_url, options, "DeepSpeed")
         engine = call.engine
         if int(engine.zero_optimization_stage()) < 3:
             model = Path(engine._get_ckpt_name(str(folder), call.tag)).name
@@ -515,7 +525,7 @@ class DeepSpeedPayload:
         DeepSpeed's client state. ``local``: a copy in a local tier, whose sizes the
         manager checked and whose files are read with their CRC-32s checked (the ETags
         are the bucket's to check)."""
-        call = _checked_call(state, _LoadCall)
+        call = payload_call(state, _LoadCall, "DeepSpeed", _FUNCTIONS)
         target = prefix_url if isinstance(prefix_url, Target) else open_target(prefix_url, options)
         prefix = target.key.rstrip("/") + "/" if target.key else ""  # a folder's keys
         found = read_marker(target.store, prefix + MARKER_NAME)
@@ -526,27 +536,6 @@ class DeepSpeedPayload:
             call, target.store, prefix, target.options, info, weights_only, etags=not local
         )
         return info, client_state
-
-
-def _checked_call(state: Any, expected: type[Any]) -> Any:
-    """``state`` if it is an ``expected`` (ConfigError naming what it is otherwise)."""
-    if not isinstance(state, expected):
-        raise ConfigError(
-            f"the DeepSpeed payload kind takes the state its functions pass "
-            f"({expected.__name__}), not {type(state).__name__}: use "
-            "cloudckpt.deepspeed.save_checkpoint / load_checkpoint with local_dir="
-        )
-    return state
-
-
-def _local_folder(prefix_url: str, options: TransferOptions) -> Path:
-    """The local folder ``prefix_url`` names (ConfigError for one in a bucket)."""
-    target = open_target(prefix_url, options)
-    if not isinstance(target.store, LocalStore):
-        raise ConfigError(
-            f"the DeepSpeed payload kind saves into a local tier's folder, not {prefix_url}"
-        )
-    return Path(os.path.abspath(target.store.root / target.key))
 
 
 #: The managers of the runs saved with a local tier, one per (run URL, local directory)

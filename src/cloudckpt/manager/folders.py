@@ -21,6 +21,7 @@ from ..errors import ConfigError, DistributedSaveError
 from ..options import TransferOptions
 from ..ranks.collectives import agree, is_distributed, on_first, rank
 from ..ranks.groups import checkpoint_group, drain_group
+from ..store import open_target
 from ..store.local import LocalStore
 from .manager import CheckpointManager
 from .marker import MARKER_NAME, CheckpointInfo, Written, commit_step, root_prefix, step_dir
@@ -36,9 +37,11 @@ __all__ = [
     "files_under",
     "gathered",
     "open_run",
+    "payload_call",
     "run_group",
     "save_to_tier",
     "step_prefix",
+    "tier_folder",
     "tiered_run",
     "written_by",
 ]
@@ -96,6 +99,29 @@ def tiered_run(
             "or storage_options=: pass the same ones to every call of the run"
         )
     return found[1]
+
+
+def payload_call(state: Any, expected: type[Any], kind: str, functions: str) -> Any:
+    """``state`` if it is an ``expected``: what a trainer's payload kind (DeepSpeed's,
+    Accelerate's) takes from its own ``functions``; ConfigError naming it otherwise."""
+    if not isinstance(state, expected):
+        raise ConfigError(
+            f"the {kind} payload kind takes the state its functions pass "
+            f"({expected.__name__}), not {type(state).__name__}: use {functions} with "
+            "local_dir="
+        )
+    return state
+
+
+def tier_folder(prefix_url: str, options: TransferOptions, kind: str) -> Path:
+    """The local folder ``prefix_url`` names, where a trainer writes a step of a local
+    tier itself (ConfigError naming ``kind`` for one in a bucket)."""
+    target = open_target(prefix_url, options)
+    if not isinstance(target.store, LocalStore):
+        raise ConfigError(
+            f"the {kind} payload kind saves into a local tier's folder, not {prefix_url}"
+        )
+    return Path(os.path.abspath(target.store.root / target.key))
 
 
 def checked_keep_local(value: int | None) -> int | None:
