@@ -449,3 +449,72 @@ def test_a_delete_during_a_drain_past_its_uploads_leaves_nothing_committed(
         assert [c.step for c in plain.list()] == [1]  # before: step 2's marker landed
         assert list(plain.store.list(f"run/{step_dir(2)}/")) == []
         assert [c.step for c in m.list()] == [1]
+
+
+def _delete_during_ranked_drain(
+    rank: int, world: int, url: str, so: dict[str, Any], base: str, other: bool
+) -> None:
+    """Every rank: step 1 saved (async: its drain queued on every rank's drainer), then,
+    once the test says the drain is held at the bucket's marker, delete(1), by the same
+    manager or (``other``) by another manager of the run (as another process would)."""
+    local = Path(base) / f"node{rank}"
+    m = CheckpointManager(url, local_dir=local, kind="dcp", storage_options=so, **FAST)
+    m.async_save(1, {f"own{rank}": torch.full((300,), 1.0)}).result(timeout=120)
+    held = Path(base) / "held"
+    deadline = time.monotonic() + 120
+    while not held.exists():  # the test process's proxy holds the marker PUT
+        assert time.monotonic() < deadline, "the drain never reached the bucket's marker"
+        time.sleep(0.05)
+    if rank == 0:
+        (Path(base) / "deleting").touch()
+    if not other:
+        m.delete(1)
+        assert m.list() == []
+        m.drain()  # nothing left to drain, nothing failed
+    else:  # the drain under way finds its files gone after its commit: withdrawn
+        CheckpointManager(url, local_dir=local, kind="dcp", storage_options=so, **FAST).delete(1)
+        m.drain()  # its failed drain is tried again: no local copy left, nothing to send
+    assert not (local / step_dir(1) / MARKER_NAME).exists()
+
+
+@pytest.mark.parametrize("other", [False, True], ids=["same-manager", "another-manager"])
+def test_a_delete_on_several_ranks_during_a_background_drain_leaves_nothing_committed(
+    moto_server: S3Server, tmp_path: Path, other: bool
+) -> None:
+    """2 ranks, a local_dir each: delete(1) while step 1's background drain waits on
+    the bucket's marker PUT. Before, the first rank deleted the bucket's files and its
+    own copy at once, the marker landed after (a committed step with its files gone),
+    and the other rank's local copy stayed committed."""
+    import threading
+
+    pytest.importorskip("cloudckpt.dcp")
+    from ranks import run_ranks
+
+    bucket = moto_server.make_bucket(unique_bucket_name("delete-ranked"))
+    url = f"s3://{bucket}/run"
+    held, release = threading.Event(), threading.Event()
+
+    def hold_marker(method: str, target: str) -> bool:
+        path = unquote(urlsplit(target).path)
+        if method == "PUT" and path.endswith(f"/{step_dir(1)}/{MARKER_NAME}"):
+            held.set()
+            assert release.wait(120)
+        return False
+
+    def release_once_deleting() -> None:
+        if held.wait(120):
+            (tmp_path / "held").touch()
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "deleting").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        release.set()
+
+    with FaultProxy(moto_server.endpoint_url, match=hold_marker) as proxy:
+        options = {**moto_server.storage_options(), "endpoint_url": proxy.url}
+        helper = threading.Thread(target=release_once_deleting, daemon=True)
+        helper.start()
+        run_ranks(_delete_during_ranked_drain, 2, url, options, str(tmp_path), other, timeout=300)
+        helper.join(10)
+        plain = CheckpointManager(url, storage_options=options)
+        assert plain.list() == []
+        assert list(plain.store.list(f"run/{step_dir(1)}/")) == []

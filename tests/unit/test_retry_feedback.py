@@ -107,7 +107,7 @@ def test_the_connect_budget_bounds_the_time_spent_on_refused_connections(monkeyp
         raise _refused()
 
     # Every backoff its longest, 10 s: past the 5 s budget, so no wait starts.
-    monkeypatch.setattr("cloudckpt.store.retry.random.uniform", lambda low, high: high)
+    monkeypatch.setattr("cloudckpt.store.retry._JITTER.uniform", lambda low, high: high)
     policy = RetryPolicy(backoff_base=10.0, backoff_max=10.0, adaptive_rate=False)
     with pytest.raises(RetriesExhaustedError, match="cannot connect to"):
         policy.run(attempt, "head s3://b/k")

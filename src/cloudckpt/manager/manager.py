@@ -699,8 +699,13 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step`` (its marker first), in both tiers if there is a local
-        one; NotFoundError if nothing is there."""
+        one; NotFoundError if nothing is there. A drain of it under way ends first. With
+        several processes call it on every rank (with a local tier, each rank deletes
+        its own copy)."""
         self._check_step(step)
+        if self._tiered is not None and self._tiered.ranked():  # every rank its own copy
+            self._tiered.delete_ranks(step)
+            return
 
         def remove() -> None:
             if self._tiered is not None:  # a drain of it under way ends first

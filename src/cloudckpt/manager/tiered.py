@@ -442,7 +442,8 @@ class TieredRun:
 
         def commit(local: CheckpointInfo, files: dict[str, int | None]) -> None:
             tier.send_payload(step, local, bucket.store, prefix, bucket.options, (MARKER_NAME,))
-            bucket._commit(step, local.metrics, local.metadata, local.time, files=files)
+            info = bucket._commit(step, local.metrics, local.metadata, local.time, files=files)
+            tier.confirm(step, bucket.store, prefix, info)
 
         with bucket._lock:
             bucket._pending.add(step)
@@ -675,6 +676,39 @@ class TieredRun:
         return bucket._load_committed(info, load)
 
     # -- removals ------------------------------------------------------------------------
+    def delete_ranks(self, step: int) -> None:
+        """:meth:`CheckpointManager.delete` in a job of several ranks (a collective on
+        the checkpoint group): every rank's drainer finishes what it has queued first
+        (those drains are collectives of every rank's drainer, so none is cut short on
+        one rank; a drain of ``step`` past its uploads commits before the delete, not
+        after it), then the first rank removes the bucket's copy (marker first) and
+        every rank its own local copy; NotFoundError on every rank when no tier held it."""
+        group = checkpoint_group()
+        self.drainer.wait()  # other steps' failures stay for drain() to report
+        settle(None, f"every rank's drains before step {step} is deleted", group=group)
+        self.drainer.discard(step)  # idle on every rank: nothing waits, all forget it
+        bucket = self.bucket
+
+        def remove_bucket() -> int:
+            return remove_checkpoint(bucket.store, bucket._step_prefix(step), bucket.options)
+
+        removed = on_first(remove_bucket, group, what=f"deleting step {step} from the bucket")
+        self.left_bucket(step)
+        error: BaseException | None = None
+        local = 0
+        try:
+            local = self.delete(step)
+        except Exception as exc:
+            error = exc
+        counts = agree(
+            error, value=local, group=group, what=f"deleting the local copies of step {step}"
+        )
+        if error is not None:
+            raise error
+        counts.raise_failures(f"deleting the local copies of step {step}")
+        if removed + sum(counts.values) == 0:
+            raise NotFoundError(f"no checkpoint for step {step} at {bucket.step_url(step)}")
+
     def stop_drain(self, step: int) -> None:
         """Before ``step`` is deleted: its drain is no longer queued, and one under way
         ends first (Drainer.discard), so it does not commit the step in the bucket

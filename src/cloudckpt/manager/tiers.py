@@ -61,6 +61,7 @@ from .marker import (
     CheckpointInfo,
     DamagedMarker,
     check_files,
+    check_remote,
     commit_step,
     decode_marker,
     list_checkpoints,
@@ -637,6 +638,7 @@ class LocalTier:
         mine = found["objects"] if found else {}
         changed = [f.name for f in committed.files if not matches(mine.get(f.name), f.size, f.etag)]
         if not changed:
+            self.confirm(step, remote, remote_prefix, committed)
             return
         self.withdraw(remote, remote_prefix + MARKER_NAME)
         raise StorageError(
@@ -644,6 +646,22 @@ class LocalTier:
             f"this drain committed it: {sorted(changed)} changed since this drain wrote "
             f"them; its marker is withdrawn, the drain of {self.step_url(step)} tries again"
         )
+
+    def confirm(
+        self, key: Key, remote: Store, remote_prefix: str, committed: CheckpointInfo
+    ) -> None:
+        """After the bucket's marker was written: one listing shows every file it lists
+        still there at its size and ETag. One removed meanwhile (a delete of the step by
+        another process while this drain committed it) would leave a committed step
+        with its files gone: the marker is deleted again and StorageError names it."""
+        try:
+            check_remote(remote, remote_prefix, committed)
+        except (NotFoundError, CorruptCheckpointError) as exc:
+            self.withdraw(remote, remote_prefix + MARKER_NAME)
+            raise StorageError(
+                f"{self.label(key)} changed at {remote.url(remote_prefix)} while this drain "
+                f"committed it ({exc}); its marker is withdrawn"
+            ) from None
 
     @staticmethod
     def withdraw(remote: Store, key: str) -> None:

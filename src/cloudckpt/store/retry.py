@@ -70,6 +70,11 @@ __all__ = [
     "retry_cause",
 ]
 
+#: The backoff's jitter comes from a generator of its own: the module-level ``random``
+#: functions share the program's stream, which a training loop seeds and checkpoints
+#: (Accelerate saves it with its RNG states), and a retry must not advance it.
+_JITTER = random.Random()
+
 log = logging.getLogger("cloudckpt")
 T = TypeVar("T")
 
@@ -439,7 +444,7 @@ class RetryPolicy:
         """Seconds to wait before attempt ``attempt + 1`` (full jitter, capped)."""
         # The exponent is capped first: 2**attempt alone overflows a float at 1024.
         growth = 2.0 ** min(attempt, 64)
-        return random.uniform(0, min(self.backoff_max, self.backoff_base * growth))
+        return _JITTER.uniform(0, min(self.backoff_max, self.backoff_base * growth))
 
     def run(self, fn: Callable[[], T], what: str, *, scope: str = "", small: bool = False) -> T:
         """Run ``fn`` until it succeeds, retrying transient faults with jittered backoff.
