@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,6 +85,22 @@ def marker_puts(order: list[int]) -> Callable[[str, str], bool]:
             if step is not None:
                 order.append(step)
         return True
+
+    return match
+
+
+def marker_put_held(
+    step: int, held: threading.Event, release: threading.Event
+) -> Callable[[str, str], bool]:
+    """A proxy ``match`` holding the PUT of ``step``'s marker (``held`` set) until
+    ``release`` is set: a drain stopped after its uploads, before its commit."""
+
+    def match(method: str, target: str) -> bool:
+        path = unquote(urlsplit(target).path)
+        if method == "PUT" and path.endswith(f"/{step_dir(step)}/{MARKER_NAME}"):
+            held.set()
+            assert release.wait(120)
+        return False
 
     return match
 
@@ -417,20 +434,11 @@ def test_a_delete_during_a_drain_past_its_uploads_leaves_nothing_committed(
     """delete(step) while the step's drain waits on the bucket's marker PUT (its data
     uploaded): the delete waits for that drain, then removes the step from both tiers;
     the marker never lands after the delete (a committed step with its files gone)."""
-    import threading
-
     bucket = moto_server.make_bucket(unique_bucket_name("delete-mid-drain"))
     root, tier = f"s3://{bucket}/run", tmp_path / "tier"
     held, release = threading.Event(), threading.Event()
 
-    def hold_marker_of_step_2(method: str, target: str) -> bool:
-        path = unquote(urlsplit(target).path)
-        if method == "PUT" and path.endswith(f"/{step_dir(2)}/{MARKER_NAME}"):
-            held.set()
-            assert release.wait(120)
-        return False
-
-    with FaultProxy(moto_server.endpoint_url, match=hold_marker_of_step_2) as proxy:
+    with FaultProxy(moto_server.endpoint_url, match=marker_put_held(2, held, release)) as proxy:
         options = {**moto_server.storage_options(), "endpoint_url": proxy.url}
         m = CheckpointManager(root, local_dir=tier, storage_options=options, **FAST)
         m.save(1, state(1))
@@ -485,21 +493,12 @@ def test_a_delete_on_several_ranks_during_a_background_drain_leaves_nothing_comm
     the bucket's marker PUT. Before, the first rank deleted the bucket's files and its
     own copy at once, the marker landed after (a committed step with its files gone),
     and the other rank's local copy stayed committed."""
-    import threading
-
     pytest.importorskip("cloudckpt.dcp")
     from ranks import run_ranks
 
     bucket = moto_server.make_bucket(unique_bucket_name("delete-ranked"))
     url = f"s3://{bucket}/run"
     held, release = threading.Event(), threading.Event()
-
-    def hold_marker(method: str, target: str) -> bool:
-        path = unquote(urlsplit(target).path)
-        if method == "PUT" and path.endswith(f"/{step_dir(1)}/{MARKER_NAME}"):
-            held.set()
-            assert release.wait(120)
-        return False
 
     def release_once_deleting() -> None:
         if held.wait(120):
@@ -509,7 +508,7 @@ def test_a_delete_on_several_ranks_during_a_background_drain_leaves_nothing_comm
             time.sleep(0.05)
         release.set()
 
-    with FaultProxy(moto_server.endpoint_url, match=hold_marker) as proxy:
+    with FaultProxy(moto_server.endpoint_url, match=marker_put_held(1, held, release)) as proxy:
         options = {**moto_server.storage_options(), "endpoint_url": proxy.url}
         helper = threading.Thread(target=release_once_deleting, daemon=True)
         helper.start()

@@ -300,16 +300,15 @@ class CheckpointManager:
         self._check_step(step)
 
         def read() -> CheckpointInfo:
+            local = self._tier.info(step) if self._tier is not None else None
             try:
                 with deadline_scope(self.options.deadline):
                     found = read_marker(self.store, marker_key(self.root_key, step))
             except Exception as exc:  # with a local tier, a bucket away leaves its copy
-                local = self._tier.info(step) if self._tier is not None else None
                 if local is None or self._tiered is None or not self._tiered.away(exc):
                     raise
                 found = None
             if self._tier is not None:
-                local = self._tier.info(step)
                 both = merge_tiers([found] if found else [], [local] if local else [])
                 found = both[0] if both else None
             if found is None:

@@ -222,18 +222,15 @@ class TieredRun:
         with several ranks a collective on the checkpoint group: one rank's tier full
         fails the save on every rank before any writes (CollectiveError naming that
         rank on the others)."""
-        copies = 2 if self.replicate_to_peer and self.ranked() else 1
-        if not self.ranked():
-            self.tier.check_room(state, copies=copies, waiting=self.waiting)
-            return
+        ranked = self.ranked()
         error: BaseException | None = None
         try:
+            copies = 2 if self.replicate_to_peer and ranked else 1
             self.tier.check_room(state, copies=copies, waiting=self.waiting)
         except Exception as exc:
             error = exc
-        settle(
-            error, f"the room in every rank's local tier {self.tier.url}", group=checkpoint_group()
-        )
+        group = checkpoint_group() if ranked else None  # one process: its own error, as is
+        settle(error, f"the room in every rank's local tier {self.tier.url}", group=group)
 
     @contextlib.contextmanager
     def room(self) -> Iterator[None]:
@@ -710,21 +707,18 @@ class TieredRun:
             raise NotFoundError(f"no checkpoint for step {step} at {bucket.step_url(step)}")
 
     def stop_drain(self, step: int) -> None:
-        """Before ``step`` is deleted: its drain is no longer queued, and one under way
-        ends first (Drainer.discard), so it does not commit the step in the bucket
-        after the delete removed it there. Several ranks: their drains are collectives
-        in drain(), never beside a delete on the same rank."""
-        if not self.ranked():
-            self.drainer.discard(step)
+        """Before ``step`` is deleted by one process: its drain is no longer queued, and
+        one under way ends first (Drainer.discard), so it does not commit the step in the
+        bucket after the delete removed it there (several ranks: :meth:`delete_ranks`)."""
+        self.drainer.discard(step)
 
     def delete(self, step: int) -> int:
         """Delete the local copy of ``step`` (its marker first) and its journal, if the
-        directory is this run's; returns the objects deleted."""
+        directory is this run's; returns the objects deleted. The caller took the step
+        off the drainer first (:meth:`stop_drain`, :meth:`delete_ranks`)."""
         tier = self.tier
         if not tier.owned:
             return 0
-        if not self.ranked():  # several ranks: every rank runs the same drains
-            self.drainer.discard(step)  # its drain, failed without the copy, is not retried
         tier.settle()
         removed = remove_checkpoint(tier.store, tier.step_prefix(step), tier.options)
         tier.forget(step)

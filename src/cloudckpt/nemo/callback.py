@@ -27,8 +27,8 @@ from typing import Any
 from ..lightning.fs import CloudFileSystem, is_remote, remote_dirpath, setup_remote_dirpath
 from ..options import TransferOptions
 from ..ranks.collectives import barrier, on_first
-from ._compat import ModelCheckpoint, WrappingCheckpointIO, is_global_rank_zero
-from .checkpoint_io import CloudMegatronCheckpointIO
+from ._compat import ModelCheckpoint, is_global_rank_zero
+from .checkpoint_io import trainer_io
 from .paths import (
     CONTEXT,
     UNFINISHED_SUFFIX,
@@ -262,10 +262,8 @@ class CloudModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
 def _remove(trainer: Any, filepath: str) -> None:
     """Delete a remote checkpoint: through the strategy's CloudMegatronCheckpointIO when
     it has one (which never races its local tier's drain of it), else directly."""
-    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
-    while isinstance(io, WrappingCheckpointIO):
-        io = io.checkpoint_io
-    if isinstance(io, CloudMegatronCheckpointIO):
+    io = trainer_io(trainer)
+    if io is not None:
         io.remove_checkpoint(filepath)
     else:
         remove_tree(checkpoint_dir(filepath))

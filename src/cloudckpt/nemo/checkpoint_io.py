@@ -315,6 +315,15 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         log.debug("removed %s (%d objects)", checkpoint_dir(path), removed)
 
 
+def trainer_io(trainer: Any) -> CloudMegatronCheckpointIO | None:
+    """The trainer's CloudMegatronCheckpointIO inside Lightning's wrappers of it (NeMo's
+    async one among them), or None when its strategy uses another I/O."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    while isinstance(io, WrappingCheckpointIO):
+        io = io.checkpoint_io
+    return io if isinstance(io, CloudMegatronCheckpointIO) else None
+
+
 def _on_current_device(state: Any) -> Any:
     """NeMo's ``_fix_tensors_device``: CUDA tensors onto this rank's device (CPU: as is)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):

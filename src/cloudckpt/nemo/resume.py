@@ -30,7 +30,7 @@ from ..megatron.layout import CONFIG_NAME
 from ..options import TransferOptions
 from ..ranks.collectives import on_first
 from ..redact import dataclass_repr
-from ._compat import AppState, AutoResume, WrappingCheckpointIO
+from ._compat import AppState, AutoResume
 from .paths import (
     CONTEXT,
     UNFINISHED_SUFFIX,
@@ -278,9 +278,7 @@ class CloudAutoResume(AutoResume):  # type: ignore[misc]
 
 def _io_local_dir(trainer: Any) -> Path | None:
     """The local tier of the trainer's CloudMegatronCheckpointIO, if it has one."""
-    from .checkpoint_io import CloudMegatronCheckpointIO
+    from .checkpoint_io import trainer_io
 
-    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
-    while isinstance(io, WrappingCheckpointIO):
-        io = io.checkpoint_io
-    return io.local_dir if isinstance(io, CloudMegatronCheckpointIO) else None
+    io = trainer_io(trainer)
+    return None if io is None else io.local_dir
