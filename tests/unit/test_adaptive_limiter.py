@@ -297,14 +297,14 @@ def simulate(
     for rank in range(ranks):
         for _ in range(concurrency):
             at(start + rng.uniform(0, 0.05), next_part, rank)
-    state = random.getstate()
-    random.seed(seed)  # RetryPolicy.delay draws its jitter from the random module
+    jitter = retry._JITTER
+    retry._JITTER = random.Random(seed)  # RetryPolicy.delay's own generator, seeded
     try:
         while events:
             clock.now, _, fn, args = heapq.heappop(events)
             fn(*args)
     finally:
-        random.setstate(state)
+        retry._JITTER = jitter
     out["seconds"] = clock.now - start
     out["admitted"] = [0] * (int(out["seconds"]) + 1)
     for t in admitted:
