@@ -709,7 +709,7 @@ class CheckpointManager:
         def remove() -> None:
             if self._tiered is not None:  # a drain of it under way ends first
                 self._tiered.stop_drain(step)
-            removed = remove_checkpoint(self.store, self._step_prefix(step), self.options)
+            removed = self._remove_step(step)
             if self._tiered is not None:
                 self._tiered.left_bucket(step)
                 removed += self._tiered.delete(step)
@@ -717,6 +717,16 @@ class CheckpointManager:
                 raise NotFoundError(f"no checkpoint for step {step} at {self.step_url(step)}")
 
         on_first(remove, what=f"deleting step {step}")
+
+    def _remove_step(self, step: int) -> int:
+        """Remove ``step`` from the bucket (marker first, then its files), then delete
+        its marker once more: a drain by another process that wrote the marker after
+        this removal listed the step is not left committed over deleted files (a
+        marker written after this last delete finds them gone at its drain's check and
+        is withdrawn: LocalTier.confirm). Returns the objects deleted."""
+        removed = remove_checkpoint(self.store, self._step_prefix(step), self.options)
+        self.store.delete(marker_key(self.root_key, step))  # absent: nothing to do
+        return removed
 
     def gc(self, grace_seconds: float | None = None, dry_run: bool = False) -> GcReport:
         """Remove uncommitted ``step-N/`` leftovers and stale multipart uploads, in the

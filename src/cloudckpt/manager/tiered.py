@@ -77,6 +77,7 @@ class Bucket(Protocol):
         files: Wrote = None,
     ) -> CheckpointInfo: ...
     def _retain_quietly(self) -> builtins.list[int]: ...
+    def _remove_step(self, step: int) -> int: ...
     def _await_in_flight(self) -> None: ...
     def _damaged_error(self, damaged: Sequence[DamagedMarker]) -> CorruptCheckpointError: ...
     def _warn_fallback(self, chosen: int, damaged: Sequence[DamagedMarker]) -> None: ...
@@ -685,11 +686,9 @@ class TieredRun:
         settle(None, f"every rank's drains before step {step} is deleted", group=group)
         self.drainer.discard(step)  # idle on every rank: nothing waits, all forget it
         bucket = self.bucket
-
-        def remove_bucket() -> int:
-            return remove_checkpoint(bucket.store, bucket._step_prefix(step), bucket.options)
-
-        removed = on_first(remove_bucket, group, what=f"deleting step {step} from the bucket")
+        removed = on_first(
+            lambda: bucket._remove_step(step), group, what=f"deleting step {step} from the bucket"
+        )
         self.left_bucket(step)
         error: BaseException | None = None
         local = 0
