@@ -53,7 +53,6 @@ from .errors import (
     ConfigError,
     DistributedLoadError,
     DistributedSaveError,
-    NotFoundError,
 )
 from .format.commit import read_committed
 from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager, list_checkpoints
@@ -61,6 +60,7 @@ from .manager.folders import (
     TieredRuns,
     checked_keep_local,
     commit_folder,
+    committed_copy,
     gathered,
     payload_call,
     save_to_tier,
@@ -71,11 +71,11 @@ from .manager.folders import checked_step as _checked_step
 from .manager.folders import open_run as _open_run
 from .manager.folders import run_group as _group
 from .manager.folders import step_prefix as _step_prefix
-from .manager.marker import check_files, check_remote, marker_key, read_marker
+from .manager.marker import check_files, check_remote, marker_key
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
-from .store import Store, Target, open_target
+from .store import Store, Target
 from .store.local import LocalStore
 
 __all__ = ["AccelerateSaveHandle", "drain", "load_state", "save_state"]
@@ -236,11 +236,7 @@ class AcceleratePayload:
         a copy in a local tier, whose sizes the manager checked (the ETags are the
         bucket's to check)."""
         call = payload_call(state, _LoadCall, "Accelerate", _FUNCTIONS)
-        target = prefix_url if isinstance(prefix_url, Target) else open_target(prefix_url, options)
-        prefix = target.key.rstrip("/") + "/" if target.key else ""  # a folder's keys
-        info = read_marker(target.store, prefix + MARKER_NAME)
-        if info is None:
-            raise NotFoundError(f"no committed checkpoint at {target.url}")
+        target, prefix, info = committed_copy(prefix_url, options)
         _load_step(call, target.store, prefix, target.options, info, check_etags=not local)
         return info
 

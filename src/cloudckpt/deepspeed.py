@@ -88,6 +88,7 @@ from .manager.folders import (
     TieredRuns,
     checked_keep_local,
     commit_folder,
+    committed_copy,
     payload_call,
     save_to_tier,
     tier_folder,
@@ -103,13 +104,12 @@ from .manager.marker import (
     check_files,
     check_remote,
     marker_key,
-    read_marker,
 )
 from .manager.payload import Wrote
 from .options import TransferOptions
 from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
 from .ranks.groups import drain_group
-from .store import Store, Target, open_target
+from .store import Store, Target
 from .store.local import LocalStore
 
 __all__ = ["DeepSpeedSaveHandle", "drain", "load_checkpoint", "save_checkpoint"]
@@ -526,11 +526,7 @@ class DeepSpeedPayload:
         manager checked and whose files are read with their CRC-32s checked (the ETags
         are the bucket's to check)."""
         call = payload_call(state, _LoadCall, "DeepSpeed", _FUNCTIONS)
-        target = prefix_url if isinstance(prefix_url, Target) else open_target(prefix_url, options)
-        prefix = target.key.rstrip("/") + "/" if target.key else ""  # a folder's keys
-        found = read_marker(target.store, prefix + MARKER_NAME)
-        if found is None:
-            raise NotFoundError(f"no committed checkpoint at {target.url}")
+        target, prefix, found = committed_copy(prefix_url, options)
         info = _deepspeed_info(found)
         client_state = _load_step(
             call, target.store, prefix, target.options, info, weights_only, etags=not local

@@ -1,6 +1,7 @@
 """The Hugging Face Trainer's checkpoints on object storage: each ``checkpoint-N``
-folder the Trainer writes is committed to a bucket in the background, and the newest
-committed one is fetched back for ``trainer.train(resume_from_checkpoint=...)``.
+folder the Trainer writes is committed in a local tier at once and drained to a bucket
+in the background, and the newest committed one is fetched back for
+``trainer.train(resume_from_checkpoint=...)``.
 
     from cloudckpt.hf import CloudCheckpointCallback, fetch_latest
 
@@ -8,47 +9,48 @@ committed one is fetched back for ``trainer.train(resume_from_checkpoint=...)``.
     trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
     trainer.train(resume_from_checkpoint=fetch_latest("s3://bucket/run1", args.output_dir))
 
-The bucket holds a :class:`cloudckpt.CheckpointManager` run: ``checkpoint-N`` goes to
-``URL/step-00000000N/`` with the Trainer's file names kept, committed by the manager's
-``_CHECKPOINT.json`` written last (``cloudckpt ls``, ``verify`` and
-``CheckpointManager(URL).list()`` / ``latest()`` read it). ``on_save`` links the folder's
-files into ``output_dir/.cloudckpt-upload/`` (hard links: no copy, and the Trainer's
-rotation may delete the folder meanwhile) and returns; one background thread uploads
-(``engine/copy.copy_tree``) and commits (``manager/marker.commit_step``), then applies
-the Trainer's ``save_total_limit`` in the bucket, never deleting the best checkpoint
-(``best_model_checkpoint``) nor the newest committed one. ``on_train_end`` waits and
-raises the first failed upload's error.
+The callback runs a :class:`cloudckpt.CheckpointManager` with a local tier
+(docs/tiers.md), ``output_dir/.cloudckpt-tier`` unless ``local_dir=`` names another,
+and this module's payload kind (:class:`TrainerPayload`): ``on_save`` hard-links the
+Trainer's ``checkpoint-N`` files into the tier's ``step-N/`` (no bytes copied; the
+Trainer's rotation may delete its folder meanwhile) and commits them there with the
+manager's local marker, asking the bucket nothing; the manager's drainer then copies
+the step to ``URL/step-00000000N/`` with the Trainer's file names kept and commits it
+with the manager's ``_CHECKPOINT.json`` (``cloudckpt ls``, ``verify`` and
+``CheckpointManager(URL).list()`` / ``latest()`` read it), then applies the Trainer's
+``save_total_limit`` in the bucket, never deleting the best checkpoint
+(``best_model_checkpoint``) nor the newest committed one. ``on_train_end`` waits for
+the drains (``drain()``) and raises the error of one that failed again.
 
 On several processes (``torchrun``, ``accelerate launch``: DDP, FSDP, DeepSpeed) every
-rank runs the callback: ``on_save`` waits until every rank wrote its part of
-``checkpoint-N``, the ranks agree on who uploads which file (the rank a file's name
-names: ``rng_state_R.pth``, DeepSpeed's ``zero_pp_rank_R_*``, DCP's ``__R_*.distcp``;
-any other file the lowest rank that sees it, the Trainer's main process), and each
-rank links its own files into ``output_dir/.cloudckpt-upload/rank-R/``. Each rank's
-upload thread then uploads them, the ranks settle (one failed rank fails the step on
-every rank, a ``DistributedSaveError`` naming it) and rank 0 writes the marker once
-every rank's upload succeeded, on cloudckpt's own gloo group (never the training
-group). ``fetch_latest`` is a collective there: rank 0 chooses the step, the first
-process of each local directory (host and path) downloads it, the others wait. See
-docs/integrations.md (Hugging Face Trainer).
+rank runs the callback: once every rank wrote its part of ``checkpoint-N`` the ranks
+agree on who links which file (the rank a file's name names: ``rng_state_R.pth``,
+DeepSpeed's ``zero_pp_rank_R_*``, DCP's ``__R_*.distcp``; any other file the lowest
+rank that sees it, the Trainer's main process) into its node's tier, and the manager's
+tier of several ranks does the rest (every node's copy gets the main process's files;
+the drains on cloudckpt's own gloo group, never the training group).
+``fetch_latest`` is the manager's restore, a collective there: the ranks agree on the
+step, the first process of each local directory (host and path) fetches it (from the
+tier where whole, else from the bucket), the others wait. See docs/integrations.md
+(Hugging Face Trainer).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import shutil
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ._lazy import lazy_attributes
-from .engine.copy import copy_tree
-from .engine.drain import Drainer, directory_owner
+from .engine.copy import copy_object, copy_tree
+from .engine.drain import directory_owner
 from .engine.proof import matches_etag, md5_etag, multipart_etag, same_bytes
-from .engine.remove import remove_checkpoint
 from .errors import (
     AlreadyExistsError,
     ConfigError,
@@ -58,22 +60,25 @@ from .errors import (
     NotFoundError,
     UnsafePathError,
 )
-from .format.commit import read_committed
 from .io.sink import choose_part_size
-from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
-from .manager.folders import files_under as _files_under
-from .manager.folders import gathered, open_run, written_by
-from .manager.marker import (
-    Written,
-    check_remote,
-    commit_step,
-    root_prefix,
-    step_dir,
+from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager, list_checkpoints
+from .manager.folders import (
+    TieredRuns,
+    committed_copy,
+    drained_steps,
+    files_under,
+    gathered,
+    payload_call,
+    run_group,
+    save_to_tier,
+    tier_folder,
+    tiered_run,
 )
+from .manager.folders import open_run as _open_run
+from .manager.marker import check_remote
 from .options import TransferOptions
-from .ranks.collectives import agree, is_distributed, on_first, rank, settle, world_size
-from .ranks.groups import drain_group
-from .store import Store
+from .ranks.collectives import agree, is_distributed, rank, settle, world_size
+from .store import Store, Target
 from .store.local import LocalStore
 
 __all__ = ["CloudCheckpointCallback", "fetch_latest"]
@@ -86,9 +91,18 @@ log = logging.getLogger("cloudckpt")
 
 #: The ``kind`` recorded in the marker of a Trainer checkpoint.
 KIND = "hf-trainer"
-#: Where ``on_save`` links each folder's files until they are committed in the bucket
-#: (under ``output_dir``; the Trainer's rotation only looks at ``checkpoint-*``).
+#: The folder under ``output_dir`` that holds the callback's local tiers when it is
+#: given no ``local_dir``, one per run URL (the Trainer's rotation only looks at
+#: ``checkpoint-*``).
+TIER = ".cloudckpt-tier"
+#: Where the previous release linked each folder's files until uploaded: removed at
+#: ``on_train_begin`` (the Trainer's folders are saved again as training goes on).
 STAGING = ".cloudckpt-upload"
+#: How many drained steps the tier keeps (hard links of the Trainer's folders: no
+#: bytes while the Trainer keeps the folder); steps not drained yet are all kept.
+TIER_KEEP = 1
+#: What the payload kind of this module is given by (its ConfigError names it).
+_FUNCTIONS = "cloudckpt.hf.CloudCheckpointCallback / fetch_latest"
 _FOLDER = re.compile(r"^checkpoint-(\d+)$")
 #: File suffixes of torch archives, whose every record's CRC-32 ``fetch_latest`` checks.
 _ARCHIVES = (".pt", ".pth", ".bin")
@@ -96,6 +110,9 @@ _ARCHIVES = (".pt", ".pth", ".bin")
 #: ``rng_state_R.pth``, DeepSpeed's ZeRO files (``[bf16_]zero_pp_rank_R_*``) and DCP's
 #: data files (``__R_0.distcp``: FSDP's sharded state).
 _RANK_FILE = re.compile(r"(?:^|/)(?:rng_state_|(?:[^/]*_)?zero_pp_rank_|__)(\d+)[_.][^/]*$")
+#: What every node's copy gets from the main process before a save of this process
+#: said otherwise and before the tier holds a step (the Trainer always writes it).
+_DEFAULT_SHARED = ("trainer_state.json",)
 
 
 def _folder_step(path: str | os.PathLike[str] | None) -> int | None:
@@ -130,18 +147,6 @@ class TrainerRetention:
                 break
             kept.add(step)
         return kept
-
-
-def _open_run(
-    url: str | os.PathLike[str],
-    options: TransferOptions | None,
-    storage_options: Mapping[str, Any] | None,
-    policy: TrainerRetention | None = None,
-) -> CheckpointManager:
-    """The manager of the run at ``url``: single objects, the Trainer's retention."""
-    return open_run(
-        url, options, storage_options, policies=[policy] if policy else None, kind="object"
-    )
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -194,6 +199,228 @@ def _check_launched(what: str) -> None:
         )
 
 
+@dataclass
+class _FolderCall:
+    """What :meth:`TrainerPayload.save` commits: the Trainer's ``checkpoint-N`` folder."""
+
+    folder: Path
+
+
+@dataclass
+class _FetchCall:
+    """Where :meth:`TrainerPayload.load` puts the step: ``local/checkpoint-N``."""
+
+    local: Path
+
+
+class TrainerPayload:
+    """The manager's payload kind of a Hugging Face Trainer checkpoint (kind
+    ``hf-trainer``): the callback and :func:`fetch_latest` pass it to their
+    :class:`CheckpointManager`; it is not meant to be given one by hand.
+
+    ``save`` hard-links the files of the Trainer's ``checkpoint-N`` into the tier's
+    ``step-N/`` folder (several ranks: each rank the files :func:`file_owners` gives
+    it); ``load`` fetches a committed copy (the bucket's, a local tier's, or the
+    manager's view of both) into ``local/checkpoint-N`` and returns that path.
+    """
+
+    name = KIND
+
+    def __init__(self, local_dir: Path | None = None) -> None:
+        #: The tier's directory (None: a run without one), whose newest step says which
+        #: files every node's copy gets before a save of this process did.
+        self.local_dir = local_dir
+        #: The files every node's copy gets, as the ranks agreed at the last save.
+        self._shared: tuple[str, ...] | None = None
+
+    @property
+    def coordinator_files(self) -> tuple[str, ...]:
+        """The files only the main process writes, which every node's copy gets: those
+        it linked at the last save but the ones a rank writes for itself (its name
+        names it); before one, those of the tier's newest step, else
+        ``trainer_state.json``."""
+        if self._shared is not None:
+            return self._shared
+        if self.local_dir is not None and self.local_dir.is_dir():
+            found = list_checkpoints(LocalStore(self.local_dir), "", TransferOptions())
+            if found:
+                shared = _shared_files(f.name for f in found[-1].files)
+                if shared:
+                    return shared
+        return _DEFAULT_SHARED
+
+    def needs_room(self, state: Any) -> bool:
+        """Whether a save of ``state`` takes room in the tier: only where the Trainer's
+        folder is on another filesystem (links refused, each file copied)."""
+        call = payload_call(state, _FolderCall, "Hugging Face Trainer", _FUNCTIONS)
+        if self.local_dir is None:
+            return True
+        try:
+            return call.folder.stat().st_dev != self.local_dir.stat().st_dev
+        except OSError:
+            return True  # the save names what is missing
+
+    def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
+        """Link the Trainer's folder (``state``, a :class:`_FolderCall`) into the tier's
+        folder ``prefix_url`` names. Several ranks (every rank): once every rank wrote
+        its part (a barrier), each links the files :func:`file_owners` gives it; a
+        rank's failure is raised on every rank."""
+        call = payload_call(state, _FolderCall, "Hugging Face Trainer", _FUNCTIONS)
+        folder = tier_folder(prefix_url, options, "Hugging Face Trainer")
+        if not is_distributed():
+            if not call.folder.is_dir():
+                raise NotFoundError(f"the Trainer's checkpoint folder {call.folder} is missing")
+            _link_tree(call.folder, folder)
+            return None  # the tier's commit lists the folder
+        group = run_group()
+        missing = None
+        if not call.folder.is_dir():
+            missing = NotFoundError(f"the Trainer's checkpoint folder {call.folder} is missing")
+        # A barrier too: every rank's files of this step are written once all got here.
+        settle(
+            missing,
+            f"the Trainer's {call.folder.name} on every rank",
+            group=group,
+            error_type=DistributedSaveError,
+        )
+        error: BaseException | None = None
+        names: list[str] = []
+        try:
+            names = files_under(call.folder)
+        except Exception as exc:
+            error = exc
+        listings = gathered(error, names, group, f"the listing of each rank's {call.folder.name}")
+        owners = file_owners(listings)
+        me = rank()
+        try:
+            for name in names:
+                if owners[name] == me:
+                    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                    _link(call.folder / name, folder / name)
+        except Exception as exc:
+            error = exc
+        settle(
+            error,
+            f"the links of each rank's {call.folder.name} into its local tier",
+            group=group,
+            error_type=DistributedSaveError,
+        )
+        self._shared = _shared_files(n for n, owner in owners.items() if owner == 0)
+        return None
+
+    def load(
+        self,
+        prefix_url: str | Target,
+        options: TransferOptions,
+        *,
+        map_location: Any,
+        weights_only: bool,
+        state: Any,
+        local: bool = False,
+    ) -> str:
+        """Fetch the committed copy at ``prefix_url`` (a URL, or an opened ``Target``:
+        the manager's view of the local copy over the bucket's) into
+        ``state.local/checkpoint-N`` (``state``, a :class:`_FetchCall`) and return that
+        path. Several processes: the first of each local directory fetches, the others
+        wait; a failure is raised on every process. ``local``: a copy in a local tier
+        (its sizes checked by the manager; the ETags are the bucket's to check)."""
+        call = payload_call(state, _FetchCall, "Hugging Face Trainer", _FUNCTIONS)
+        target, prefix, info = committed_copy(prefix_url, options)
+        fetch = _fetch_tier if local else _fetch_bucket
+        if not is_distributed():
+            return fetch(target.store, prefix, target.options, info, call.local)
+        first, _ = directory_owner(call.local, run_group())
+        error: BaseException | None = None
+        if first:
+            try:
+                fetch(target.store, prefix, target.options, info, call.local)
+            except Exception as exc:
+                error = exc
+        settle(
+            error,
+            f"the fetch of {info.url} into each process's local_dir",
+            group=run_group(),
+            error_type=DistributedLoadError,
+        )
+        return str(call.local / f"checkpoint-{info.step}")
+
+
+def _shared_files(names: Any) -> tuple[str, ...]:
+    """Of ``names`` (files of the main process), those every node's copy gets: all but
+    the files a rank writes for itself (:data:`_RANK_FILE`)."""
+    return tuple(sorted(n for n in names if not _RANK_FILE.search(n)))
+
+
+#: The managers of the runs with a local tier, one per (run URL, local directory) in a
+#: process (manager/folders.tiered_run): the drainer outlives a callback's train().
+_tiered: TieredRuns = {}
+
+
+def _tiered_run(
+    url: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str],
+    options: TransferOptions | None,
+    storage_options: Mapping[str, Any] | None,
+) -> CheckpointManager:
+    """This process's manager of the run at ``url`` with the local tier ``local_dir``
+    and the Trainer's payload kind (manager/folders.tiered_run)."""
+    return tiered_run(_tiered, url, local_dir, options, storage_options, TrainerPayload)
+
+
+def _own_bytes(tier: LocalStore, key: str, chunk: int = 64 << 20) -> None:
+    """Give the file ``key`` of ``tier`` (a local folder) bytes of its own: a copy
+    written to a locked temp file beside it and renamed over it, so an in-place write
+    of it no longer reaches the files it was hard-linked with."""
+    size = tier.head(key).size
+    if size == 0:
+        return
+    upload = tier.create_multipart(key)
+    try:
+        parts = []
+        for number, start in enumerate(range(0, size, chunk), 1):
+            data = tier.get_range(key, start, min(size, start + chunk))
+            parts.append(tier.upload_part(upload, number, data, start))
+        tier.complete_multipart(upload, parts)
+    except BaseException:
+        tier.abort_multipart(upload)
+        raise
+
+
+def default_tier(output_dir: Path, url: str) -> Path:
+    """The callback's local tier for the run ``url`` (a resolved root URL) under
+    ``output_dir`` when no ``local_dir`` is given: ``.cloudckpt-tier/<id>``, the id a
+    hash of the URL, so runs of other URLs sharing an ``output_dir`` (the Trainer's
+    default is one name for every run) each have their own."""
+    return output_dir / TIER / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def unshare(folder: Path, mine: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """Give each file under ``folder`` (those ``mine`` accepts) that is hard-linked
+    elsewhere bytes of its own (a copy renamed over it: :func:`_own_bytes`), so that
+    writing it in place reaches no other link; returns the files so treated (WARNING
+    naming them)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    shared = [
+        rel
+        for rel in files_under(folder)
+        if mine(rel) and not (folder / rel).is_symlink() and (folder / rel).stat().st_nlink > 1
+    ]
+    if shared:
+        log.warning(
+            "%s is saved again and %d of its file(s) are hard-linked elsewhere (a local "
+            "tier's copy): they get bytes of their own first, so the Trainer's write does "
+            "not reach the other copy: %s",
+            folder,
+            len(shared),
+            shared,
+        )
+        store = LocalStore(folder)
+        for rel in shared:
+            _own_bytes(store, rel)
+    return shared
+
+
 class CallbackBase:
     """What :class:`CloudCheckpointCallback` does, without transformers (its events:
     ``on_train_begin``, ``on_save``, ``on_train_end``)."""
@@ -202,6 +429,7 @@ class CallbackBase:
         self,
         url: str | os.PathLike[str],
         *,
+        local_dir: str | os.PathLike[str] | None = None,
         keep_local: int | None = None,
         options: TransferOptions | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -211,43 +439,37 @@ class CallbackBase:
             not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1
         ):
             raise ConfigError(f"keep_local={keep_local!r} must be a positive integer or None")
+        if local_dir is not None and not isinstance(local_dir, (str, os.PathLike)):
+            raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
         self.policy = TrainerRetention()
-        #: The run in the bucket; the URL is resolved (and checked) here.
-        self.manager = _open_run(url, options, storage_options, self.policy)
+        #: The run in the bucket (the URL is resolved, and checked, here); the manager
+        #: with the local tier once training begins.
+        self.manager = _open_run(url, options, storage_options)
         self.url = self.manager.root_url
+        self.local_dir = None if local_dir is None else Path(local_dir).expanduser()
         self.keep_local = keep_local
         self.timeout = timeout
         self.output_dir: Path | None = None
-        self._drainer: Drainer[int] | None = None
-        self._lock = threading.Lock()
-        self._committed: set[int] = set()
-        self._cleared: set[int] = set()
-        # Several processes (set by on_train_begin): this rank, the ranks, whether this
-        # rank is the first of those sharing its output_dir, the upload thread's group.
-        self._rank, self._world = 0, 1
+        self._settings = (options, storage_options)
+        self._tier: CheckpointManager | None = None
+        # Several processes (set by on_train_begin): the ranks, whether this rank is
+        # the first of those sharing its output_dir.
+        self._world = 1
         self._dir_owner = True
-        self._group: Any = None
-        #: Per step saved by several ranks: this rank's staging error, every file name.
-        self._stage_errors: dict[int, BaseException] = {}
-        self._expected: dict[int, set[str]] = {}
-        #: Steps whose upload failed on every rank (a collective failure), to retry.
-        self._failed: set[int] = set()
 
-    # -- naming --------------------------------------------------------------------------
-    def step_prefix(self, step: int) -> str:
-        """The bucket key prefix of ``checkpoint-{step}`` (ends in ``/``)."""
-        return f"{root_prefix(self.manager.root_key)}{step_dir(step)}/"
-
-    def _staging(self) -> Path:
-        """Where this rank links the folders it uploads (one process: STAGING itself)."""
+    def tier_dir(self) -> Path:
+        """The local tier's directory: ``local_dir``, else the run's folder under
+        ``output_dir/.cloudckpt-tier`` (:func:`default_tier`)."""
+        if self.local_dir is not None:
+            return self.local_dir
         assert self.output_dir is not None
-        root = self.output_dir / STAGING
-        return root if self._world == 1 else root / f"rank-{self._rank}"
+        return default_tier(self.output_dir, self.url)
 
     # -- the Trainer's events ------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Check the setup before the first step: the bucket answers (a missing bucket
-        or rejected credentials raise here, typed, on every rank); with several
+        or rejected credentials raise here, typed, on every rank; a bucket that cannot
+        be reached is a WARNING, and the saves go on in the local tier); with several
         processes, torch.distributed is initialized over all of them, and a process
         group of several ranks is the Trainer's (it counts them all)."""
         world = int(getattr(args, "world_size", 1) or 1)
@@ -269,257 +491,80 @@ class CallbackBase:
                 "distributed backend, e.g. CUDA with DeepSpeed) or run one process"
             )
         self._world = world
-        self._rank = rank() if world > 1 else 0
         self.output_dir = Path(args.output_dir)
         self.policy.limit = args.save_total_limit
         self.policy.best = _folder_step(state.best_model_checkpoint)
-        self.manager.list()  # several processes: rank 0 lists, every rank learns the outcome
-        if self._drainer is not None:  # an earlier train() of this callback that raised
-            for dropped in self._drainer.wait(self.timeout).values():
-                log.warning("%s; dropped: this run saves its checkpoints again", dropped)
-        self._stage_errors.clear()
-        self._expected.clear()
-        self._failed.clear()
-        staging = self.output_dir / STAGING
-        if world == 1:
-            self._dir_owner = True
-            if staging.exists():
-                # Folders a killed process was uploading: the resumed run saves them again.
-                log.warning("removing %s, left by an earlier run's unfinished uploads", staging)
-                shutil.rmtree(staging)
-        else:
-            self._group = drain_group()  # made by every rank, in step (then reused)
-            self._dir_owner, _ = directory_owner(self.output_dir, None)
-            error: BaseException | None = None
+        group = run_group()
+        self._dir_owner = directory_owner(self.output_dir, group)[0] if world > 1 else True
+        error: BaseException | None = None
+        try:
+            tier = _tiered_run(self.url, self.tier_dir(), *self._settings)
+            tier.policies = [self.policy]
+            self._tier = tier
+            staging = self.output_dir / STAGING
             if self._dir_owner and staging.exists():
-                log.warning("removing %s, left by an earlier run's unfinished uploads", staging)
-                try:
-                    shutil.rmtree(staging)
-                except Exception as exc:
-                    error = exc
-            settle(error, f"removing {staging}, left by an earlier run")
-        self._drainer = Drainer(
-            self._upload if world == 1 else self._upload_ranks,
-            str(self.output_dir),
-            self.url,
-            noun="checkpoint",
-            at_exit="the resumed run saves those checkpoints again",
-            retry="the next save or on_train_end",
-            merge=world == 1,  # several ranks: every rank's thread runs the same steps
-        )
+                log.warning("removing %s, left by the previous release's uploads", staging)
+                shutil.rmtree(staging)
+        except Exception as exc:
+            error = exc
+        settle(error, f"opening the local tier of {self.url} on every rank", group=group)
+        assert self._tier is not None
+        self._tier.list()  # several processes: rank 0 lists, every rank learns the outcome
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Before the Trainer saves this step: a ``checkpoint-{global_step}`` already in
+        ``output_dir`` whose files are hard-linked elsewhere (a local tier's committed
+        copy, of this run or another) gets files of its own first (:func:`unshare`),
+        since the Trainer writes its files in place. Each rank treats the files it
+        writes itself (its name names it; the others: the first rank of the folder),
+        so no rank copies a file another rank is writing."""
+        if self.output_dir is None:
+            return
+        me = rank() if self._world > 1 else 0
+
+        def mine(name: str) -> bool:
+            found = _RANK_FILE.search(name)
+            return int(found.group(1)) == me if found else self._dir_owner
+
+        unshare(self.output_dir / f"checkpoint-{int(state.global_step)}", mine)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Hand ``checkpoint-{global_step}`` to the upload thread and return (several
-        processes: once every rank wrote its part and the ranks agreed who uploads what)."""
-        if self._drainer is None:
+        """Commit ``checkpoint-{global_step}`` in the local tier (links, no request to
+        the bucket) and return; the drainer commits it in the bucket (several
+        processes: every rank, once every rank wrote its part)."""
+        if self._tier is None:
             self.on_train_begin(args, state, control)
-        assert self._drainer is not None and self.output_dir is not None
+        assert self._tier is not None and self.output_dir is not None
         step = int(state.global_step)
         folder = self.output_dir / f"checkpoint-{step}"
-        if self._world > 1:
-            self.policy.best = _folder_step(state.best_model_checkpoint)
-            self._stage_ranks(step, folder)
-            self._prune_local()
-            return
-        if not folder.is_dir():
-            raise NotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
-        if step in self._drainer.unfinished():
-            self._drainer.wait(self.timeout)  # the same step saved again: after that one
         self.policy.best = _folder_step(state.best_model_checkpoint)
-        staged = self._staging() / folder.name
-        if staged.exists():
-            shutil.rmtree(staged)
-        partial = staged.with_name(staged.name + ".partial")
-        if partial.exists():
-            shutil.rmtree(partial)
-        _link_tree(folder, partial)
-        partial.rename(staged)
-        self._drainer.retry_failed()
-        self._drainer.submit(step)
+        metadata: dict[str, Any] = {"folder": folder.name}
+        if self._world > 1:
+            metadata["world_size"] = self._world
+        save_to_tier(
+            self._tier,
+            step,
+            _FolderCall(folder),
+            metadata=metadata,
+            keep_local=TIER_KEEP,
+            policies=[self.policy],
+        )
         self._prune_local()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Wait until every saved folder is committed in the bucket; a failed upload is
-        tried once more, and its error (naming the folder) raised if it fails again.
+        """Wait until every saved folder is committed in the bucket; a failed drain is
+        tried once more, and its error (naming the step) raised if it fails again.
         Then ``keep_local`` applies to the folders now committed."""
         self.wait()
         self._prune_local()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for the uploads (TimeoutError after ``timeout`` s, default the
-        callback's); raise the error of the oldest one that failed again. With several
-        processes, a collective: every rank calls it (``on_train_end`` does)."""
-        if self._drainer is None:
-            return
-        limit = self.timeout if timeout is None else timeout
-        if self._world > 1:
-            # Once every rank's thread is idle, each knows the same failed steps (each
-            # step's outcome is agreed); retry those every rank lists, in one order.
-            self._drainer.wait(limit)
-            with self._lock:
-                mine = sorted(self._failed)
-            for step in _failed_everywhere(agree(None, mine).values):
-                self._drainer.submit(step)
-        else:
-            self._drainer.retry_failed()
-        failed = self._drainer.wait(limit)
-        if failed:
-            raise failed[min(failed)]
-
-    # -- several processes ---------------------------------------------------------------
-    def _stage_ranks(self, step: int, folder: Path) -> None:
-        """``on_save`` on several processes (every rank, in the training thread): once
-        every rank wrote its part of ``folder``, agree who uploads which file, link this
-        rank's into its staging folder and queue the step (after the steps that failed
-        on every rank, tried again) for the upload thread."""
-        assert self._drainer is not None
-        if step in self._drainer.unfinished():
-            self._drainer.wait(self.timeout)  # the same step saved again: after that one
-        missing = None
-        if not folder.is_dir():
-            missing = NotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
-        # A barrier too: every rank's files of this step are written once all got here.
-        settle(
-            missing, f"the Trainer's {folder.name} on every rank", error_type=DistributedSaveError
-        )
-        error: BaseException | None = None
-        names: list[str] = []
-        try:
-            names = _files_under(folder)
-        except Exception as exc:
-            error = exc
-        with self._lock:
-            failed = sorted(self._failed - {step})
-        agreement = agree(error, (names, failed))
-        if error is not None:
-            raise error
-        agreement.raise_failures(f"the listing of each rank's {folder.name}", DistributedSaveError)
-        owners = file_owners([listed for listed, _ in agreement.values])
-        staged = self._staging() / folder.name
-        partial = staged.with_name(staged.name + ".partial")
-        staging_error: BaseException | None = None
-        try:
-            for old in (staged, partial):
-                if old.exists():
-                    shutil.rmtree(old)
-            partial.mkdir(parents=True)
-            for name in names:
-                if owners[name] == self._rank:
-                    (partial / name).parent.mkdir(parents=True, exist_ok=True)
-                    _link(folder / name, partial / name)
-            partial.rename(staged)
-        except Exception as exc:  # raised by the upload, where every rank learns it
-            staging_error = exc
-        with self._lock:
-            self._expected[step] = set(owners)
-            self._stage_errors.pop(step, None)
-            if staging_error is not None:
-                self._stage_errors[step] = staging_error
-        for again in _failed_everywhere([f for _, f in agreement.values]):
-            self._drainer.submit(again)
-        self._drainer.submit(step)
-
-    # -- the upload thread ---------------------------------------------------------------
-    def _upload(self, step: int) -> None:
-        """Copy the staged ``checkpoint-{step}`` to its step prefix, commit it with the
-        manager's marker, then apply retention in the bucket."""
-        staged = self._staging() / f"checkpoint-{step}"
-        store, options = self.manager.store, self.manager.options
-        prefix = self.step_prefix(step)
-        if read_committed(store, prefix + MARKER_NAME) is not None:
-            raise AlreadyExistsError(
-                f"{staged.name} of {self.output_dir} is already committed at "
-                f"{store.url(prefix)}; resume from the latest committed checkpoint"
-            )
-        if step not in self._cleared:  # a killed run's leftovers: never taken as ours
-            remove_checkpoint(store, prefix, options)
-            self._cleared.add(step)
-        copied = copy_tree(LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,))
-        written = written_by(copied)
-        commit_step(store, prefix, step, KIND, {}, {"folder": staged.name}, files=written)
-        with self._lock:
-            self._committed.add(step)
-        shutil.rmtree(staged, ignore_errors=True)
-        try:
-            self.manager.apply_retention()
-        except Exception as exc:
-            log.warning(
-                "retention under %s failed (the checkpoint is committed): %s", self.url, exc
-            )
-
-    def _upload_ranks(self, step: int) -> None:
-        """The upload thread on several processes (every rank, the same steps in the
-        same order, collectives on the upload group): rank 0 checks the step is not
-        committed and clears leftovers; each rank uploads its staged files; once every
-        rank's upload succeeded rank 0 commits and applies retention. A failure on any
-        rank fails the step on every rank (DistributedSaveError naming it)."""
-        try:
-            self._upload_ranks_once(step)
-        except BaseException:
-            with self._lock:
-                self._failed.add(step)
-            raise
-        with self._lock:
-            self._failed.discard(step)
-            self._committed.add(step)
-            self._expected.pop(step, None)
-            self._stage_errors.pop(step, None)
-        shutil.rmtree(self._staging() / f"checkpoint-{step}", ignore_errors=True)
-
-    def _upload_ranks_once(self, step: int) -> None:
-        staged = self._staging() / f"checkpoint-{step}"
-        store, options = self.manager.store, self.manager.options
-        prefix = self.step_prefix(step)
-        url = store.url(prefix)
-        group = self._group
-
-        def clear() -> None:  # the first rank
-            if read_committed(store, prefix + MARKER_NAME) is not None:
-                raise AlreadyExistsError(
-                    f"{staged.name} of {self.output_dir} is already committed at {url}; "
-                    "resume from the latest committed checkpoint"
-                )
-            if step not in self._cleared:  # a killed run's leftovers: never taken as ours
-                remove_checkpoint(store, prefix, options)
-                self._cleared.add(step)
-
-        on_first(
-            clear,
-            group,
-            what=f"the check that {url} is not committed",
-            error_type=DistributedSaveError,
-        )
-        with self._lock:
-            error = self._stage_errors.get(step)
-            expected = set(self._expected.get(step, ()))
-        mine: dict[str, Written] = {}
-        if error is None:
-            try:
-                if not staged.is_dir():
-                    raise NotFoundError(f"the staged copy {staged} of {staged.name} is missing")
-                mine = written_by(
-                    copy_tree(
-                        LocalStore(staged), "", store, prefix, options, exclude=(MARKER_NAME,)
-                    )
-                )
-            except Exception as exc:
-                error = exc
-        # Each name the ranks staged, with the size and ETag its rank's upload got.
-        files: dict[str, Written | None] = dict.fromkeys(expected)
-        for each in gathered(error, mine, group, f"the upload of each rank's files to {url}"):
-            files.update(each)
-
-        def commit() -> None:  # the first rank, once every rank's files are in the bucket
-            metadata = {"folder": staged.name, "world_size": self._world}
-            commit_step(store, prefix, step, KIND, {}, metadata, files=files)
-            try:
-                self.manager.apply_retention()
-            except Exception as exc:
-                log.warning(
-                    "retention under %s failed (the checkpoint is committed): %s", self.url, exc
-                )
-
-        on_first(commit, group, what=f"the commit of {url}", error_type=DistributedSaveError)
+        """Wait for the drains (the manager's ``drain``: TimeoutError after ``timeout``
+        s, default the callback's); raise the error of the oldest one that failed
+        again. With several processes, a collective: every rank calls it
+        (``on_train_end`` does)."""
+        if self._tier is not None:
+            self._tier.drain(self.timeout if timeout is None else timeout)
 
     def _prune_local(self) -> None:
         """With ``keep_local``: delete local ``checkpoint-N`` folders committed in the
@@ -528,24 +573,16 @@ class CallbackBase:
         first rank of each output_dir)."""
         if self.keep_local is None or self.output_dir is None or not self._dir_owner:
             return
+        assert self._tier is not None
         folders = sorted(
             (step, path)
             for path in self.output_dir.glob("checkpoint-*")
             if path.is_dir() and (step := _folder_step(path)) is not None
         )
-        with self._lock:
-            committed = set(self._committed)
+        committed = drained_steps(self._tier)
         for step, path in folders[: -self.keep_local]:
             if step in committed and step != self.policy.best:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _failed_everywhere(lists: Sequence[Sequence[int]]) -> list[int]:
-    """The steps every rank's list holds, ascending."""
-    common = set(lists[0]) if lists else set()
-    for steps in lists[1:]:
-        common &= set(steps)
-    return sorted(common)
 
 
 def _define() -> Any:
@@ -574,57 +611,67 @@ def fetch_latest(
     url: str | os.PathLike[str],
     local_dir: str | os.PathLike[str],
     *,
+    tier_dir: str | os.PathLike[str] | None = None,
     options: TransferOptions | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> str | None:
-    """Download the newest committed checkpoint under ``url`` to
+    """Fetch the newest committed checkpoint of the run at ``url`` into
     ``local_dir/checkpoint-N`` and return that path (None: nothing committed).
 
-    The files go into a hidden folder beside it, are checked against the marker (sizes,
-    ETags, every torch archive's CRC-32s) and the folder is renamed into place once
-    whole; an interrupted fetch resumes there. A ``checkpoint-N`` already in
-    ``local_dir`` is returned when its files match the marker's sizes (and hash to its
-    MD5 ETags, where the store gives those), else refused
-    (:class:`~cloudckpt.errors.AlreadyExistsError`). ``local_dir`` may be a link; nothing
-    inside it is followed: a ``checkpoint-N``, its hidden folder or a folder below them
-    that is a symbolic link is refused (:class:`~cloudckpt.errors.UnsafePathError`).
+    ``tier_dir``: the callback's local tier (default ``local_dir/.cloudckpt-tier``
+    when that folder exists, the callback's own default): the step is then the newest
+    committed in either tier (the manager's restore, docs/tiers.md), its files linked
+    from the tier when its copy there is whole (a copy that fails its checks: a
+    WARNING, and the bucket's), else downloaded; a bucket that cannot be reached leaves
+    the tier's steps (WARNING; none there: ``StorageError``, never a fresh start).
+
+    Downloaded files go into a hidden folder beside ``checkpoint-N``, are checked
+    against the marker (sizes, ETags, every torch archive's CRC-32s) and the folder is
+    renamed into place once whole; an interrupted fetch resumes there. A
+    ``checkpoint-N`` already in ``local_dir`` is returned when it holds the step's
+    bytes (the bucket's copy: its files match the marker's sizes and hash to its MD5
+    ETags, where the store gives those; the tier's: each file is the tier's file or
+    holds its bytes), else refused (:class:`~cloudckpt.errors.AlreadyExistsError`).
+    ``local_dir`` may be a link; nothing inside it is followed: a ``checkpoint-N``, its
+    hidden folder or a folder below them that is a symbolic link is refused
+    (:class:`~cloudckpt.errors.UnsafePathError`).
 
     On several processes (torch.distributed initialized, as after the Trainer is made)
-    it is a collective, called by every process: rank 0 reads which step is the newest
-    and every process gets that step; the first process of each local directory (host
-    and resolved path) downloads it and the others wait, then every process returns
-    the same path. A failure raises on every process (the failed one its own error, the
-    others :class:`~cloudckpt.errors.DistributedLoadError` naming it). Called before
-    the process group exists while the launcher started several processes
+    it is a collective, called by every process: the ranks agree on the step; the
+    first process of each local directory (host and resolved path) fetches it and the
+    others wait, then every process returns the same path. A failure raises on every
+    process (the failed one its own error, the others
+    :class:`~cloudckpt.errors.DistributedLoadError` naming it). Called before the
+    process group exists while the launcher started several processes
     (``WORLD_SIZE``), it raises :class:`~cloudckpt.errors.ConfigError`.
     """
     _check_launched("fetch_latest")
-    manager = _open_run(url, options, storage_options)
-    info = manager.latest()  # several processes: rank 0 lists, every rank gets the answer
-    if info is None:
-        return None
     local = Path(local_dir).expanduser()
-    if not is_distributed():
-        return _fetch(manager, info, local)
-    first, _ = directory_owner(local, None)
-    error: BaseException | None = None
-    if first:
-        try:
-            _fetch(manager, info, local)
-        except Exception as exc:
-            error = exc
-    settle(
-        error,
-        f"the fetch of {info.url} into each process's local_dir",
-        error_type=DistributedLoadError,
-    )
-    return str(local / f"checkpoint-{info.step}")
+    manager = _open_run(url, options, storage_options, kind=TrainerPayload())
+    tier = _tier_of(local, manager.root_url, tier_dir)
+    if tier is not None:
+        manager = _tiered_run(url, tier, options, storage_options)
+    fetched: str | None = manager.restore(state=_FetchCall(local))
+    return fetched
 
 
-def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str:
-    """Download ``info`` into ``local/checkpoint-N`` (one process; see fetch_latest)."""
-    name = f"checkpoint-{info.step}"
-    target = local / name
+def _tier_of(local: Path, url: str, tier_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The local tier :func:`fetch_latest` reads: ``tier_dir``, else the callback's
+    default for the run ``url`` under ``local`` when it exists (on any rank: the ranks
+    agree), else None."""
+    if tier_dir is not None:
+        if not isinstance(tier_dir, (str, os.PathLike)):
+            raise ConfigError(f"tier_dir={tier_dir!r} must be a path (str or os.PathLike)")
+        return Path(tier_dir).expanduser()
+    default = default_tier(local, url)
+    found = default.is_dir()
+    if is_distributed():
+        found = any(agree(value=found, group=run_group()).values)
+    return default if found else None
+
+
+def _refuse_link(target: Path) -> None:
+    """UnsafePathError when ``target`` (a ``checkpoint-N`` in local_dir) is a link."""
     if target.is_symlink():  # neither returned nor written through
         link = os.readlink(target)
         raise UnsafePathError(
@@ -633,31 +680,111 @@ def _fetch(manager: CheckpointManager, info: CheckpointInfo, local: Path) -> str
             path=str(target),
             link=link,
         )
+
+
+def _verify_archives(
+    fetched: LocalStore, sizes: Mapping[str, int], options: TransferOptions
+) -> None:
+    """Every torch archive among ``sizes`` (name: size) has each record's CRC-32 right."""
+    from .engine.verify import verify_archive
+
+    local_options = options.replace(storage_options={})
+    for name, size in sizes.items():
+        if name.endswith(_ARCHIVES):
+            verify_archive(fetched, name, local_options, expected_size=size)
+
+
+def _fetch_bucket(
+    store: Store, prefix: str, options: TransferOptions, info: CheckpointInfo, local: Path
+) -> str:
+    """Download the bucket's committed ``info`` (under ``prefix`` in ``store``) into
+    ``local/checkpoint-N`` (one process; see fetch_latest)."""
+    name = f"checkpoint-{info.step}"
+    target = local / name
+    _refuse_link(target)
     if target.exists():
         try:
             _check_sizes(LocalStore(target), info)
-            bucket_prefix = info.url[len(manager.store.url("")) :]
-            _check_hashes(LocalStore(target), info, manager.store, bucket_prefix, manager.options)
+            _check_hashes(LocalStore(target), info, store, prefix, options)
         except (CorruptCheckpointError, NotFoundError) as exc:
             raise AlreadyExistsError(
                 f"{target} exists and is not {info.url} ({exc}); move it away to fetch"
             ) from exc
         return str(target)
-    store, prefix = manager.store, info.url[len(manager.store.url("")) :]
     check_remote(store, prefix, info)
     # Made with no link inside local_dir (UnsafePathError); written below it the same way.
     partial = LocalStore(local).make_dirs(f".{name}.cloudckpt-fetch/")
     fetched = LocalStore(partial)
-    copy_tree(store, prefix, fetched, "", manager.options, exclude=(MARKER_NAME,))
+    copy_tree(store, prefix, fetched, "", options, exclude=(MARKER_NAME,))
     _check_sizes(fetched, info)
-    from .engine.verify import verify_archive
-
-    local_options = manager.options.replace(storage_options={})
-    for f in info.files:
-        if f.name.endswith(_ARCHIVES):
-            verify_archive(fetched, f.name, local_options, expected_size=f.size)
+    _verify_archives(fetched, {f.name: f.size for f in info.files}, options)
     partial.rename(target)
     return str(target)
+
+
+def _fetch_tier(
+    store: Store, prefix: str, options: TransferOptions, info: CheckpointInfo, local: Path
+) -> str:
+    """Put the step a local tier committed (``info``; under ``prefix`` in ``store``: the
+    tier's folder, or the manager's view of it over the bucket's copy) into
+    ``local/checkpoint-N``: each file the tier holds hard-linked from it (copied where
+    links are refused), any other downloaded (one process; see fetch_latest)."""
+    name = f"checkpoint-{info.step}"
+    target = local / name
+    _refuse_link(target)
+    sizes = {
+        o.key[len(prefix) :]: o.size
+        for o in store.list(prefix)
+        if o.key[len(prefix) :] != MARKER_NAME
+    }
+    if target.exists():
+        mine = LocalStore(target)
+        for rel, size in sizes.items():
+            there = target / rel
+            same = there.is_file() and there.stat().st_size == size
+            if same and not _same_file(_local_path(store, prefix + rel), there):
+                same = same_bytes(store, prefix + rel, mine, rel, size)
+            if not same:
+                raise AlreadyExistsError(
+                    f"{target} exists and is not step {info.step} of the local tier "
+                    f"({rel} holds other bytes, or is missing); move it away to fetch"
+                )
+        return str(target)
+    partial = LocalStore(local).make_dirs(f".{name}.cloudckpt-fetch/")
+    fetched = LocalStore(partial)
+    for rel in sizes:
+        source = _local_path(store, prefix + rel)
+        if source is not None:
+            fetched.make_dirs(rel.rpartition("/")[0] + "/" if "/" in rel else "")
+            dest = partial / rel
+            if dest.exists():  # an interrupted fetch's
+                dest.unlink()
+            _link(source, dest)
+        else:
+            copy_object(store, prefix + rel, fetched, rel, options)
+    for rel, size in sizes.items():
+        if fetched.head(rel).size != size:
+            raise CorruptCheckpointError(
+                f"{fetched.url(rel)} holds {fetched.head(rel).size} bytes, the local tier's "
+                f"step {info.step} has {size}"
+            )
+    _verify_archives(fetched, sizes, options)
+    partial.rename(target)
+    return str(target)
+
+
+def _local_path(store: Store, key: str) -> Path | None:
+    """The file that serves ``key`` when it is on local disk (a ``file://`` URL)."""
+    url = store.url(key)
+    return Path(url[len("file://") :]) if url.startswith("file://") else None
+
+
+def _same_file(a: Path | None, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file (a hard link of each other)."""
+    try:
+        return a is not None and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _check_hashes(

@@ -39,7 +39,18 @@ def test_zero2_worker_killed_mid_save_leaves_the_previous_checkpoint_and_resumes
     base_run = launch(moto_server, base_url, tmp_path / "base", 12, *ZERO2, report=tmp_path / "a")
     # Rank 1 uploads its files of step 8 (its ZeRO optimizer shard, rng_state_1.pth),
     # then is killed (SIGKILL) before the ranks settle: nothing commits step 8.
-    killed = launch(moto_server, url, tmp_path / "killed", 12, *ZERO2, "--kill-in-upload", "1:8")
+    # Each rank a node of its own (its own output_dir and local tier), so rank 1 sends
+    # its own files.
+    killed = launch(
+        moto_server,
+        url,
+        tmp_path / "killed",
+        12,
+        *ZERO2,
+        "--kill-in-upload",
+        "1:8",
+        "--output-per-rank",
+    )
     codes, errors = finish(killed[1:])
     assert codes == [-9], errors
     # Rank 0's collectives fail once the dead peer's connection drops (torchrun would

@@ -39,7 +39,7 @@ from transformers import (
     set_seed,
 )
 
-import cloudckpt.hf
+import cloudckpt.manager.tiers
 from cloudckpt.errors import CloudCkptError, StorageError
 from cloudckpt.hf import CloudCheckpointCallback, fetch_latest
 
@@ -183,7 +183,7 @@ def main() -> None:
         args.output_dir = f"{args.output_dir}/rank-{me}"
     if args.kill_in_upload or args.fail_upload:
         bad_rank, bad_step = (int(v) for v in (args.kill_in_upload or args.fail_upload).split(":"))
-        real_copy = cloudckpt.hf.copy_tree
+        real_copy = cloudckpt.manager.tiers.copy_tree  # what a drain sends files with
 
         def copy_then_die(src, src_prefix, dst, dst_prefix, *rest, **kw):  # type: ignore[no-untyped-def]
             mine = me == bad_rank and f"step-{bad_step:09d}/" in dst_prefix
@@ -194,7 +194,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # kill -9 mid-save: no commit yet
             return copied
 
-        cloudckpt.hf.copy_tree = copy_then_die  # type: ignore[assignment]
+        cloudckpt.manager.tiers.copy_tree = copy_then_die  # type: ignore[assignment]
     opts = json.loads(args.storage_options)
     callbacks: list[Any] = [CloudCheckpointCallback(args.url, storage_options=opts)]
     if args.block_at:

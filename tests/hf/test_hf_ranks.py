@@ -76,6 +76,12 @@ def succeed(procs):
     assert codes == [0] * len(procs), errors
 
 
+def only_tier(output_dir):
+    """The one local tier the callback made under ``output_dir`` (a folder per run URL)."""
+    (tier,) = (output_dir / ".cloudckpt-tier").iterdir()
+    return tier
+
+
 def reports(path, world=2):
     return [json.loads(Path(f"{path}.{r}").read_text()) for r in range(world)]
 
@@ -88,7 +94,11 @@ def test_a_worker_killed_mid_save_leaves_the_previous_checkpoint_and_resumes(
     base_run = launch(moto_server, base_url, tmp_path / "base", 12, report=tmp_path / "a")
     # Rank 1 uploads its files of step 8 (rng_state_1.pth), then is killed (SIGKILL)
     # before the ranks settle: rank 0 has nothing to commit step 8 with.
-    killed = launch(moto_server, url, tmp_path / "killed", 12, "--kill-in-upload", "1:8")
+    # Each rank a node of its own (its own output_dir and local tier), so rank 1 sends
+    # its own files.
+    killed = launch(
+        moto_server, url, tmp_path / "killed", 12, "--kill-in-upload", "1:8", "--output-per-rank"
+    )
     codes, errors = finish(killed[1:])
     assert codes == [-9], errors
     # Rank 0's collectives fail when the dead peer's connection drops; torchrun would
@@ -144,26 +154,32 @@ def test_a_ranks_failed_upload_fails_every_rank_naming_it(moto_server, tmp_path)
     bucket = moto_server.make_bucket(unique_bucket_name("hf-ddp-fail"))
     url = f"s3://{bucket}/run"
     procs = launch(
-        moto_server, url, tmp_path / "out", 8, "--fail-upload", "1:4", report=tmp_path / "r"
+        moto_server,
+        url,
+        tmp_path / "out",
+        8,
+        "--fail-upload",
+        "1:4",
+        "--output-per-rank",
+        report=tmp_path / "r",
     )
     codes, errors = finish(procs)
     assert codes == [3, 3], errors
     failed = reports(tmp_path / "r")
-    # Every rank's train() raises the step's failure: rank 1 its own error, rank 0 a
-    # DistributedSaveError naming rank 1 and what it raised.
-    assert failed[1]["error"] == "StorageError" and failed[1]["cause"] == "StorageError"
-    assert "refused upload" in failed[1]["message"]
-    assert failed[0]["error"] == "StorageError"
-    assert failed[0]["cause"] == "DistributedSaveError"
+    # Every rank's train() raises the step's failure (the drain at the end, tried again
+    # there): rank 1 its own error, rank 0 a CollectiveError naming rank 1, its error
+    # and the step.
+    assert failed[1]["error"] == "StorageError" and "refused upload" in failed[1]["message"]
+    assert failed[0]["error"] == "CollectiveError"
     assert "rank 1" in failed[0]["message"] and "refused upload" in failed[0]["message"]
-    assert "checkpoint 4" in failed[0]["message"] and "nothing committed" in failed[0]["message"]
-    # Step 4 was tried again (at the save of step 8 and at the end) and never committed;
-    # step 8 was.
+    assert "drain of step 4" in failed[0]["message"]
+    # Step 4 was tried again (at the end) and never committed in the bucket; step 8 was.
     assert committed(moto_server, url) == [8]
-    staged = tmp_path / "out" / ".cloudckpt-upload"
-    assert (staged / "rank-0" / "checkpoint-4" / "optimizer.pt").is_file()
-    assert (staged / "rank-1" / "checkpoint-4" / "rng_state_1.pth").is_file()
-    assert not (staged / "rank-1" / "checkpoint-4" / "optimizer.pt").exists()
+    # Step 4 stays committed in each rank's local tier, whole there, for a later drain.
+    for r, mine in ((0, "rng_state_0.pth"), (1, "rng_state_1.pth")):
+        tier = only_tier(tmp_path / "out" / f"rank-{r}") / "step-000000004"
+        assert (tier / "_CHECKPOINT.json").is_file() and (tier / mine).is_file()
+        assert (tier / "optimizer.pt").is_file()  # the main process's files: every node's
 
 
 def test_the_multi_process_docs_example_runs_under_torchrun(moto_server, tmp_path):
@@ -251,8 +267,9 @@ def test_a_trainer_counting_one_process_in_a_group_of_several_is_refused(tmp_pat
 
 def _two_ranks_save(rank, world, root, results):  # run_ranks: a forked gloo rank
     """The callback's events on 2 ranks without a Trainer: a folder per rank (a node
-    each), a step whose folder is missing on rank 1, an upload failing once on rank 1."""
+    each), a step whose folder is missing on rank 1, a drain failing once on rank 1."""
     import cloudckpt.hf as hf
+    import cloudckpt.manager.tiers as tiers
     from cloudckpt.errors import DistributedSaveError, NotFoundError, StorageError
 
     out = root / f"out-{rank}"
@@ -285,7 +302,7 @@ def _two_ranks_save(rank, world, root, results):  # run_ranks: a forked gloo ran
     if rank == 0:
         assert "rank 1" in str(raised) and "nothing committed" in str(raised)
 
-    real_copy, tries = hf.copy_tree, []
+    real_copy, tries = tiers.copy_tree, []
 
     def fail_once(src, src_prefix, dst, dst_prefix, *rest, **kw):
         if rank == 1 and "step-000000012/" in dst_prefix and not tries:
@@ -293,14 +310,12 @@ def _two_ranks_save(rank, world, root, results):  # run_ranks: a forked gloo ran
             raise StorageError("refused once")
         return real_copy(src, src_prefix, dst, dst_prefix, *rest, **kw)
 
-    hf.copy_tree = fail_once
+    tiers.copy_tree = fail_once
     write(12, mine)
-    callback.on_save(args, state(12), None)
-    callback._drainer.wait()  # the step failed on both ranks...
-    assert callback._failed == {12}
-    callback.on_train_end(args, state(12), None)  # ...and every rank tried it again
-    assert callback._failed == set() and tries == ([1] if rank == 1 else [])
-    results.put((rank, sorted(callback._committed)))
+    callback.on_save(args, state(12), None)  # committed in each rank's tier; drains after
+    callback.on_train_end(args, state(12), None)  # every rank tries the failed drain again
+    assert tries == ([1] if rank == 1 else [])
+    results.put((rank, sorted(hf.drained_steps(callback._tier))))
 
 
 def test_two_ranks_commit_once_agree_on_failures_and_retry_together(tmp_path):
@@ -321,15 +336,20 @@ def test_two_ranks_commit_once_agree_on_failures_and_retry_together(tmp_path):
         "sub/a.bin",
     ]
     assert info.metadata == {"folder": "checkpoint-12", "world_size": 2}
-    # Each rank's staging folder held only its own files, and is empty again.
-    for r in (0, 1):
-        assert not any((tmp_path / f"out-{r}" / ".cloudckpt-upload" / f"rank-{r}").iterdir())
+    # Each node's tier holds its own rank's files and the main process's.
+    tier1 = only_tier(tmp_path / "out-1") / "step-000000012"
+    held = sorted(p.relative_to(tier1).as_posix() for p in tier1.rglob("*") if p.is_file())
+    assert held == ["_CHECKPOINT.json", "model.safetensors", "rng_state_1.pth", "sub/a.bin"]
+    # Step 8, refused on both ranks, is committed nowhere.
+    assert not (only_tier(tmp_path / "out-0") / "step-000000008" / "_CHECKPOINT.json").exists()
 
 
 def _rewritten_before_the_commit(rank, world, root, results):  # run_ranks: a gloo rank
-    """Another run's save rewrites rank 0's ``model.safetensors`` (another size) between
-    the ranks' uploads and the commit: the step fails on both ranks, nothing committed."""
+    """Another run's save rewrites rank 0's ``model.safetensors`` (another size) in the
+    bucket between the ranks' drains and the commit: the drain fails on both ranks,
+    nothing is committed in the bucket, and the step stays committed in each tier."""
     import cloudckpt.hf as hf
+    from cloudckpt.errors import CloudCkptError
 
     out = root / f"out-{rank}"
     callback = hf.CallbackBase(str(root / "bucket" / "run"))
@@ -340,16 +360,24 @@ def _rewritten_before_the_commit(rank, world, root, results):  # run_ranks: a gl
     folder.mkdir(parents=True)
     for name in [f"rng_state_{rank}.pth"] + (["model.safetensors"] if rank == 0 else []):
         (folder / name).write_bytes(f"{name} of this run".encode())
-    real = hf.commit_step
+    manager = callback._tier
+    real = manager._commit
 
-    def theirs_first(store, prefix, *rest, **kw):  # the first rank, just before its commit
-        store.put(prefix + "model.safetensors", b"the other run's weights, another size")
-        return real(store, prefix, *rest, **kw)
+    def theirs_first(step, *rest, **kw):  # the first rank, just before its commit
+        manager.store.put(
+            manager._step_prefix(step) + "model.safetensors",
+            b"the other run's weights, another size",
+        )
+        return real(step, *rest, **kw)
 
-    hf.commit_step = theirs_first
+    manager._commit = theirs_first
     callback.on_save(args, state, None)
-    callback._drainer.wait()
-    results.put((rank, sorted(callback._failed), sorted(callback._committed)))
+    raised = None
+    try:
+        callback.wait()
+    except CloudCkptError as exc:
+        raised = type(exc).__name__
+    results.put((rank, raised, sorted(hf.drained_steps(manager))))
 
 
 def test_a_file_rewritten_before_a_two_rank_commit_fails_it(tmp_path):
@@ -359,5 +387,9 @@ def test_a_file_rewritten_before_a_two_rank_commit_fails_it(tmp_path):
 
     results = multiprocessing.get_context("fork").SimpleQueue()
     run_ranks(_rewritten_before_the_commit, 2, tmp_path, results, timeout=120)
-    assert sorted(results.get() for _ in range(2)) == [(0, [4], []), (1, [4], [])]
+    found = sorted(results.get() for _ in range(2))
+    assert [(r, drained) for r, _, drained in found] == [(0, []), (1, [])]
+    assert all(raised is not None for _, raised, _ in found), found
     assert CheckpointManager(str(tmp_path / "bucket" / "run")).list() == []
+    for r in (0, 1):
+        assert (only_tier(tmp_path / f"out-{r}") / "step-000000004" / "_CHECKPOINT.json").is_file()

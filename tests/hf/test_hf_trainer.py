@@ -204,23 +204,26 @@ def test_keep_local_deletes_committed_folders_beyond_the_newest(moto_server, tmp
 def test_a_failed_upload_is_raised_by_train_naming_the_checkpoint(
     moto_server, tmp_path, monkeypatch
 ):
-    import cloudckpt.hf
+    import cloudckpt.manager.tiers
 
     def refuse(*args, **kwargs):
         raise AccessDeniedError("the bucket refused the upload")
 
-    monkeypatch.setattr(cloudckpt.hf, "copy_tree", refuse)
+    monkeypatch.setattr(cloudckpt.manager.tiers, "copy_tree", refuse)
     bucket = moto_server.make_bucket(unique_bucket_name("hf-fail"))
     url = f"s3://{bucket}/run"
     callback = CloudCheckpointCallback(url, storage_options=moto_server.storage_options())
     trainer = tiny_trainer(str(tmp_path / "out"), 4, [callback])
-    with pytest.raises(StorageError, match=r"checkpoint 4 from .*refused the upload") as info:
+    with pytest.raises(StorageError, match=r"step 4 .*refused the upload") as info:
         trainer.train()
     assert str(tmp_path / "out") in str(info.value)
     assert isinstance(info.value.__cause__, AccessDeniedError)
     assert committed(moto_server, url) == []
-    # The staged files wait for a retry; the Trainer's folder is untouched.
-    assert (tmp_path / "out" / ".cloudckpt-upload" / "checkpoint-4" / "optimizer.pt").is_file()
+    # The step is committed in the local tier and waits there for a drain; the
+    # Trainer's folder is untouched.
+    (run_tier,) = (tmp_path / "out" / ".cloudckpt-tier").iterdir()  # one per run URL
+    tier = run_tier / "step-000000004"
+    assert (tier / "optimizer.pt").is_file() and (tier / "_CHECKPOINT.json").is_file()
     assert (tmp_path / "out" / "checkpoint-4" / "optimizer.pt").is_file()
 
 

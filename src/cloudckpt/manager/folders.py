@@ -2,8 +2,8 @@
 DeepSpeed, the Hugging Face callback): the run's manager, the group their collectives
 run on, a step's prefix, the checks of a step number, the files a folder holds, and
 the upload of each rank's folder with the one commit after it; with a local tier
-(Accelerate, DeepSpeed), the process's manager of a run and directory, and a save
-into it."""
+(Accelerate, DeepSpeed, the Hugging Face callback), the process's manager of a run and
+directory, a save into it, and the steps drained from it."""
 
 from __future__ import annotations
 
@@ -11,31 +11,42 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..engine.copy import TreeCopyResult, copy_tree
 from ..engine.remove import remove_checkpoint
-from ..errors import ConfigError, DistributedSaveError
+from ..errors import ConfigError, DistributedSaveError, NotFoundError
 from ..options import TransferOptions
 from ..ranks.collectives import agree, is_distributed, on_first, rank
 from ..ranks.groups import checkpoint_group, drain_group
-from ..store import open_target
+from ..store import Target, open_target
 from ..store.local import LocalStore
 from .manager import CheckpointManager
-from .marker import MARKER_NAME, CheckpointInfo, Written, commit_step, root_prefix, step_dir
+from .marker import (
+    MARKER_NAME,
+    CheckpointInfo,
+    Written,
+    commit_step,
+    read_marker,
+    root_prefix,
+    step_dir,
+)
 from .payload import PayloadKind
-from .retention import KeepLast
-from .tiers import check_positive
+from .retention import KeepLast, RetentionPolicy
+from .tiers import LocalTier, check_positive
 
 __all__ = [
     "TieredRuns",
     "checked_keep_local",
     "checked_step",
     "commit_folder",
+    "committed_copy",
+    "drained_steps",
     "files_under",
     "gathered",
+    "local_tier",
     "open_run",
     "payload_call",
     "run_group",
@@ -113,6 +124,21 @@ def payload_call(state: Any, expected: type[Any], kind: str, functions: str) -> 
     return state
 
 
+def committed_copy(
+    prefix_url: str | Target, options: TransferOptions
+) -> tuple[Target, str, CheckpointInfo]:
+    """The committed copy a trainer's payload kind loads: ``prefix_url`` opened (a URL,
+    or a ``Target`` as given: the manager's view of a local copy over the bucket's), the
+    key prefix of its files (ending in ``/``, or empty) and its marker; NotFoundError
+    when nothing is committed there."""
+    target = prefix_url if isinstance(prefix_url, Target) else open_target(prefix_url, options)
+    prefix = target.key.rstrip("/") + "/" if target.key else ""  # a folder's keys
+    info = read_marker(target.store, prefix + MARKER_NAME)
+    if info is None:
+        raise NotFoundError(f"no committed checkpoint at {target.url}")
+    return target, prefix, info
+
+
 def tier_folder(prefix_url: str, options: TransferOptions, kind: str) -> Path:
     """The local folder ``prefix_url`` names, where a trainer writes a step of a local
     tier itself (ConfigError naming ``kind`` for one in a bucket)."""
@@ -140,10 +166,12 @@ def save_to_tier(
     metrics: Mapping[str, float] | None = None,
     keep_local: int | None = None,
     keep_last: int | None = None,
+    policies: Sequence[RetentionPolicy] | None = None,
 ) -> CheckpointInfo:
     """The save of ``step`` by ``manager`` (one of :func:`tiered_run`) into its local
     tier, committed there on return; ``keep_local`` newest local steps kept (None: all),
-    ``keep_last`` the bucket's retention after each drain. One process: its drainer
+    ``keep_last`` the bucket's retention after each drain (``policies``: the bucket's
+    retention rules instead, as given). One process: its drainer
     drains the step in the background. Several: every rank queues the step for its
     drainer after the same collective commit (the manager's order for an
     ``async_save``), the drain group made here, by every rank in step."""
@@ -151,13 +179,37 @@ def save_to_tier(
     if tiered is None:
         raise ConfigError(f"{manager!r} has no local tier (local_dir=)")
     tiered.tier.keep = keep_local
-    manager.policies = [] if keep_last is None else [KeepLast(keep_last)]
+    if policies is not None:
+        manager.policies = list(policies)
+    else:
+        manager.policies = [] if keep_last is None else [KeepLast(keep_last)]
     info = manager.save(step, state, metrics=metrics, metadata=metadata)
     if tiered.ranked():
         drain_group()
         if tiered.tier.due(step):
             tiered.drainer.submit(step)
     return info
+
+
+def local_tier(manager: CheckpointManager) -> LocalTier:
+    """``manager``'s local tier (ConfigError when it has none)."""
+    tiered = manager._tiered
+    if tiered is None:
+        raise ConfigError(f"{manager!r} has no local tier (local_dir=)")
+    return tiered.tier
+
+
+def drained_steps(manager: CheckpointManager) -> set[int]:
+    """The steps of ``manager``'s local tier committed in the bucket: those its drain
+    records say so of, and those this process drained (since gone from the tier or
+    the bucket by retention). No request to the bucket."""
+    tier = local_tier(manager)
+    tiered = manager._tiered
+    assert tiered is not None
+    waiting = set(tiered.waiting())
+    with tiered._lock:
+        drained = set(tiered.drained)
+    return drained | {c.step for c in tier.list() if tier.due(c.step) and c.step not in waiting}
 
 
 def run_group() -> Any:

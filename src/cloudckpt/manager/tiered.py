@@ -109,6 +109,9 @@ class TieredRun:
         self._lock = threading.Lock()
         #: The steps the drainer last saw committed in the bucket (its listing, its commits).
         self._in_bucket: set[int] = set()
+        #: The steps this process's drains committed in the bucket (kept after either
+        #: tier's retention removed them).
+        self.drained: set[int] = set()
 
     @staticmethod
     def ranked() -> bool:
@@ -130,6 +133,7 @@ class TieredRun:
     def _entered_bucket(self, step: int) -> None:
         with self._lock:
             self._in_bucket.add(step)  # committed there: by this drain, or another save
+            self.drained.add(step)
 
     # -- a bucket that is away ------------------------------------------------------------
     def scan_bucket(
@@ -225,9 +229,13 @@ class TieredRun:
         rank on the others)."""
         ranked = self.ranked()
         error: BaseException | None = None
+        # A kind that links files already on the tier's disk takes no room (Hugging
+        # Face's: the Trainer's folder, hard-linked).
+        needs_room = getattr(self.bucket.kind, "needs_room", None)
         try:
             copies = 2 if self.replicate_to_peer and ranked else 1
-            self.tier.check_room(state, copies=copies, waiting=self.waiting)
+            if needs_room is None or needs_room(state):
+                self.tier.check_room(state, copies=copies, waiting=self.waiting)
         except Exception as exc:
             error = exc
         group = checkpoint_group() if ranked else None  # one process: its own error, as is

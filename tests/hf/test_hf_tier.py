@@ -1,0 +1,153 @@
+"""The Hugging Face callback on its local tier: real Trainers (one process) against a
+moto S3 server, with the bucket away (a port where nothing listens, then a proxy to the
+server started there), a restart that resumes from the tier, and a Trainer writing a
+committed step's folder again in place."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from run_train import losses, tiny_trainer
+from transformers import TrainerCallback
+
+from cloudckpt import CheckpointManager
+from cloudckpt.errors import AlreadyExistsError, StorageError
+from cloudckpt.hf import CloudCheckpointCallback, default_tier, fetch_latest
+from cloudckpt.manager import MARKER_NAME
+from cloudckpt.options import TransferOptions
+from cloudckpt.testing.fault_proxy import FaultProxy
+from ranks import HOST
+from servers import free_port, unique_bucket_name
+
+#: A bucket that is away fails a request fast: two attempts, short waits and timeouts.
+FAST = TransferOptions(
+    max_attempts=2, backoff_base=0.05, backoff_max=0.2, connect_timeout=1.0, request_timeout=2.0
+)
+
+
+class StopAt(TrainerCallback):
+    """End training after step ``at`` (its save done), as a preempted job would."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+
+
+def committed(server, url):
+    return [c.step for c in CheckpointManager(url, storage_options=server.storage_options()).list()]
+
+
+def tier_of(out: Path, url: str) -> Path:
+    """The callback's default local tier of the run ``url`` under ``out``."""
+    return default_tier(out, CheckpointManager(url).root_url)
+
+
+def tier_steps(tier: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in tier.glob("step-*") if (p / MARKER_NAME).exists())
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_saves_go_on_in_the_tier_while_the_bucket_is_away_and_a_restart_resumes_there(
+    moto_server, tmp_path, caplog
+):
+    """Every connection to the bucket refused: train() runs to its end, each checkpoint
+    committed in output_dir/.cloudckpt-tier (a WARNING says the bucket is away), and
+    only the final drain raises. With the bucket back, a restart on the same output_dir
+    resumes from the tier's newest step (its files linked, not downloaded) with the
+    losses of an uninterrupted run, and its drains commit every step in the bucket."""
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-tier-away"))
+    url, opts = f"s3://{bucket}/run", moto_server.storage_options()
+    base = tiny_trainer(str(tmp_path / "base"), 12)
+    base.train()
+
+    port = free_port()
+    away = {**opts, "endpoint_url": f"http://{HOST}:{port}"}
+    out = tmp_path / "out"
+    first = tiny_trainer(
+        str(out),
+        12,  # the same learning-rate schedule as the uninterrupted run
+        [CloudCheckpointCallback(url, options=FAST, storage_options=away), StopAt(8)],
+    )
+    with (
+        caplog.at_level(logging.WARNING, logger="cloudckpt"),
+        pytest.raises(StorageError, match=r"unreachable|refused|Connect"),
+    ):
+        first.train()
+    assert losses(first) == losses(base)[:8]  # every step ran
+    tier = tier_of(out, url)
+    assert tier.parent == out / ".cloudckpt-tier"
+    assert tier_steps(tier) == [4, 8]  # both kept: neither drained
+    assert any("unreachable" in r.getMessage() for r in caplog.records)
+    assert committed(moto_server, url) == []
+    # The tier's files are the Trainer's, linked: no bytes copied.
+    for name in ("model.safetensors", "optimizer.pt"):
+        tier_file = tier / "step-000000008" / name
+        assert tier_file.samefile(out / "checkpoint-8" / name)
+
+    with FaultProxy(moto_server.endpoint_url, port=port):
+        resumed = tiny_trainer(
+            str(out), 12, [CloudCheckpointCallback(url, options=FAST, storage_options=away)]
+        )
+        path = fetch_latest(url, out, options=FAST, storage_options=away)
+        assert path == str(out / "checkpoint-8")
+        resumed.train(resume_from_checkpoint=path)
+    assert losses(resumed)[-4:] == losses(base)[8:]
+    assert committed(moto_server, url) == [8, 12]  # 4 and 8 drained, then save_total_limit=2
+    info = CheckpointManager(url, storage_options=opts).info(12)
+    assert info.kind == "hf-trainer" and info.metadata == {"folder": "checkpoint-12"}
+    # A machine without the tier fetches step 12 from the bucket, byte for byte the same.
+    fetched = Path(fetch_latest(url, tmp_path / "elsewhere", storage_options=opts))
+    for f in info.files:
+        assert digest(fetched / f.name) == digest(out / "checkpoint-12" / f.name), f.name
+
+
+def test_a_committed_step_written_again_by_the_trainer_keeps_its_bytes(moto_server, tmp_path):
+    """Run A commits steps 4 and 8 (its tier's step 8: hard links of the Trainer's
+    checkpoint-8). Run B, another URL from scratch on the same output_dir, has a tier of
+    its own and writes checkpoint-8 again in place with other values: checkpoint-8's
+    files first get bytes of their own (WARNING), so A's committed copy keeps A's bytes,
+    and B commits its own. Run A started again from scratch has its save of step 8
+    refused: it is committed."""
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-tier-rewrite"))
+    opts = moto_server.storage_options()
+    url_a, url_b = f"s3://{bucket}/a", f"s3://{bucket}/b"
+    out = tmp_path / "out"
+    first = tiny_trainer(str(out), 8, [CloudCheckpointCallback(url_a, storage_options=opts)])
+    first.train()
+    assert committed(moto_server, url_a) == [4, 8]
+    step8 = tier_of(out, url_a) / "step-000000008"
+    before = {p.name: digest(p) for p in step8.iterdir() if p.name != MARKER_NAME}
+
+    def from_scratch(url):
+        return tiny_trainer(
+            str(out),
+            8,
+            [CloudCheckpointCallback(url, storage_options=opts)],
+            save_steps=8,
+            learning_rate=5e-2,  # other weights at step 8
+        )
+
+    from_scratch(url_b).train()
+    rewritten = {n: digest(out / "checkpoint-8" / n) for n in before}
+    assert rewritten["model.safetensors"] != before["model.safetensors"]
+    assert {p.name: digest(p) for p in step8.iterdir() if p.name != MARKER_NAME} == before
+    assert committed(moto_server, url_b) == [8]
+    for url, expected in ((url_a, before), (url_b, rewritten)):
+        fetched = Path(fetch_latest(url, tmp_path / f"elsewhere-{url[-1]}", storage_options=opts))
+        assert {n: digest(fetched / n) for n in expected} == expected, url
+
+    with pytest.raises(AlreadyExistsError, match="step 8 is already committed"):
+        from_scratch(url_a).train()
+    assert {p.name: digest(p) for p in step8.iterdir() if p.name != MARKER_NAME} == before
