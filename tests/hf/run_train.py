@@ -208,6 +208,8 @@ def main() -> None:
     try:
         trainer.train(resume_from_checkpoint=resume)
     except CloudCkptError as exc:  # the report says which error each rank raised
+        if not args.report:
+            raise
         cause = exc.__cause__
         with open(report, "w") as f:
             json.dump(
