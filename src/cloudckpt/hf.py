@@ -649,8 +649,11 @@ def fetch_latest(
     local = Path(local_dir).expanduser()
     manager = _open_run(url, options, storage_options, kind=TrainerPayload())
     tier = _tier_of(local, manager.root_url, tier_dir)
-    if tier is not None:
-        manager = _tiered_run(url, tier, options, storage_options)
+    if tier is not None:  # a manager of its own: it only restores (never drains)
+        tier = tier.resolve()
+        manager = _open_run(
+            url, options, storage_options, kind=TrainerPayload(tier), local_dir=tier
+        )
     fetched: str | None = manager.restore(state=_FetchCall(local))
     return fetched
 
