@@ -159,6 +159,10 @@ def _in_order(keys: Iterable[K]) -> list[K]:
         return found
 
 
+#: How long an exit waits for a drain of several ranks under way (seconds).
+EXIT_WAIT_S = 120.0
+
+
 class Drainer(Generic[K]):
     """One daemon thread running ``work(key)`` for queued keys, in order (FIFO). A
     failure is kept with its error, naming the key, until the key is queued again; the
@@ -227,12 +231,14 @@ class Drainer(Generic[K]):
         self.prepare_error: BaseException | None = None
         #: The failure that began the outage under way (None: no outage).
         self.outage: BaseException | None = None
+        #: Set at interpreter exit: no key is started any more.
+        self._closing = False
         atexit.register(_report_at_exit, weakref.ref(self))
 
     def _start(self) -> None:
         """Start the thread if it is not running (under the lock)."""
         self._generation += 1
-        if self._thread is None:
+        if self._thread is None and not self._closing:
             self._thread = threading.Thread(target=self._run, name="cloudckpt-drain", daemon=True)
             runs_collectives(self._thread)  # its drains agree on the drain group
             self._thread.start()
@@ -329,7 +335,7 @@ class Drainer(Generic[K]):
                     probe, probed = True, self._generation
                 elif not self._prepared and tried != self._generation:
                     self._preparing, tried = True, self._generation
-                elif not self._queue:
+                elif not self._queue or self._closing:
                     self._thread = None
                     self._cond.notify_all()
                     return
@@ -464,10 +470,29 @@ class Drainer(Generic[K]):
 
 
 def _report_at_exit(ref: weakref.ref[Drainer[Any]]) -> None:
-    """At interpreter exit: say which drains are left for the next process."""
+    """At interpreter exit: say which drains are left for the next process. A drainer
+    of several ranks starts no other key and its drain under way may end first (up to
+    :data:`EXIT_WAIT_S`): every rank's drainer is in the same collective drain, and a
+    process that ended with its thread inside one aborted ("terminate called")."""
     drainer = ref()
     if drainer is None:
         return
+    with drainer._cond:
+        drainer._closing = True
+        busy = drainer._busy is not None and not drainer._solo()
+    if busy:
+        log.info(
+            "waiting up to %s s at exit for the drain of %s %s under way (call drain() "
+            "before exit to drain every %s)",
+            EXIT_WAIT_S,
+            drainer.noun,
+            drainer._busy,
+            drainer.noun,
+        )
+        end = time.monotonic() + EXIT_WAIT_S
+        with drainer._cond:
+            while drainer._thread is not None and time.monotonic() < end:
+                drainer._cond.wait(min(SLICE, max(0.0, end - time.monotonic())))
     left = drainer.unfinished()
     if left:
         log.warning(
