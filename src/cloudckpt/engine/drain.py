@@ -175,8 +175,9 @@ class Drainer(Generic[K]):
     same order, and whether a key is still queued differs from rank to rank.
 
     ``noun`` names a key in messages ("step", "file"); ``at_exit`` says what becomes of
-    a drain left at exit, ``retry`` what tries a failed one again. Nothing waits for
-    the thread at exit: what is left is logged at WARNING.
+    a drain left at exit, ``retry`` what tries a failed one again. At exit what is
+    left is logged at WARNING; only a drain of several ranks under way is waited for
+    (bounded: :func:`_report_at_exit`).
 
     ``prepare``, when given, runs in the thread before the first work (and again after
     it failed, at the next :meth:`kick`, submit or :meth:`retry_failed`): the keys it
