@@ -43,13 +43,14 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ._lazy import lazy_attributes
 from .engine.copy import copy_object, copy_tree
 from .engine.drain import directory_owner
+from .engine.leftovers import sweep_leftovers
 from .engine.proof import matches_etag, md5_etag, multipart_etag, same_bytes
 from .errors import (
     AlreadyExistsError,
@@ -76,7 +77,7 @@ from .manager.folders import (
 )
 from .manager.folders import open_run as _open_run
 from .manager.marker import check_remote
-from .options import TransferOptions
+from .options import TransferOptions, check_seconds
 from .ranks.collectives import agree, is_distributed, rank, settle, world_size
 from .store import Store, Target
 from .store.local import LocalStore
@@ -149,17 +150,6 @@ class TrainerRetention:
         return kept
 
 
-def _link_tree(src: Path, dst: Path) -> None:
-    """``dst`` as a copy of the folder ``src`` made of hard links (a real copy of each
-    file where links are refused, e.g. across devices)."""
-    for here, dirs, files in os.walk(src):
-        rel = Path(here).relative_to(src)
-        (dst / rel).mkdir(parents=True, exist_ok=True)
-        for name in files:
-            _link(Path(here) / name, dst / rel / name)
-        dirs.sort()
-
-
 def _link(src: Path, dst: Path) -> None:
     """``dst`` as a hard link to ``src`` (a real copy where links are refused)."""
     try:
@@ -201,9 +191,37 @@ def _check_launched(what: str) -> None:
 
 @dataclass
 class _FolderCall:
-    """What :meth:`TrainerPayload.save` commits: the Trainer's ``checkpoint-N`` folder."""
+    """What :meth:`TrainerPayload.save` commits: the files of the Trainer's
+    ``checkpoint-N`` folder that this process wrote (``writes``: by name) in this save
+    (``before``: each file's identity before the Trainer saved, where the folder was
+    there already: a file still so is an earlier save's, not this one's)."""
 
     folder: Path
+    writes: Callable[[str], bool] = lambda name: True
+    before: Mapping[str, tuple[int, ...]] | None = None
+
+    def written(self) -> list[str]:
+        """The files of the folder this process wrote in this save; an earlier save's
+        left there (the Trainer does not empty a folder it saves into) are named at
+        WARNING and left out."""
+        names = [n for n in files_under(self.folder) if self.writes(n)]
+        if not self.before:
+            return names
+        stale = [n for n in names if self.before.get(n) == _identity(self.folder / n)]
+        if stale:
+            log.warning(
+                "%s: %s were left there by an earlier save and not written by this one; "
+                "they are not part of this checkpoint",
+                self.folder,
+                stale,
+            )
+        return [n for n in names if n not in stale]
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    """What tells a file from a rewrite of it: its inode, size and times."""
+    st = path.stat(follow_symlinks=False)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass
@@ -261,16 +279,19 @@ class TrainerPayload:
             return True  # the save names what is missing
 
     def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
-        """Link the Trainer's folder (``state``, a :class:`_FolderCall`) into the tier's
-        folder ``prefix_url`` names. Several ranks (every rank): once every rank wrote
-        its part (a barrier), each links the files :func:`file_owners` gives it; a
-        rank's failure is raised on every rank."""
+        """Link the files of the Trainer's folder that this save wrote (``state``, a
+        :class:`_FolderCall`) into the tier's folder ``prefix_url`` names. Several
+        ranks (every rank): once every rank wrote its part (a barrier), each lists the
+        files it wrote and links those :func:`file_owners` gives it; a rank's failure is
+        raised on every rank."""
         call = payload_call(state, _FolderCall, "Hugging Face Trainer", _FUNCTIONS)
         folder = tier_folder(prefix_url, options, "Hugging Face Trainer")
         if not is_distributed():
             if not call.folder.is_dir():
                 raise NotFoundError(f"the Trainer's checkpoint folder {call.folder} is missing")
-            _link_tree(call.folder, folder)
+            for name in call.written():
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                _link(call.folder / name, folder / name)
             return None  # the tier's commit lists the folder
         group = run_group()
         missing = None
@@ -285,8 +306,8 @@ class TrainerPayload:
         )
         error: BaseException | None = None
         names: list[str] = []
-        try:
-            names = files_under(call.folder)
+        try:  # each rank its own files: those it wrote in this save
+            names = call.written()
         except Exception as exc:
             error = exc
         listings = gathered(error, names, group, f"the listing of each rank's {call.folder.name}")
@@ -401,6 +422,7 @@ def unshare(folder: Path, mine: Callable[[str], bool] = lambda name: True) -> li
     naming them)."""
     if not folder.is_dir() or folder.is_symlink():
         return []
+    sweep_leftovers(LocalStore(folder))  # a copy an unshare killed midway left
     shared = [
         rel
         for rel in files_under(folder)
@@ -441,6 +463,7 @@ class CallbackBase:
             raise ConfigError(f"keep_local={keep_local!r} must be a positive integer or None")
         if local_dir is not None and not isinstance(local_dir, (str, os.PathLike)):
             raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
+        check_seconds("timeout", timeout)
         self.policy = TrainerRetention()
         #: The run in the bucket (the URL is resolved, and checked, here); the manager
         #: with the local tier once training begins.
@@ -456,6 +479,9 @@ class CallbackBase:
         # the first of those sharing its output_dir.
         self._world = 1
         self._dir_owner = True
+        #: The step whose folder was there before the Trainer saved it, and the identity
+        #: of each of its files this process writes (on_step_end).
+        self._before: tuple[int, dict[str, tuple[int, ...]]] | None = None
 
     def tier_dir(self) -> Path:
         """The local tier's directory: ``local_dir``, else the run's folder under
@@ -512,21 +538,31 @@ class CallbackBase:
         self._tier.list()  # several processes: rank 0 lists, every rank learns the outcome
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Before the Trainer saves this step: a ``checkpoint-{global_step}`` already in
-        ``output_dir`` whose files are hard-linked elsewhere (a local tier's committed
-        copy, of this run or another) gets files of its own first (:func:`unshare`),
-        since the Trainer writes its files in place. Each rank treats the files it
-        writes itself (its name names it; the others: the first rank of the folder),
-        so no rank copies a file another rank is writing."""
+        """Before the Trainer saves this step, when ``checkpoint-{global_step}`` is in
+        ``output_dir`` already: its files hard-linked elsewhere (a local tier's
+        committed copy, of this run or another) get files of their own first
+        (:func:`unshare`), since the Trainer writes its files in place; then each
+        file's identity is noted, so the save commits only what the Trainer wrote
+        (:meth:`_FolderCall.written`). Each rank treats the files it writes itself
+        (:meth:`_writes`), so no rank copies a file another rank is writing."""
         if self.output_dir is None:
             return
+        step = int(state.global_step)
+        folder = self.output_dir / f"checkpoint-{step}"
+        self._before = None
+        if folder.is_dir():
+            unshare(folder, self._writes)
+            self._before = (
+                step,
+                {n: _identity(folder / n) for n in files_under(folder) if self._writes(n)},
+            )
+
+    def _writes(self, name: str) -> bool:
+        """Whether this process writes the file ``name`` of a ``checkpoint-N``: one its
+        name names this rank by, or, any other, this rank is the first of its folder's."""
+        found = _RANK_FILE.search(name)
         me = rank() if self._world > 1 else 0
-
-        def mine(name: str) -> bool:
-            found = _RANK_FILE.search(name)
-            return int(found.group(1)) == me if found else self._dir_owner
-
-        unshare(self.output_dir / f"checkpoint-{int(state.global_step)}", mine)
+        return int(found.group(1)) == me if found else self._dir_owner
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Commit ``checkpoint-{global_step}`` in the local tier (links, no request to
@@ -541,10 +577,12 @@ class CallbackBase:
         metadata: dict[str, Any] = {"folder": folder.name}
         if self._world > 1:
             metadata["world_size"] = self._world
+        before = self._before[1] if self._before and self._before[0] == step else None
+        self._before = None
         save_to_tier(
             self._tier,
             step,
-            _FolderCall(folder),
+            _FolderCall(folder, self._writes, before),
             metadata=metadata,
             keep_local=TIER_KEEP,
             policies=[self.policy],
@@ -646,6 +684,8 @@ def fetch_latest(
     (``WORLD_SIZE``), it raises :class:`~cloudckpt.errors.ConfigError`.
     """
     _check_launched("fetch_latest")
+    if not isinstance(local_dir, (str, os.PathLike)):
+        raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
     local = Path(local_dir).expanduser()
     manager = _open_run(url, options, storage_options, kind=TrainerPayload())
     tier = _tier_of(local, manager.root_url, tier_dir)
@@ -701,22 +741,29 @@ def _fetch_bucket(
     store: Store, prefix: str, options: TransferOptions, info: CheckpointInfo, local: Path
 ) -> str:
     """Download the bucket's committed ``info`` (under ``prefix`` in ``store``) into
-    ``local/checkpoint-N`` (one process; see fetch_latest)."""
-    name = f"checkpoint-{info.step}"
-    target = local / name
+    ``local/checkpoint-N`` (one process; see fetch_latest). A folder there already
+    keeps the files it holds when they are the bucket's, and gets the others."""
+    target = local / f"checkpoint-{info.step}"
     _refuse_link(target)
     if target.exists():
+        present = tuple(f for f in info.files if os.path.lexists(target / f.name))
         try:
-            _check_sizes(LocalStore(target), info)
-            _check_hashes(LocalStore(target), info, store, prefix, options)
+            _check_sizes(LocalStore(target), replace(info, files=present))
+            _check_hashes(LocalStore(target), replace(info, files=present), store, prefix, options)
         except (CorruptCheckpointError, NotFoundError) as exc:
             raise AlreadyExistsError(
                 f"{target} exists and is not {info.url} ({exc}); move it away to fetch"
             ) from exc
+        missing = {f.name: f.size for f in info.files if f not in present}
+        if missing:
+            check_remote(store, prefix, info)
+            _fill(
+                target, missing, options, lambda dst, rel: _copy(store, prefix, dst, rel, options)
+            )
         return str(target)
     check_remote(store, prefix, info)
     # Made with no link inside local_dir (UnsafePathError); written below it the same way.
-    partial = LocalStore(local).make_dirs(f".{name}.cloudckpt-fetch/")
+    partial = LocalStore(local).make_dirs(f".{target.name}.cloudckpt-fetch/")
     fetched = LocalStore(partial)
     copy_tree(store, prefix, fetched, "", options, exclude=(MARKER_NAME,))
     _check_sizes(fetched, info)
@@ -731,49 +778,92 @@ def _fetch_tier(
     """Put the step a local tier committed (``info``; under ``prefix`` in ``store``: the
     tier's folder, or the manager's view of it over the bucket's copy) into
     ``local/checkpoint-N``: each file the tier holds hard-linked from it (copied where
-    links are refused), any other downloaded (one process; see fetch_latest)."""
-    name = f"checkpoint-{info.step}"
-    target = local / name
+    links are refused), any other downloaded (one process; see fetch_latest). A folder
+    there already keeps the files it holds when each is the tier's file or holds its
+    bytes, and gets the others (a node's own folder holds its ranks' files only)."""
+    target = local / f"checkpoint-{info.step}"
     _refuse_link(target)
     sizes = {
         o.key[len(prefix) :]: o.size
         for o in store.list(prefix)
         if o.key[len(prefix) :] != MARKER_NAME
     }
-    if target.exists():
-        mine = LocalStore(target)
-        for rel, size in sizes.items():
-            there = target / rel
-            same = there.is_file() and there.stat().st_size == size
-            if same and not _same_file(_local_path(store, prefix + rel), there):
-                same = same_bytes(store, prefix + rel, mine, rel, size)
-            if not same:
-                raise AlreadyExistsError(
-                    f"{target} exists and is not step {info.step} of the local tier "
-                    f"({rel} holds other bytes, or is missing); move it away to fetch"
-                )
-        return str(target)
-    partial = LocalStore(local).make_dirs(f".{name}.cloudckpt-fetch/")
-    fetched = LocalStore(partial)
-    for rel in sizes:
+
+    def fetch_one(dst: LocalStore, rel: str) -> None:
         source = _local_path(store, prefix + rel)
-        if source is not None:
-            fetched.make_dirs(rel.rpartition("/")[0] + "/" if "/" in rel else "")
-            dest = partial / rel
-            if dest.exists():  # an interrupted fetch's
-                dest.unlink()
-            _link(source, dest)
-        else:
-            copy_object(store, prefix + rel, fetched, rel, options)
+        if source is None:
+            _copy(store, prefix, dst, rel, options)
+            return
+        dst.make_dirs(rel.rpartition("/")[0] + "/" if "/" in rel else "")
+        dest = dst.root / rel
+        if os.path.lexists(dest):  # an interrupted fetch's
+            dest.unlink()
+        _link(source, dest)
+
+    if not target.exists():
+        partial = LocalStore(local).make_dirs(f".{target.name}.cloudckpt-fetch/")
+        _fetch_files(LocalStore(partial), sizes, options, fetch_one)
+        partial.rename(target)
+        return str(target)
+    mine = LocalStore(target)
     for rel, size in sizes.items():
-        if fetched.head(rel).size != size:
+        there = target / rel
+        if not os.path.lexists(there):
+            continue
+        same = there.is_file() and not there.is_symlink() and there.stat().st_size == size
+        if same and not _same_file(_local_path(store, prefix + rel), there):
+            same = same_bytes(store, prefix + rel, mine, rel, size)
+        if not same:
+            raise AlreadyExistsError(
+                f"{target} exists and is not step {info.step} of the local tier ({rel} "
+                "holds other bytes); move it away to fetch"
+            )
+    missing = {rel: size for rel, size in sizes.items() if not os.path.lexists(target / rel)}
+    if missing:
+        _fill(target, missing, options, fetch_one)
+    return str(target)
+
+
+def _copy(store: Store, prefix: str, dst: LocalStore, rel: str, options: TransferOptions) -> None:
+    """Download ``prefix + rel`` of ``store`` to ``rel`` under ``dst``."""
+    copy_object(store, prefix + rel, dst, rel, options)
+
+
+def _fetch_files(
+    fetched: LocalStore,
+    sizes: Mapping[str, int],
+    options: TransferOptions,
+    fetch_one: Callable[[LocalStore, str], None],
+) -> None:
+    """Fetch each file of ``sizes`` (name: size) into ``fetched`` by ``fetch_one``, then
+    check it: its size, and each torch archive's CRC-32s."""
+    for rel in sizes:
+        fetch_one(fetched, rel)
+    for rel, size in sizes.items():
+        got = fetched.head(rel).size
+        if got != size:
             raise CorruptCheckpointError(
-                f"{fetched.url(rel)} holds {fetched.head(rel).size} bytes, the local tier's "
-                f"step {info.step} has {size}"
+                f"{fetched.url(rel)} holds {got} bytes where the checkpoint's has {size}"
             )
     _verify_archives(fetched, sizes, options)
-    partial.rename(target)
-    return str(target)
+
+
+def _fill(
+    target: Path,
+    missing: Mapping[str, int],
+    options: TransferOptions,
+    fetch_one: Callable[[LocalStore, str], None],
+) -> None:
+    """Fetch the files ``target`` (a ``checkpoint-N`` already there) lacks into a hidden
+    folder beside it, check them, then move each into ``target``."""
+    partial = LocalStore(target.parent).make_dirs(f".{target.name}.cloudckpt-fetch/")
+    _fetch_files(LocalStore(partial), missing, options, fetch_one)
+    have = LocalStore(target)  # its folders made without following a link
+    for rel in missing:
+        if "/" in rel:
+            have.make_dirs(rel.rpartition("/")[0] + "/")
+        os.replace(partial / rel, target / rel)
+    shutil.rmtree(partial, ignore_errors=True)
 
 
 def _local_path(store: Store, key: str) -> Path | None:

@@ -8,6 +8,7 @@ parts, 10 concurrent writes, 15 concurrent reads.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import threading
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ __all__ = [
     "TransferOptions",
     "apply_profile",
     "check_flag",
+    "check_seconds",
     "check_text",
     "configure",
     "get_defaults",
@@ -174,6 +176,21 @@ def check_text(backend: str, name: str, value: Any, pattern: str, expected: str)
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TransferOptions))
 _lock = threading.Lock()
 _defaults = TransferOptions()
+
+
+def check_seconds(name: str, value: object) -> None:
+    """ConfigError naming ``name`` unless ``value`` is None or a finite number of
+    seconds, 0 or more (a wait's bound: 0 waits for nothing; checked when given, not
+    when first waited on)."""
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigError(f"{name}={value!r} must be seconds (0 or more) or None")
 
 
 def _check_names(changes: Mapping[str, Any]) -> None:

@@ -280,10 +280,15 @@ def _two_ranks_save(rank, world, root, results):  # run_ranks: a forked gloo ran
         return SimpleNamespace(best_model_checkpoint=None, global_step=step)
 
     def write(step, names):
+        import torch
+
         folder = out / f"checkpoint-{step}"
         for name in names:
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_bytes(f"{name} {step}".encode())
+            if name.endswith((".pth", ".bin")):  # torch archives, as the Trainer's are
+                torch.save({"name": name, "step": step}, folder / name)
+            else:
+                (folder / name).write_bytes(f"{name} {step}".encode())
 
     callback.on_train_begin(args, state(0), None)
     mine = [f"rng_state_{rank}.pth"] + (["model.safetensors", "sub/a.bin"] if rank == 0 else [])
@@ -315,7 +320,12 @@ def _two_ranks_save(rank, world, root, results):  # run_ranks: a forked gloo ran
     callback.on_save(args, state(12), None)  # committed in each rank's tier; drains after
     callback.on_train_end(args, state(12), None)  # every rank tries the failed drain again
     assert tries == ([1] if rank == 1 else [])
-    results.put((rank, sorted(hf.drained_steps(callback._tier))))
+    # A restart: each rank's checkpoint-12 is there with its own files only (rank 1's:
+    # rng_state_1.pth); the fetch keeps them and brings the rest from its tier.
+    path = hf.fetch_latest(str(root / "bucket" / "run"), out)
+    assert path == str(out / "checkpoint-12")
+    fetched = sorted(p.relative_to(path).as_posix() for p in Path(path).rglob("*") if p.is_file())
+    results.put((rank, sorted(hf.drained_steps(callback._tier)), fetched))
 
 
 def test_two_ranks_commit_once_agree_on_failures_and_retry_together(tmp_path):
@@ -325,7 +335,10 @@ def test_two_ranks_commit_once_agree_on_failures_and_retry_together(tmp_path):
 
     results = multiprocessing.get_context("fork").SimpleQueue()
     run_ranks(_two_ranks_save, 2, tmp_path, results, timeout=120)
-    assert sorted(results.get() for _ in range(2)) == [(0, [4, 12]), (1, [4, 12])]
+    found = sorted(results.get() for _ in range(2))
+    assert [(r, drained) for r, drained, _ in found] == [(0, [4, 12]), (1, [4, 12])]
+    every = ["model.safetensors", "rng_state_0.pth", "rng_state_1.pth", "sub/a.bin"]
+    assert [fetched for _, _, fetched in found] == [every, every]
     manager = CheckpointManager(str(tmp_path / "bucket" / "run"))
     assert [c.step for c in manager.list()] == [4, 12]
     info = manager.info(12)
@@ -344,6 +357,19 @@ def test_two_ranks_commit_once_agree_on_failures_and_retry_together(tmp_path):
     assert not (only_tier(tmp_path / "out-0") / "step-000000008" / "_CHECKPOINT.json").exists()
 
 
+def _begun(rank, world, root, step):
+    """A callback of the run ``root/bucket/run`` on this rank, with an output_dir of its
+    own (a node each), after its ``on_train_begin``; the Trainer's arguments and state."""
+    import cloudckpt.hf as hf
+
+    out = root / f"out-{rank}"
+    callback = hf.CallbackBase(str(root / "bucket" / "run"))
+    args = SimpleNamespace(world_size=world, output_dir=str(out), save_total_limit=None)
+    state = SimpleNamespace(best_model_checkpoint=None, global_step=step)
+    callback.on_train_begin(args, state, None)
+    return out, callback, args, state
+
+
 def _rewritten_before_the_commit(rank, world, root, results):  # run_ranks: a gloo rank
     """Another run's save rewrites rank 0's ``model.safetensors`` (another size) in the
     bucket between the ranks' drains and the commit: the drain fails on both ranks,
@@ -351,11 +377,7 @@ def _rewritten_before_the_commit(rank, world, root, results):  # run_ranks: a gl
     import cloudckpt.hf as hf
     from cloudckpt.errors import CloudCkptError
 
-    out = root / f"out-{rank}"
-    callback = hf.CallbackBase(str(root / "bucket" / "run"))
-    args = SimpleNamespace(world_size=world, output_dir=str(out), save_total_limit=None)
-    state = SimpleNamespace(best_model_checkpoint=None, global_step=4)
-    callback.on_train_begin(args, state, None)
+    out, callback, args, state = _begun(rank, world, root, 4)
     folder = out / "checkpoint-4"
     folder.mkdir(parents=True)
     for name in [f"rng_state_{rank}.pth"] + (["model.safetensors"] if rank == 0 else []):
@@ -393,3 +415,53 @@ def test_a_file_rewritten_before_a_two_rank_commit_fails_it(tmp_path):
     assert CheckpointManager(str(tmp_path / "bucket" / "run")).list() == []
     for r in (0, 1):
         assert (only_tier(tmp_path / f"out-{r}") / "step-000000004" / "_CHECKPOINT.json").is_file()
+
+
+def _a_fetch_failing_on_one_rank(rank, world, root, results, told):  # run_ranks: a gloo rank
+    """Both ranks fetch step 2 of their tiers; rank 1's checkpoint-2 is a symbolic link:
+    rank 1 raises UnsafePathError, rank 0 DistributedLoadError naming it, at once (rank 1
+    stays alive until rank 0 has answered: a rank waiting on it would hang)."""
+    import torch
+
+    import cloudckpt.hf as hf
+    from cloudckpt.errors import CloudCkptError
+
+    out, callback, args, state = _begun(rank, world, root, 2)
+    folder = out / "checkpoint-2"
+    folder.mkdir(parents=True)
+    torch.save({"rank": rank}, folder / f"rng_state_{rank}.pth")
+    if rank == 0:
+        (folder / "model.safetensors").write_bytes(b"weights")
+    callback.on_save(args, state, None)
+    callback.on_train_end(args, state, None)
+    fresh = root / f"fresh-{rank}"
+    fresh.mkdir()
+    if rank == 1:
+        (root / "elsewhere").mkdir()
+        (fresh / "checkpoint-2").symlink_to(root / "elsewhere")
+    raised = None
+    try:
+        hf.fetch_latest(
+            str(root / "bucket" / "run"), fresh, tier_dir=hf.default_tier(out, callback.url)
+        )
+    except CloudCkptError as exc:
+        raised = (type(exc).__name__, str(exc))
+    if rank == 0:
+        told.set()
+    else:
+        assert told.wait(60), "rank 0 did not answer while rank 1 lived"
+    results.put((rank, raised))
+
+
+def test_a_fetch_failing_on_one_rank_is_raised_on_every_rank_without_waiting(tmp_path):
+    import multiprocessing
+
+    from ranks import run_ranks
+
+    ctx = multiprocessing.get_context("fork")
+    results, told = ctx.SimpleQueue(), ctx.Event()
+    run_ranks(_a_fetch_failing_on_one_rank, 2, tmp_path, results, told, timeout=120)
+    found = dict(results.get() for _ in range(2))
+    assert found[1][0] == "UnsafePathError", found
+    assert found[0][0] == "DistributedLoadError" and "rank 1" in found[0][1], found
+    assert "UnsafePathError" in found[0][1] or "symbolic link" in found[0][1], found

@@ -151,3 +151,31 @@ def test_a_committed_step_written_again_by_the_trainer_keeps_its_bytes(moto_serv
     with pytest.raises(AlreadyExistsError, match="step 8 is already committed"):
         from_scratch(url_a).train()
     assert {p.name: digest(p) for p in step8.iterdir() if p.name != MARKER_NAME} == before
+
+
+def test_files_an_earlier_save_left_in_the_folder_are_not_committed(moto_server, tmp_path, caplog):
+    """Run A saves full checkpoints; run B (another URL, from scratch, on the same
+    output_dir) saves the model only. The Trainer does not empty checkpoint-N before it
+    writes, so A's optimizer, scheduler and RNG files stay in the folders B saves into:
+    B's commits leave them out (WARNING naming them), in the tier and the bucket, and
+    what B's fetch returns holds B's files only."""
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-tier-stale"))
+    opts = moto_server.storage_options()
+    url_a, url_b = f"s3://{bucket}/a", f"s3://{bucket}/b"
+    out = tmp_path / "out"
+    tiny_trainer(str(out), 8, [CloudCheckpointCallback(url_a, storage_options=opts)]).train()
+    run_b = tiny_trainer(
+        str(out), 8, [CloudCheckpointCallback(url_b, storage_options=opts)], save_only_model=True
+    )
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        run_b.train()
+    assert any("left there by an earlier save" in r.getMessage() for r in caplog.records)
+    a_only = {"optimizer.pt", "scheduler.pt", "rng_state.pth"}
+    for step in (4, 8):
+        assert a_only <= {p.name for p in (out / f"checkpoint-{step}").iterdir()}  # A's, left
+        names = {f.name for f in CheckpointManager(url_b, storage_options=opts).info(step).files}
+        assert "model.safetensors" in names and not names & a_only, (step, names)
+    held = {p.name for p in (tier_of(out, url_b) / "step-000000008").iterdir()}  # kept
+    assert "model.safetensors" in held and not held & a_only
+    fetched = Path(fetch_latest(url_b, tmp_path / "elsewhere", storage_options=opts))
+    assert not {p.name for p in fetched.iterdir()} & a_only

@@ -188,6 +188,33 @@ def test_keep_local_must_be_a_positive_integer(tmp_path):
         CloudCheckpointCallback(str(tmp_path / "bucket"), keep_local=0)
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"timeout": "abc"},
+        {"timeout": -5},
+        {"timeout": float("nan")},
+        {"storage_options": "x"},
+        {"local_dir": 5},
+    ],
+)
+def test_bad_callback_arguments_are_config_errors_naming_them(tmp_path, args):
+    """Checked when the callback is made, not after the training run."""
+    (name,) = args
+    with pytest.raises(ConfigError, match=name):
+        CloudCheckpointCallback(str(tmp_path / "bucket"), **args)
+
+
+def test_bad_fetch_arguments_are_config_errors_naming_them(tmp_path):
+    url = str(tmp_path / "bucket")
+    for local in (None, 5):
+        with pytest.raises(ConfigError, match="local_dir"):
+            fetch_latest(url, local)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        fetch_latest(url, tmp_path / "out", tier_dir=tmp_path / "a-file")
+
+
 def test_keep_local_deletes_committed_folders_beyond_the_newest(moto_server, tmp_path):
     bucket = moto_server.make_bucket(unique_bucket_name("hf-keep"))
     url = f"s3://{bucket}/run"

@@ -69,6 +69,11 @@ def open_run(
     """The manager of the run at ``url`` (the URL and its options resolved once);
     ``manager_args`` go to :class:`CheckpointManager` as given."""
     if storage_options is not None:
+        if not isinstance(storage_options, Mapping):
+            raise ConfigError(
+                f"storage_options must be a mapping of the store's settings, not "
+                f"{type(storage_options).__name__}"
+            )
         manager_args["storage_options"] = dict(storage_options)
     return CheckpointManager(url, options=options, **manager_args)
 

@@ -46,7 +46,7 @@ from ..errors import (
     NotFoundError,
 )
 from ..format.commit import read_committed
-from ..options import TransferOptions
+from ..options import TransferOptions, check_seconds
 from ..ranks.collectives import (
     barrier,
     is_distributed,
@@ -644,6 +644,7 @@ class CheckpointManager:
         without a local tier). Failed drains are tried again first; the error of one
         that fails again is raised (naming its step); TimeoutError after ``timeout`` s.
         With several ranks, call it on every rank (docs/tiers.md, "Several ranks")."""
+        check_seconds("timeout", timeout)
         if self._tiered is not None:
             self._tiered.drain(timeout)
 

@@ -542,6 +542,7 @@ class TieredRun:
             peers.receive_missing(tier, chosen, group, layout, fill)
             whole = set(tier.whole_steps())
         error: BaseException | None = None
+        fatal = False
         result: Any = None
         try:  # every rank reaches the agreement below, whichever copy it reads
             if chosen in whole:
@@ -560,11 +561,17 @@ class TieredRun:
                 result = bucket._restore_bucket(chosen, map_location, weights_only, state)
         except (CorruptCheckpointError, NotFoundError, DistributedLoadError) as exc:
             error = exc  # DCP raises on every rank at once: each rank gets here
-        said = None if error is None else f"{type(error).__name__}: {error}"
-        failures = {r: t for r, t in enumerate(agree(value=said, group=group).values) if t}
-        if failures and chosen not in remote:
+        except Exception as exc:  # not the copy's fault (a bad target, a kind's check)
+            error, fatal = exc, True
+        said = None if error is None else (fatal, f"{type(error).__name__}: {error}")
+        told = agree(value=said, group=group).values
+        failures = {r: t[1] for r, t in enumerate(told) if t}
+        if failures and (chosen not in remote or any(t[0] for t in told if t)):
+            # Raised on every rank: the failed one its own error, the others theirs or
+            # one naming it; the bucket's copy would fail the same way, or is not there.
+            where = "the local tiers (not in the bucket)" if chosen not in remote else "either tier"
             raise error or DistributedLoadError.of(
-                f"the load of step {chosen} from the local tiers (not in the bucket)", failures
+                f"the load of step {chosen} from {where}", failures
             )
         if failures:
             log.warning(

@@ -128,6 +128,8 @@ class LocalTier:
         check_positive("drain_every_n_steps", every)
         self.payload = payload
         self.path = Path(path).expanduser()
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"local_dir {self.path} is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
         self.store = LocalStore(self.path)
         self.url = self.store.root_url
