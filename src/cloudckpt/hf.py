@@ -10,7 +10,7 @@ in the background, and the newest committed one is fetched back for
     trainer.train(resume_from_checkpoint=fetch_latest("s3://bucket/run1", args.output_dir))
 
 The callback runs a :class:`cloudckpt.CheckpointManager` with a local tier
-(docs/tiers.md), ``output_dir/.cloudckpt-tier`` unless ``local_dir=`` names another,
+(docs/tiers.md), ``output_dir/_cloudckpt-tier`` unless ``local_dir=`` names another,
 and this module's payload kind (:class:`TrainerPayload`): ``on_save`` hard-links the
 Trainer's ``checkpoint-N`` files into the tier's ``step-N/`` (no bytes copied; the
 Trainer's rotation may delete its folder meanwhile) and commits them there with the
@@ -93,9 +93,10 @@ log = logging.getLogger("cloudckpt")
 #: The ``kind`` recorded in the marker of a Trainer checkpoint.
 KIND = "hf-trainer"
 #: The folder under ``output_dir`` that holds the callback's local tiers when it is
-#: given no ``local_dir``, one per run URL (the Trainer's rotation only looks at
-#: ``checkpoint-*``).
-TIER = ".cloudckpt-tier"
+#: given no ``local_dir``, one per run URL. The Trainer's rotation only looks at
+#: ``checkpoint-*``, and its ``push_to_hub`` leaves out ``_*`` (a leading dot would not:
+#: the tier's copies and its run file would go to the Hub repository).
+TIER = "_cloudckpt-tier"
 #: Where the previous release linked each folder's files until uploaded: removed at
 #: ``on_train_begin`` (the Trainer's folders are saved again as training goes on).
 STAGING = ".cloudckpt-upload"
@@ -409,7 +410,7 @@ def _own_bytes(tier: LocalStore, key: str, chunk: int = 64 << 20) -> None:
 
 def default_tier(output_dir: Path, url: str) -> Path:
     """The callback's local tier for the run ``url`` (a resolved root URL) under
-    ``output_dir`` when no ``local_dir`` is given: ``.cloudckpt-tier/<id>``, the id a
+    ``output_dir`` when no ``local_dir`` is given: ``_cloudckpt-tier/<id>``, the id a
     hash of the URL, so runs of other URLs sharing an ``output_dir`` (the Trainer's
     default is one name for every run) each have their own."""
     return output_dir / TIER / hashlib.sha256(url.encode()).hexdigest()[:16]
@@ -485,7 +486,7 @@ class CallbackBase:
 
     def tier_dir(self) -> Path:
         """The local tier's directory: ``local_dir``, else the run's folder under
-        ``output_dir/.cloudckpt-tier`` (:func:`default_tier`)."""
+        ``output_dir/_cloudckpt-tier`` (:func:`default_tier`)."""
         if self.local_dir is not None:
             return self.local_dir
         assert self.output_dir is not None
@@ -656,7 +657,7 @@ def fetch_latest(
     """Fetch the newest committed checkpoint of the run at ``url`` into
     ``local_dir/checkpoint-N`` and return that path (None: nothing committed).
 
-    ``tier_dir``: the callback's local tier (default ``local_dir/.cloudckpt-tier``
+    ``tier_dir``: the callback's local tier (default ``local_dir/_cloudckpt-tier``
     when that folder exists, the callback's own default): the step is then the newest
     committed in either tier (the manager's restore, docs/tiers.md), its files linked
     from the tier when its copy there is whole (a copy that fails its checks: a

@@ -78,7 +78,7 @@ def succeed(procs):
 
 def only_tier(output_dir):
     """The one local tier the callback made under ``output_dir`` (a folder per run URL)."""
-    (tier,) = (output_dir / ".cloudckpt-tier").iterdir()
+    (tier,) = (output_dir / "_cloudckpt-tier").iterdir()
     return tier
 
 

@@ -63,7 +63,7 @@ def test_saves_go_on_in_the_tier_while_the_bucket_is_away_and_a_restart_resumes_
     moto_server, tmp_path, caplog
 ):
     """Every connection to the bucket refused: train() runs to its end, each checkpoint
-    committed in output_dir/.cloudckpt-tier (a WARNING says the bucket is away), and
+    committed in output_dir/_cloudckpt-tier (a WARNING says the bucket is away), and
     only the final drain raises. With the bucket back, a restart on the same output_dir
     resumes from the tier's newest step (its files linked, not downloaded) with the
     losses of an uninterrupted run, and its drains commit every step in the bucket."""
@@ -87,7 +87,7 @@ def test_saves_go_on_in_the_tier_while_the_bucket_is_away_and_a_restart_resumes_
         first.train()
     assert losses(first) == losses(base)[:8]  # every step ran
     tier = tier_of(out, url)
-    assert tier.parent == out / ".cloudckpt-tier"
+    assert tier.parent == out / "_cloudckpt-tier"
     assert tier_steps(tier) == [4, 8]  # both kept: neither drained
     assert any("unreachable" in r.getMessage() for r in caplog.records)
     assert committed(moto_server, url) == []
@@ -179,3 +179,19 @@ def test_files_an_earlier_save_left_in_the_folder_are_not_committed(moto_server,
     assert "model.safetensors" in held and not held & a_only
     fetched = Path(fetch_latest(url_b, tmp_path / "elsewhere", storage_options=opts))
     assert not {p.name for p in fetched.iterdir()} & a_only
+
+
+def test_the_tier_is_left_out_of_what_push_to_hub_uploads(moto_server, tmp_path):
+    """The Trainer's push_to_hub uploads output_dir but the paths its ignore patterns
+    match (transformers' trainer.py passes ["_*", "checkpoint-*"] to upload_folder, on
+    top of huggingface_hub's defaults): none of the tier's files is among the rest."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-tier-hub"))
+    url, opts = f"s3://{bucket}/run", moto_server.storage_options()
+    out = tmp_path / "out"
+    tiny_trainer(str(out), 4, [CloudCheckpointCallback(url, storage_options=opts)]).train()
+    paths = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()]
+    assert any(p.startswith("_cloudckpt-tier/") for p in paths)
+    pushed = list(filter_repo_objects(paths, ignore_patterns=["_*", "checkpoint-*"]))
+    assert not [p for p in pushed if "cloudckpt" in p], pushed

@@ -248,7 +248,7 @@ def test_a_failed_upload_is_raised_by_train_naming_the_checkpoint(
     assert committed(moto_server, url) == []
     # The step is committed in the local tier and waits there for a drain; the
     # Trainer's folder is untouched.
-    (run_tier,) = (tmp_path / "out" / ".cloudckpt-tier").iterdir()  # one per run URL
+    (run_tier,) = (tmp_path / "out" / "_cloudckpt-tier").iterdir()  # one per run URL
     tier = run_tier / "step-000000004"
     assert (tier / "optimizer.pt").is_file() and (tier / "_CHECKPOINT.json").is_file()
     assert (tmp_path / "out" / "checkpoint-4" / "optimizer.pt").is_file()
