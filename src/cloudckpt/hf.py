@@ -42,7 +42,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -416,6 +416,25 @@ def default_tier(output_dir: Path, url: str) -> Path:
     return output_dir / TIER / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
+def _refuse_links_in(folder: Path) -> None:
+    """UnsafePathError when ``folder`` (a ``checkpoint-N`` the Trainer is about to save
+    into) is a symbolic link or holds one: the Trainer would write through it, into a
+    copy elsewhere (another run's, a local tier's committed one)."""
+    found = [folder] if folder.is_symlink() else []
+    if not found:
+        for here, dirs, files in os.walk(folder):  # links to folders are not entered
+            found += [Path(here) / n for n in (*dirs, *files) if (Path(here) / n).is_symlink()]
+    if found:
+        link = os.readlink(found[0])
+        raise UnsafePathError(
+            f"{found[0]} is a symbolic link (to {link}) in the Trainer's {folder.name}, "
+            "which it is about to save into: it would write through it, into the files "
+            "it points to; remove it",
+            path=str(found[0]),
+            link=link,
+        )
+
+
 def unshare(folder: Path, mine: Callable[[str], bool] = lambda name: True) -> list[str]:
     """Give each file under ``folder`` (those ``mine`` accepts) that is hard-linked
     elsewhere bytes of its own (a copy renamed over it: :func:`_own_bytes`), so that
@@ -551,6 +570,8 @@ class CallbackBase:
         step = int(state.global_step)
         folder = self.output_dir / f"checkpoint-{step}"
         self._before = None
+        if os.path.lexists(folder):
+            _refuse_links_in(folder)
         if folder.is_dir():
             unshare(folder, self._writes)
             self._before = (
@@ -691,10 +712,23 @@ def fetch_latest(
     manager = _open_run(url, options, storage_options, kind=TrainerPayload())
     tier = _tier_of(local, manager.root_url, tier_dir)
     if tier is not None:  # a manager of its own: it only restores (never drains)
-        tier = tier.resolve()
-        manager = _open_run(
-            url, options, storage_options, kind=TrainerPayload(tier), local_dir=tier
-        )
+        error: BaseException | None = None
+        try:
+            tier = tier.resolve()
+            manager = _open_run(
+                url, options, storage_options, kind=TrainerPayload(tier), local_dir=tier
+            )
+        except Exception as exc:  # a damaged run file, a folder it cannot make
+            error = exc
+        if is_distributed():  # every rank learns of one that failed, at once
+            settle(
+                error,
+                f"opening the local tier {tier} on every rank",
+                group=run_group(),
+                error_type=DistributedLoadError,
+            )
+        elif error is not None:
+            raise error
     fetched: str | None = manager.restore(state=_FetchCall(local))
     return fetched
 
@@ -706,7 +740,10 @@ def _tier_of(local: Path, url: str, tier_dir: str | os.PathLike[str] | None) -> 
     if tier_dir is not None:
         if not isinstance(tier_dir, (str, os.PathLike)):
             raise ConfigError(f"tier_dir={tier_dir!r} must be a path (str or os.PathLike)")
-        return Path(tier_dir).expanduser()
+        path = Path(tier_dir).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"tier_dir={str(tier_dir)!r} is not a directory")
+        return path
     default = default_tier(local, url)
     found = default.is_dir()
     if is_distributed():
@@ -714,14 +751,29 @@ def _tier_of(local: Path, url: str, tier_dir: str | os.PathLike[str] | None) -> 
     return default if found else None
 
 
-def _refuse_link(target: Path) -> None:
-    """UnsafePathError when ``target`` (a ``checkpoint-N`` in local_dir) is a link."""
-    if target.is_symlink():  # neither returned nor written through
-        link = os.readlink(target)
+def _refuse_link(target: Path, names: Iterable[str] = ()) -> None:
+    """UnsafePathError when ``target`` (a ``checkpoint-N`` in local_dir), or any folder
+    or file on the way to one of ``names`` below it, is a symbolic link."""
+    for rel in ("", *names):
+        path = target
+        for part in [p for p in rel.split("/") if p]:
+            if not os.path.lexists(path):
+                break
+            _no_link(path)
+            path = path / part
+        if os.path.lexists(path):
+            _no_link(path)
+
+
+def _no_link(path: Path) -> None:
+    """UnsafePathError when ``path`` is a symbolic link: neither returned, read through
+    nor written through."""
+    if path.is_symlink():
+        link = os.readlink(path)
         raise UnsafePathError(
-            f"{target} is a symbolic link (to {link}) inside local_dir; fetch_latest "
-            "neither writes through nor returns a link there: remove it",
-            path=str(target),
+            f"{path} is a symbolic link (to {link}) inside local_dir; fetch_latest "
+            "neither reads, writes through nor returns a link there: remove it",
+            path=str(path),
             link=link,
         )
 
@@ -745,7 +797,7 @@ def _fetch_bucket(
     ``local/checkpoint-N`` (one process; see fetch_latest). A folder there already
     keeps the files it holds when they are the bucket's, and gets the others."""
     target = local / f"checkpoint-{info.step}"
-    _refuse_link(target)
+    _refuse_link(target, (f.name for f in info.files))
     if target.exists():
         present = tuple(f for f in info.files if os.path.lexists(target / f.name))
         try:
@@ -783,12 +835,12 @@ def _fetch_tier(
     there already keeps the files it holds when each is the tier's file or holds its
     bytes, and gets the others (a node's own folder holds its ranks' files only)."""
     target = local / f"checkpoint-{info.step}"
-    _refuse_link(target)
     sizes = {
         o.key[len(prefix) :]: o.size
         for o in store.list(prefix)
         if o.key[len(prefix) :] != MARKER_NAME
     }
+    _refuse_link(target, sizes)
 
     def fetch_one(dst: LocalStore, rel: str) -> None:
         source = _local_path(store, prefix + rel)

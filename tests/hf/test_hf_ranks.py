@@ -417,10 +417,11 @@ def test_a_file_rewritten_before_a_two_rank_commit_fails_it(tmp_path):
         assert (only_tier(tmp_path / f"out-{r}") / "step-000000004" / "_CHECKPOINT.json").is_file()
 
 
-def _a_fetch_failing_on_one_rank(rank, world, root, results, told):  # run_ranks: a gloo rank
-    """Both ranks fetch step 2 of their tiers; rank 1's checkpoint-2 is a symbolic link:
-    rank 1 raises UnsafePathError, rank 0 DistributedLoadError naming it, at once (rank 1
-    stays alive until rank 0 has answered: a rank waiting on it would hang)."""
+def _a_fetch_failing_on_one_rank(rank, world, root, results, told, how):  # run_ranks
+    """Both ranks fetch step 2 of their tiers; on rank 1 ``how`` fails it: its
+    checkpoint-2 is a symbolic link, or its tier's run file is damaged. Rank 1 raises
+    its own error, rank 0 DistributedLoadError naming it, at once (rank 1 stays alive
+    until rank 0 has answered: a rank waiting on it would hang)."""
     import torch
 
     import cloudckpt.hf as hf
@@ -436,14 +437,15 @@ def _a_fetch_failing_on_one_rank(rank, world, root, results, told):  # run_ranks
     callback.on_train_end(args, state, None)
     fresh = root / f"fresh-{rank}"
     fresh.mkdir()
-    if rank == 1:
+    tier = hf.default_tier(out, callback.url)
+    if rank == 1 and how == "link":
         (root / "elsewhere").mkdir()
         (fresh / "checkpoint-2").symlink_to(root / "elsewhere")
+    if rank == 1 and how == "run-file":
+        (tier / "_TIER.json").write_text("not the run file")
     raised = None
     try:
-        hf.fetch_latest(
-            str(root / "bucket" / "run"), fresh, tier_dir=hf.default_tier(out, callback.url)
-        )
+        hf.fetch_latest(str(root / "bucket" / "run"), fresh, tier_dir=tier)
     except CloudCkptError as exc:
         raised = (type(exc).__name__, str(exc))
     if rank == 0:
@@ -453,15 +455,18 @@ def _a_fetch_failing_on_one_rank(rank, world, root, results, told):  # run_ranks
     results.put((rank, raised))
 
 
-def test_a_fetch_failing_on_one_rank_is_raised_on_every_rank_without_waiting(tmp_path):
+@pytest.mark.parametrize(
+    ("how", "error"), [("link", "UnsafePathError"), ("run-file", "CorruptCheckpointError")]
+)
+def test_a_fetch_failing_on_one_rank_is_raised_on_every_rank_without_waiting(tmp_path, how, error):
     import multiprocessing
 
     from ranks import run_ranks
 
     ctx = multiprocessing.get_context("fork")
     results, told = ctx.SimpleQueue(), ctx.Event()
-    run_ranks(_a_fetch_failing_on_one_rank, 2, tmp_path, results, told, timeout=120)
+    run_ranks(_a_fetch_failing_on_one_rank, 2, tmp_path, results, told, how, timeout=120)
     found = dict(results.get() for _ in range(2))
-    assert found[1][0] == "UnsafePathError", found
+    assert found[1][0] == error, found
     assert found[0][0] == "DistributedLoadError" and "rank 1" in found[0][1], found
-    assert "UnsafePathError" in found[0][1] or "symbolic link" in found[0][1], found
+    assert error in found[0][1], found

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,54 @@ def test_the_tier_is_left_out_of_what_push_to_hub_uploads(moto_server, tmp_path)
     assert any(p.startswith("_cloudckpt-tier/") for p in paths)
     pushed = list(filter_repo_objects(paths, ignore_patterns=["_*", "checkpoint-*"]))
     assert not [p for p in pushed if "cloudckpt" in p], pushed
+
+
+def test_links_inside_a_checkpoint_folder_are_refused_by_the_fetch_and_the_save(
+    moto_server, tmp_path
+):
+    """fetch_latest into a checkpoint-N already there whose file or subfolder is a
+    symbolic link (holding the right bytes) refuses it, from the tier and from the
+    bucket; a Trainer about to save into a checkpoint-N that is a link to another run's
+    folder stops with UnsafePathError, and that run's committed tier copy keeps its
+    bytes."""
+    from cloudckpt.errors import UnsafePathError
+
+    bucket = moto_server.make_bucket(unique_bucket_name("hf-tier-links"))
+    opts = moto_server.storage_options()
+    url_a, url_b = f"s3://{bucket}/a", f"s3://{bucket}/b"
+    out_a = tmp_path / "a"
+    tiny_trainer(str(out_a), 4, [CloudCheckpointCallback(url_a, storage_options=opts)]).train()
+    real = out_a / "checkpoint-4"
+
+    def linked_copy(where: Path, what: str) -> Path:
+        """``where/checkpoint-4``: a copy of the real folder with ``what`` a link to the
+        real one's."""
+        folder = where / "checkpoint-4"
+        shutil.copytree(real, folder)
+        target = folder / what
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        target.symlink_to(real / what)
+        return folder
+
+    # From the bucket (no tier under the folder): a linked file.
+    linked_copy(tmp_path / "b1", "model.safetensors")
+    with pytest.raises(UnsafePathError, match=r"model\.safetensors is a symbolic link"):
+        fetch_latest(url_a, tmp_path / "b1", storage_options=opts)
+    # From the tier: a linked file, in the Trainer's own output_dir.
+    moved = real.rename(tmp_path / "real-4")
+    real = moved
+    linked_copy(out_a, "model.safetensors")
+    with pytest.raises(UnsafePathError, match=r"model\.safetensors is a symbolic link"):
+        fetch_latest(url_a, out_a, storage_options=opts)
+
+    out_b = tmp_path / "b"
+    out_b.mkdir()
+    (out_b / "checkpoint-4").symlink_to(out_a / "checkpoint-4")
+    tier_a = tier_of(out_a, url_a) / "step-000000004"
+    before = {p.name: digest(p) for p in tier_a.iterdir()}
+    run_b = tiny_trainer(
+        str(out_b), 4, [CloudCheckpointCallback(url_b, storage_options=opts)], learning_rate=5e-2
+    )
+    with pytest.raises(UnsafePathError, match="checkpoint-4 is a symbolic link"):
+        run_b.train()
+    assert {p.name: digest(p) for p in tier_a.iterdir()} == before
