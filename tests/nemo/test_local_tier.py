@@ -159,3 +159,13 @@ def test_a_copy_without_a_record_never_keeps_another_saves_objects(
     stray.store.put(stray.key, b"another save's shard")
     run_ranks(tw.record_less_copy_drained, 2, url, so, str(tmp_path), timeout=TIMEOUT)
     assert "__9_0.distcp" not in tw.names_under(f"{url}/step=1/weights", so)
+
+
+def test_a_newer_commit_of_the_name_in_the_bucket_is_loaded_and_never_drained_over(
+    bucket: Any, tmp_path: Path
+) -> None:
+    """A local copy of step=1 that was never drained, then another save of step=1 to the
+    bucket: the load reads the bucket's newer commit and the drain keeps it (both ranks;
+    the other save's weights are what a plain IO reads back)."""
+    url, so, _ = bucket
+    run_ranks(tw.a_newer_bucket_commit_of_the_name, 2, url, so, str(tmp_path), timeout=TIMEOUT)

@@ -511,3 +511,38 @@ def resave_after_a_killed_save(
 
     plain = CloudMegatronCheckpointIO(storage_options=so)
     _check_load(plain, f"{url}/step=1/weights", wanted[0], f"rank {rank}: the bucket's copy")
+
+
+def a_newer_bucket_commit_of_the_name(
+    rank: int, world: int, url: str, so: dict[str, Any], root: str
+) -> None:
+    """step=1 committed in each rank's local tier and never drained (its process died
+    right after the commit: the drain is not queued); then another save of the same
+    name straight to the bucket (another node's, later). A new IO on the same local_dirs
+    loads the bucket's newer commit (WARNING), not the older local copy, and its drain
+    leaves the bucket's commit as it is (WARNING)."""
+    import time
+
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    cpu_friendly_megatron()
+    checkpoints, wanted = _states()
+    io = _io(root, rank, so)
+    io._tier.queue = lambda name: None  # the process dies before it drains
+    io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
+    committed = io._tier.info("step=1").time
+    # The bucket's times are whole seconds: the other save's is then surely later.
+    while time.time() < committed + 1.1:
+        time.sleep(0.05)
+    other = CloudMegatronCheckpointIO(storage_options=so)
+    other.save_checkpoint(checkpoints[1], f"{url}/step=1.ckpt")
+
+    warnings = _Warnings()
+    again = _io(root, rank, so)
+    _check_load(again, f"{url}/step=1/weights", wanted[1], f"rank {rank} the bucket's newer")
+    again.drain()
+    _check_load(other, f"{url}/step=1/weights", wanted[1], f"rank {rank} the bucket kept")
+    if rank == 0:  # the first rank decides both, and says so
+        newer = [m for m in warnings.seen if "is newer than the local tier's" in m]
+        assert any("reading the bucket's" in m for m in newer), warnings.seen
+        assert any("the bucket keeps its own" in m for m in newer), warnings.seen

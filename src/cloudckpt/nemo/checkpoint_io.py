@@ -33,7 +33,7 @@ from .. import megatron as cm
 from ..errors import ConfigError, NotFoundError
 from ..lightning.fs import register_settings
 from ..options import TransferOptions
-from ..ranks.collectives import agree
+from ..ranks.collectives import agree, on_first
 from ..ranks.groups import checkpoint_group
 from ..store import Resolved, Settings, Target
 from ._compat import (
@@ -189,9 +189,17 @@ class CloudMegatronCheckpointIO(MegatronCheckpointIO):  # type: ignore[misc]
         name = self._tier_name(path)
         if name is not None:
             assert self._tier is not None
-            lacking = agree(value=self._tier.whole(name), group=checkpoint_group()).values
+            group = checkpoint_group()
+            tier = self._tier
+            lacking = agree(value=tier.whole(name), group=group).values
             if all(why is None for why in lacking):
-                return self._tier.view(name)
+                newer = on_first(
+                    lambda: tier.bucket_newer(name), group, what=f"the bucket's commit of {name}"
+                )
+                if newer is None:
+                    return tier.view(name)
+                log.warning("%s: %s; reading the bucket's", checkpoint_dir(path), newer)
+                return self._committed(path)
             log.warning(
                 "checkpoint %s is not whole in every rank's local tier (%s): reading it "
                 "from the bucket",

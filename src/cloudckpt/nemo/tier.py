@@ -29,6 +29,7 @@ again, keeping what is proven.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -36,7 +37,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..engine.drain import Drainer, directory_owner, read_owner
+from ..engine.drain import Drainer, directory_owner, is_outage, read_owner
+from ..engine.journal import matches
 from ..errors import CorruptCheckpointError, LocalTierFullError, NotFoundError, StorageError
 from ..format.commit import MEGATRON_MARKER
 from ..manager.marker import MARKER_NAME, CheckpointInfo, read_marker
@@ -260,6 +262,48 @@ class NemoTier:
         url = self.weights_path(name)
         return Target(url, view, WEIGHTS, self.options, url)
 
+    def bucket_newer(self, name: str) -> str | None:
+        """Why the bucket's committed copy of ``name`` is not this local commit's and is
+        newer (its ``metadata.json`` written after the local commit, and not by this
+        copy's drain, as its record says): another save of the name, such as another
+        node's after this copy was committed. None: the local commit is this name's
+        newest as far as one listing of the bucket tells (the bucket lacks the name,
+        holds this copy's drain or an older commit, or cannot be reached: WARNING).
+        The rule CloudAutoResume compares local and bucket commits by."""
+        info = self.info(name)
+        if info is None or self.remote is None:
+            return None
+        key = self._remote_prefix(name) + MEGATRON_MARKER
+        try:  # one listing: the object's time and ETag, or nothing
+            there = next((o for o in self.remote.store.list(key) if o.key == key), None)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            log.warning(
+                "the bucket %s is unreachable (%s: %s): %s is read from the local tier %s "
+                "unchecked against the bucket's commit of it",
+                self.remote.url,
+                type(exc).__name__,
+                exc,
+                name,
+                self.path,
+            )
+            return None
+        if there is None:
+            return None
+        found = self._local().journal(name, info)
+        ours = found["objects"].get(MEGATRON_MARKER) if found else None
+        if (found and found["committed"] and matches(ours, there.size, there.etag)) or (
+            found is None and self._legacy_drained(name)
+        ):
+            return None  # the bucket's commit is this copy's drain
+        if there.mtime is not None and there.mtime > info.time:
+            return (
+                f"the bucket's commit of {name} ({_when(there.mtime)}) is newer than the "
+                f"local tier's ({_when(info.time)}): another save of the name"
+            )
+        return None
+
     # -- the drain record ----------------------------------------------------------------
     def _drained(self, info: CheckpointInfo, name: str) -> bool:
         """Whether the bucket holds this local commit of ``name`` committed, as its drain
@@ -336,7 +380,27 @@ class NemoTier:
                 self._draining = name  # a removal or a new save of it waits for this drain
             return "drain"
 
-        decision = on_first(wanted, group, what=f"deciding the drain of {name}")
+        def wanted_over_the_bucket() -> str:
+            decision = wanted()
+            if decision != "drain":
+                return decision
+            try:
+                newer = self.bucket_newer(name)  # one request, outside the lock
+            except BaseException:
+                self._end_drain(name)
+                raise
+            if newer is None:
+                return decision
+            self._end_drain(name)
+            log.warning(
+                "%s: %s; the bucket keeps its own, and the local copy in %s is not drained",
+                name,
+                newer,
+                self.path,
+            )
+            return "newer"
+
+        decision = on_first(wanted_over_the_bucket, group, what=f"deciding the drain of {name}")
         if decision == "removed":  # every rank may now prune its copy
             with self._cond:
                 self._removed.add(name)
@@ -359,10 +423,14 @@ class NemoTier:
             if owner:  # the drain record says it now
                 tier.store.delete(f"{name}{LEGACY_RECORD}")
         finally:
-            with self._cond:
-                if self._draining == name:
-                    self._draining = None
-                self._cond.notify_all()
+            self._end_drain(name)
+
+    def _end_drain(self, name: str) -> None:
+        """The drain of ``name`` (or the decision to skip it) is over."""
+        with self._cond:
+            if self._draining == name:
+                self._draining = None
+            self._cond.notify_all()
 
     def _send(self, name: str, local: CheckpointInfo, exclude: tuple[str, ...]) -> None:
         """A drain's copy of ``name``'s local commit ``local`` (:meth:`_copy`); with no
@@ -460,6 +528,13 @@ class NemoTier:
                         self._delete(name)
                 except Exception as exc:
                     log.warning("retention in the local tier %s failed: %s", self.path, exc)
+
+
+def _when(seconds: float) -> str:
+    """A commit time as UTC ISO 8601, to the second."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(
+        timespec="seconds"
+    )
 
 
 def local_commits(store: LocalStore) -> list[tuple[CheckpointInfo, str]]:
