@@ -10,10 +10,13 @@ in the background, and the newest committed one is fetched back for
     trainer.train(resume_from_checkpoint=fetch_latest("s3://bucket/run1", args.output_dir))
 
 The callback runs a :class:`cloudckpt.CheckpointManager` with a local tier
-(docs/tiers.md), ``output_dir/_cloudckpt-tier`` unless ``local_dir=`` names another,
-and this module's payload kind (:class:`TrainerPayload`): ``on_save`` hard-links the
-Trainer's ``checkpoint-N`` files into the tier's ``step-N/`` (no bytes copied; the
-Trainer's rotation may delete its folder meanwhile) and commits them there with the
+(docs/tiers.md), ``output_dir/_cloudckpt-tier/<id>`` (one per run URL) unless
+``local_dir=`` names another, and this module's payload kind (:class:`TrainerPayload`):
+``on_save`` hard-links the files the Trainer wrote for ``checkpoint-N`` into the tier's
+``step-N/`` (no bytes copied; the Trainer's rotation may delete its folder meanwhile;
+an earlier save's files left in the folder are not this save's: ``on_step_end`` notes
+them, and gives files linked elsewhere bytes of their own before the Trainer writes in
+place) and commits them there with the
 manager's local marker, asking the bucket nothing; the manager's drainer then copies
 the step to ``URL/step-00000000N/`` with the Trainer's file names kept and commits it
 with the manager's ``_CHECKPOINT.json`` (``cloudckpt ls``, ``verify`` and
@@ -23,10 +26,11 @@ with the manager's ``_CHECKPOINT.json`` (``cloudckpt ls``, ``verify`` and
 the drains (``drain()``) and raises the error of one that failed again.
 
 On several processes (``torchrun``, ``accelerate launch``: DDP, FSDP, DeepSpeed) every
-rank runs the callback: once every rank wrote its part of ``checkpoint-N`` the ranks
-agree on who links which file (the rank a file's name names: ``rng_state_R.pth``,
-DeepSpeed's ``zero_pp_rank_R_*``, DCP's ``__R_*.distcp``; any other file the lowest
-rank that sees it, the Trainer's main process) into its node's tier, and the manager's
+rank runs the callback: once every rank wrote its part of ``checkpoint-N`` each rank
+lists the files it wrote (the rank a file's name names: ``rng_state_R.pth``,
+DeepSpeed's ``zero_pp_rank_R_*``, DCP's ``__R_*.distcp``; any other file the first
+rank of the folder, the Trainer's main process) and links them into its node's tier
+(each file once: :func:`file_owners`), and the manager's
 tier of several ranks does the rest (every node's copy gets the main process's files;
 the drains on cloudckpt's own gloo group, never the training group).
 ``fetch_latest`` is the manager's restore, a collective there: the ranks agree on the
