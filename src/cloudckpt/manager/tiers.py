@@ -19,6 +19,11 @@ one another save wrote over it meanwhile fails the drain (tried again later), ne
 journal entry. The journal also records the bucket's commit, so "is this step drained?"
 is answered from the tier itself, without asking the bucket: a save never waits for it.
 
+What every tier directory is, whatever its layout (the directory and its store, the
+run file's claim, the drain records, the sweep of crashed writers' temp files), is
+:class:`~cloudckpt.engine.tier.TierDirectory`; :class:`LocalTier` is its step-folder
+layout, Lightning's single-file layout is ``lightning/tier.py``.
+
 The tier addresses a checkpoint by a key: the manager's are steps (``step-N/``), NeMo's
 tier (nemo/tier.py) uses its checkpoint names (``<name>/``, the files the bucket gets
 in ``weights/``: the tier's ``payload`` folder). The drain of one checkpoint by several
@@ -38,11 +43,11 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from ..engine.copy import PARTIAL_SUFFIX, copy_tree
-from ..engine.drain import RUN_FILE, Drainer, claim, complete_directories, directory_owner
+from ..engine.drain import RUN_FILE, Drainer, complete_directories, directory_owner
 from ..engine.journal import JOURNAL_DIR, DrainJournal, DrainRecord, identity, matches
-from ..engine.leftovers import sweep_leftovers
 from ..engine.proof import replaced
 from ..engine.remove import remove_checkpoint, remove_markers
+from ..engine.tier import TierDirectory
 from ..errors import (
     AlreadyExistsError,
     ConfigError,
@@ -55,7 +60,6 @@ from ..format.commit import read_committed
 from ..options import TransferOptions
 from ..ranks.collectives import agree, on_first, settle, world_size
 from ..store import MultipartUpload, ObjectInfo, Store
-from ..store.local import LocalStore
 from .marker import (
     MARKER_NAME,
     CheckpointInfo,
@@ -104,10 +108,11 @@ def check_positive(name: str, value: object) -> None:
         positive(name, value)  # type: ignore[arg-type]
 
 
-class LocalTier:
+class LocalTier(TierDirectory):
     """The local copy of one run: a folder per checkpoint under ``path`` (``step-N/``;
     NeMo's ``<name>/``) committed by the same marker as the bucket's, for the bucket
-    root ``remote_url`` only.
+    root ``remote_url`` only: the step-folder layout of the tier directory
+    (engine/tier.py: its store, run file claim, drain records and sweep).
 
     ``keep_local`` newest local steps are kept (None: all); steps divisible by
     ``every`` are due for the bucket. ``payload``: the folder of each checkpoint that
@@ -127,21 +132,24 @@ class LocalTier:
         check_positive("keep_local", keep_local)
         check_positive("drain_every_n_steps", every)
         self.payload = payload
-        self.path = Path(path).expanduser()
-        if self.path.exists() and not self.path.is_dir():
-            raise ConfigError(f"local_dir {self.path} is not a directory")
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.store = LocalStore(self.path)
-        self.url = self.store.root_url
-        self.remote_url = remote_url
+        where = Path(path).expanduser()
+        if where.exists() and not where.is_dir():
+            raise ConfigError(f"local_dir {where} is not a directory")
+        super().__init__(where, remote_url)
+        if not self.owned:
+            log.warning(
+                "local_dir %s holds the local tier of %s, not of %s: it is neither "
+                "restored from nor saved to",
+                self.path,
+                self.owner,
+                self.remote_url,
+            )
         # The bucket's storage options (endpoint, credentials) mean nothing here, and its
         # writes take nothing from the process's byte budget, which the drains' parts
         # hold while a bucket stalls: a save never waits for the bucket.
         self.options = options.replace(storage_options={}, max_bytes_in_flight=None)
         self.keep = keep_local
         self.every = every
-        self.owner = self._claim()
-        self._journal = DrainJournal(self.store, remote_url)
         self._cache: dict[tuple[str, int], CheckpointInfo] = {}
         self._lock = threading.Lock()
         self._retain_lock = threading.Lock()
@@ -152,25 +160,6 @@ class LocalTier:
         self._removing: threading.Thread | None = None
         #: The save locks this process holds, by folder name (:meth:`clear`).
         self._saving: dict[str, MultipartUpload] = {}
-
-    def _claim(self) -> str:
-        """Create the run file naming ``remote_url`` (create-only), or read the owner
-        an earlier manager recorded there."""
-        owner = claim(self.store, self.remote_url)
-        if owner != self.remote_url:
-            log.warning(
-                "local_dir %s holds the local tier of %s, not of %s: it is neither "
-                "restored from nor saved to",
-                self.path,
-                owner,
-                self.remote_url,
-            )
-        return owner
-
-    @property
-    def owned(self) -> bool:
-        """Whether the directory belongs to this run (its run file names our bucket root)."""
-        return self.owner == self.remote_url
 
     def check_ready(self, kind: PayloadKind) -> None:
         """Refuse a save the tier cannot take: a directory of another run, or a job of
@@ -490,11 +479,6 @@ class LocalTier:
         if removing is not None and removing is not threading.current_thread():
             removing.join()
 
-    def sweep(self) -> builtins.list[str]:
-        """Remove the temp files of writers that are gone, never a live writer's
-        (:func:`sweep_leftovers`). Returns their URLs."""
-        return sweep_leftovers(self.store)
-
     # -- the drain journal ---------------------------------------------------------------
     @classmethod
     def journal_key(cls, key: Key) -> str:
@@ -505,7 +489,7 @@ class LocalTier:
         objects it wrote ({name: identity}) and whether the bucket's commit is done.
         None when there is none, or it is of another commit of the checkpoint (or
         unreadable: a WARNING; the drain then proves nothing by it)."""
-        found = self._journal.read(self.name_of(key), local.time)
+        found = self.drain_journal.read(self.name_of(key), local.time)
         if found is None:
             return None
         return {"objects": dict(found.objects), "committed": found.committed}
@@ -525,7 +509,7 @@ class LocalTier:
             found = self.journal(key, local)
             objects = found["objects"] if found else {}
         name = self.name_of(key)
-        self._journal.write(
+        self.drain_journal.write(
             name,
             DrainRecord(
                 time=local.time,
@@ -542,7 +526,7 @@ class LocalTier:
     def forget(self, key: Key) -> None:
         """Delete the drain journal of ``key`` (its local copy is gone, or replaced)."""
         name = self.name_of(key)
-        self._journal.forget(name)
+        self.drain_journal.forget(name)
         with self._lock:
             self._drained = {d for d in self._drained if d[0] != name}
 
