@@ -1,8 +1,9 @@
 """A local tier's two shared pieces: the run file that claims a directory for one bucket
 root, and the background thread that drains what was committed locally to the bucket.
 
-The manager's tier (``manager/tiers.py``: keys are steps) and Lightning's checkpoint
-I/O (``lightning/checkpoint_io.py``: keys are file names) both use them (docs/tiers.md).
+The manager's tier (``manager/tiers.py``: keys are steps) and Lightning's
+(``lightning/tier.py``: keys are file names) both use them, the run file through their
+base class (``engine/tier.py``), the drainer each its own (docs/tiers.md).
 A tier of several ranks (NeMo's, ``nemo/tier.py``) also completes each local directory
 with the coordinator's files: :func:`directory_owner`, :func:`complete_directories`.
 """

@@ -4,7 +4,7 @@ drain keeps").
 
 Every tier keeps them the same way: the manager's (``manager/tiers.py``, names
 ``step-N``), NeMo's (``nemo/tier.py``, NeMo's checkpoint names) and Lightning's
-(``lightning/checkpoint_io.py``, file names such as ``epoch=3-step=40.ckpt``). A record
+(``lightning/tier.py``, file names such as ``epoch=3-step=40.ckpt``). A record
 says which local commit it belongs to (its time), the bucket it drains to, the objects
 the drain wrote or proved there (size, ETag and time as the bucket gave them), whether
 the bucket committed it, and the states a tier may need: ``started`` (a drain of this
