@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import ConfigError
 from ..store.local import LocalStore
 from .drain import claim
 from .journal import DrainJournal
@@ -26,7 +27,8 @@ __all__ = ["TierDirectory"]
 
 
 class TierDirectory:
-    """The local directory ``path`` (made if missing) of the bucket root ``remote_url``:
+    """The local directory ``path`` (made if missing; a file there is a ConfigError) of
+    the bucket root ``remote_url``:
     ``store`` (its ``LocalStore``, rooted at ``url``), ``owner`` (the bucket root its
     run file names: the run file is created naming ``remote_url`` unless one is there
     already) and ``drain_journal`` (the drain record of each checkpoint, by name).
@@ -37,6 +39,8 @@ class TierDirectory:
 
     def __init__(self, path: str | os.PathLike[str], remote_url: str) -> None:
         self.path = Path(path).expanduser()
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"local_dir {self.path} is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
         self.store = LocalStore(self.path)
         self.url = self.store.root_url

@@ -132,10 +132,7 @@ class LocalTier(TierDirectory):
         check_positive("keep_local", keep_local)
         check_positive("drain_every_n_steps", every)
         self.payload = payload
-        where = Path(path).expanduser()
-        if where.exists() and not where.is_dir():
-            raise ConfigError(f"local_dir {where} is not a directory")
-        super().__init__(where, remote_url)
+        super().__init__(path, remote_url)
         if not self.owned:
             log.warning(
                 "local_dir %s holds the local tier of %s, not of %s: it is neither "
