@@ -149,9 +149,9 @@ def test_a_copy_without_a_record_never_keeps_another_saves_objects(
     bucket: Any, tmp_path: Path
 ) -> None:
     """A local copy committed without a drain record (an earlier release's) whose name
-    the bucket holds from another save (same sizes, other bytes, younger than the local
-    commit, and an object none of the copy's files): its drain keeps nothing by time or
-    size, so the bucket commits the local copy's bytes only."""
+    the bucket holds from another, older save (same sizes, other bytes, and an object
+    none of the copy's files): its drain keeps nothing by time or size, so the bucket
+    commits the local copy's bytes only."""
     url, so, _ = bucket
     run_ranks(tw.copy_without_a_record, 2, url, so, str(tmp_path), timeout=TIMEOUT)
     register_options(url, storage_options=so)
@@ -169,3 +169,22 @@ def test_a_newer_commit_of_the_name_in_the_bucket_is_loaded_and_never_drained_ov
     the other save's weights are what a plain IO reads back)."""
     url, so, _ = bucket
     run_ranks(tw.a_newer_bucket_commit_of_the_name, 2, url, so, str(tmp_path), timeout=TIMEOUT)
+
+
+def test_a_drained_copy_is_told_from_another_save_of_its_name_by_its_whole_record(
+    bucket: Any, tmp_path: Path
+) -> None:
+    url, so, _ = bucket
+    run_ranks(
+        tw.a_drained_copy_then_a_newer_bucket_commit, 2, url, so, str(tmp_path), timeout=TIMEOUT
+    )
+
+
+def test_a_bucket_time_in_whole_seconds_counts_as_newer_within_its_second() -> None:
+    from cloudckpt.nemo.tier import newer_in_bucket
+
+    assert newer_in_bucket(100.0, 100.5)  # S3: any moment of second 100
+    assert not newer_in_bucket(100.0, 101.2)
+    assert newer_in_bucket(101.0, 100.9)
+    assert not newer_in_bucket(100.4, 100.5)  # a clock with sub-second times: as it is
+    assert newer_in_bucket(100.6, 100.5)

@@ -6,6 +6,7 @@ them over. ``local_dir`` is ``<root>/node`` for both ranks (one node) or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -448,21 +449,28 @@ def leftovers_swept(rank: int, world: int, url: str, so: dict[str, Any], root: s
 
 
 def copy_without_a_record(rank: int, world: int, url: str, so: dict[str, Any], root: str) -> None:
-    """A copy of step=1 committed locally by a release that kept no drain record (its
-    drain never ran), then another save of the same name straight to the bucket: the
-    same shapes (the same sizes), other values, younger than the local commit."""
+    """Another save of step=1 straight to the bucket, then a copy of the same name
+    committed locally by a release that kept no drain record (its drain never ran): the
+    same shapes (the same sizes), other values. The local commit is the newer one (a
+    bucket commit newer than the local one is kept by the drain instead:
+    ``a_newer_bucket_commit_of_the_name``)."""
+    import time
+
     from cloudckpt.nemo import CloudMegatronCheckpointIO
 
     cpu_friendly_megatron()
     checkpoints, _ = _states()
+    plain = CloudMegatronCheckpointIO(storage_options=so)
+    plain.save_checkpoint(checkpoints[1], f"{url}/step=1.ckpt")  # another save, committed
+    later = time.time() + 1.1  # past the whole second the bucket's clock gives that commit
+    while time.time() < later:
+        time.sleep(0.05)
     io = _io(root, rank, so)
     io._tier.queue = lambda name: None  # the process "dies" before its drain runs
     io.save_checkpoint(checkpoints[0], f"{url}/step=1.ckpt")
     for record in Path(local_dir(root, rank)).rglob("*.json"):
         if record.parent.name == "_DRAINS" or record.name.endswith(".drain.json"):
             record.unlink()
-    plain = CloudMegatronCheckpointIO(storage_options=so)
-    plain.save_checkpoint(checkpoints[1], f"{url}/step=1.ckpt")  # another save, committed
     dist.barrier()
 
 
@@ -546,3 +554,61 @@ def a_newer_bucket_commit_of_the_name(
         newer = [m for m in warnings.seen if "is newer than the local tier's" in m]
         assert any("reading the bucket's" in m for m in newer), warnings.seen
         assert any("the bucket keeps its own" in m for m in newer), warnings.seen
+
+
+def a_drained_copy_then_a_newer_bucket_commit(
+    rank: int, world: int, url: str, so: dict[str, Any], root: str
+) -> None:
+    """step=1 saved and drained by this run, then saved twice more at once (the same
+    run's new commits of the name drain over its older ones, within the same second of
+    the bucket's clock too); then another save of the name straight to the bucket. Every
+    megatron ``metadata.json`` holds the same bytes (same ETag), so only the whole drain
+    record tells the copy's own commit from the other save's: a new IO loads the
+    bucket's newer commit. Then a drain whose check of the bucket fails (an outage)
+    fails, and leaves the bucket's commit as it is."""
+    import time
+
+    from cloudckpt.errors import RetriesExhaustedError
+    from cloudckpt.nemo import CloudMegatronCheckpointIO
+
+    cpu_friendly_megatron()
+    checkpoints, wanted = _states()
+    io = _io(root, rank, so)
+    for checkpoint in (checkpoints[0], checkpoints[1], checkpoints[0]):
+        io.save_checkpoint(checkpoint, f"{url}/step=1.ckpt")
+        io.drain()
+    plain = CloudMegatronCheckpointIO(storage_options=so)
+    _check_load(plain, f"{url}/step=1/weights", wanted[0], f"rank {rank} the run's last drain")
+    committed = io._tier.info("step=1").time
+    while time.time() < committed + 1.1:  # the bucket's times are whole seconds
+        time.sleep(0.05)
+    plain.save_checkpoint(checkpoints[1], f"{url}/step=1.ckpt")
+
+    warnings = _Warnings()
+    again = _io(root, rank, so)
+    _check_load(again, f"{url}/step=1/weights", wanted[1], f"rank {rank} the bucket's newer")
+    if rank == 0:
+        assert any("reading the bucket's" in m for m in warnings.seen), warnings.seen
+
+    # A copy not drained (its process died after the commit), then a drain whose look at
+    # the bucket's commit fails for an outage: the drain fails, the bucket keeps its own.
+    undrained = _io(root, rank, so)
+    undrained._tier.queue = lambda name: None
+    undrained.save_checkpoint(checkpoints[0], f"{url}/step=3.ckpt")
+    plain.save_checkpoint(checkpoints[1], f"{url}/step=3.ckpt")
+    later = _io(root, rank, so)
+    later._tier.bind(url, later._settings.open(url))
+    store = later._tier.remote.store
+    real_list, failed = store.list, []
+
+    def away_once(prefix: str, *args: Any, **kwargs: Any) -> Any:
+        if prefix.endswith("step=3/weights/") and not failed:
+            failed.append(prefix)  # the first look at the name's commit only
+            raise RetriesExhaustedError("the bucket is away (injected)")
+        return real_list(prefix, *args, **kwargs)
+
+    store.list = away_once
+    with contextlib.suppress(Exception):  # fails, or tried again finds the newer commit
+        later.drain()
+    store.list = real_list
+    _check_load(plain, f"{url}/step=3/weights", wanted[1], f"rank {rank} the bucket kept")

@@ -41,7 +41,7 @@ from .paths import (
     download_tree,
     object_exists,
 )
-from .tier import committed_locally
+from .tier import committed_locally, newer_in_bucket
 
 __all__ = ["CheckpointEntry", "CloudAutoResume", "latest_checkpoint", "list_checkpoints"]
 
@@ -122,7 +122,11 @@ def _with_local_tier(root: str, local_dir: str | os.PathLike[str]) -> list[Check
     for info, name in local:
         seen = by_name.get(name)
         when = max(info.time, (seen.committed_at or 0.0) if seen else 0.0)
-        newer = seen is None or seen.committed_at is None or info.time > seen.committed_at
+        newer = (
+            seen is None
+            or seen.committed_at is None
+            or not newer_in_bucket(seen.committed_at, info.time)
+        )
         by_name[name] = CheckpointEntry(
             f"{root}/{name}", when, seen.unfinished if seen else False, local=newer
         )

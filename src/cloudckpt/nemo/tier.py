@@ -34,11 +34,12 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..engine.drain import Drainer, directory_owner, is_outage, read_owner
-from ..engine.journal import matches
+from ..engine.journal import identity
 from ..errors import CorruptCheckpointError, LocalTierFullError, NotFoundError, StorageError
 from ..format.commit import MEGATRON_MARKER
 from ..manager.marker import MARKER_NAME, CheckpointInfo, read_marker
@@ -47,13 +48,13 @@ from ..manager.tiers import LocalTier, check_free, check_positive, tensor_bytes
 from ..options import TransferOptions
 from ..ranks.collectives import agree, on_first, settle
 from ..ranks.groups import checkpoint_group, drain_group
-from ..store import Target
+from ..store import ObjectInfo, Target
 from ..store.local import LocalStore
 from ..store.overlay import OverlayStore
 from ..store.paths import MAX_RECORD_BYTES, read_capped
 from .paths import WEIGHTS
 
-__all__ = ["NemoTier", "committed_locally", "local_commits"]
+__all__ = ["NemoTier", "committed_locally", "local_commits", "newer_in_bucket"]
 
 log = logging.getLogger("cloudckpt")
 
@@ -88,6 +89,9 @@ class NemoTier:
         self._draining: str | None = None
         self._removed: set[str] = set()  # removed from the bucket: never drained
         self._forgetting: set[str] = set()  # being saved again: no drain of the old copy
+        #: Per name saved again in this process: the bucket objects its drained earlier
+        #: commit left there, which the new commit replaces (``bucket_newer``).
+        self._replaced: dict[str, dict[str, str]] = {}
         #: The local commit each drain under way sends (read when it began: a new save
         #: of the name uncommits it meanwhile, and waits for the drain to end).
         self._sending: dict[str, CheckpointInfo] = {}
@@ -203,6 +207,11 @@ class NemoTier:
             settle(None, f"the drain of {name} before it is saved again", group=group)
             error: BaseException | None = None
             try:
+                old = self.info(name)
+                found = self._local().journal(name, old) if old is not None else None
+                if found is not None and found["committed"]:  # what the bucket holds of it
+                    with self._cond:
+                        self._replaced[name] = dict(found["objects"])
                 self._local().store.delete(f"{name}/{MARKER_NAME}")
             except Exception as exc:
                 error = exc
@@ -262,22 +271,26 @@ class NemoTier:
         url = self.weights_path(name)
         return Target(url, view, WEIGHTS, self.options, url)
 
-    def bucket_newer(self, name: str) -> str | None:
-        """Why the bucket's committed copy of ``name`` is not this local commit's and is
-        newer (its ``metadata.json`` written after the local commit, and not by this
-        copy's drain, as its record says): another save of the name, such as another
-        node's after this copy was committed. None: the local commit is this name's
-        newest as far as one listing of the bucket tells (the bucket lacks the name,
-        holds this copy's drain or an older commit, or cannot be reached: WARNING).
-        The rule CloudAutoResume compares local and bucket commits by."""
+    def bucket_newer(self, name: str, *, drain: bool = False) -> str | None:
+        """Why the bucket's committed copy of ``name`` is to be read (and kept) instead
+        of this local commit: it is not this copy's drain, nor this process's earlier
+        commit of the name that this copy replaces, and it is newer (:func:`newer_in_bucket`):
+        another save of the name, such as another node's after this copy was committed.
+        None: the local commit is this name's newest as far as one listing of the
+        bucket's ``weights/`` tells. A bucket that cannot be reached: for a load,
+        None (the local copy, WARNING); for a ``drain``, the error (it is tried again).
+
+        "This copy's drain" is every object its drain record lists, still there as
+        listed then (size, ETag and time): megatron's ``metadata.json`` alone is the
+        same bytes in every save."""
         info = self.info(name)
         if info is None or self.remote is None:
             return None
-        key = self._remote_prefix(name) + MEGATRON_MARKER
-        try:  # one listing: the object's time and ETag, or nothing
-            there = next((o for o in self.remote.store.list(key) if o.key == key), None)
+        prefix = self._remote_prefix(name)
+        try:  # one listing: each object's size, ETag and time
+            listed = {o.key[len(prefix) :]: o for o in self.remote.store.list(prefix)}
         except Exception as exc:
-            if not is_outage(exc):
+            if drain or not is_outage(exc):
                 raise
             log.warning(
                 "the bucket %s is unreachable (%s: %s): %s is read from the local tier %s "
@@ -289,15 +302,19 @@ class NemoTier:
                 self.path,
             )
             return None
+        there = listed.get(MEGATRON_MARKER)
         if there is None:
             return None
         found = self._local().journal(name, info)
-        ours = found["objects"].get(MEGATRON_MARKER) if found else None
-        if (found and found["committed"] and matches(ours, there.size, there.etag)) or (
-            found is None and self._legacy_drained(name)
-        ):
+        if found is not None and found["committed"] and _listed_as(found["objects"], listed):
             return None  # the bucket's commit is this copy's drain
-        if there.mtime is not None and there.mtime > info.time:
+        if found is None and self._legacy_drained(name):
+            return None  # an earlier release's record: no objects to compare
+        with self._cond:
+            replaced = self._replaced.get(name)
+        if replaced is not None and _listed_as(replaced, listed):
+            return None  # this process's earlier commit of the name, which this one replaces
+        if there.mtime is not None and newer_in_bucket(there.mtime, info.time):
             return (
                 f"the bucket's commit of {name} ({_when(there.mtime)}) is newer than the "
                 f"local tier's ({_when(info.time)}): another save of the name"
@@ -385,7 +402,7 @@ class NemoTier:
             if decision != "drain":
                 return decision
             try:
-                newer = self.bucket_newer(name)  # one request, outside the lock
+                newer = self.bucket_newer(name, drain=True)  # one listing, outside the lock
             except BaseException:
                 self._end_drain(name)
                 raise
@@ -528,6 +545,24 @@ class NemoTier:
                         self._delete(name)
                 except Exception as exc:
                     log.warning("retention in the local tier %s failed: %s", self.path, exc)
+
+
+def newer_in_bucket(bucket_time: float, local_time: float) -> bool:
+    """Whether a bucket commit made at ``bucket_time`` is newer than a local commit made
+    at ``local_time``. A bucket time in whole seconds (S3's listings) stands for any
+    moment of that second, so a local commit made within it counts as the older: the
+    bucket's is read and nothing is drained over it (the other order would destroy a
+    newer commit when wrong)."""
+    resolution = 1.0 if float(bucket_time).is_integer() else 0.0
+    return bucket_time + resolution > local_time
+
+
+def _listed_as(recorded: Mapping[str, str], listed: Mapping[str, ObjectInfo]) -> bool:
+    """Whether every object ``recorded`` (name: identity) is in ``listed`` as recorded
+    (size, ETag and time), ``metadata.json`` among them."""
+    return MEGATRON_MARKER in recorded and all(
+        n in listed and identity(listed[n]) == v for n, v in recorded.items()
+    )
 
 
 def _when(seconds: float) -> str:
