@@ -260,7 +260,7 @@ class LocalTier(TierDirectory):
             f"drained: {list(waiting)}"
         )
 
-    def clear(self, key: Key) -> None:
+    def clear(self, key: Key, *, replaced: bool = False) -> None:
         """Before a save writes ``key``'s folder: take the folder's save lock, then
         remove what is there uncommitted (a killed save's files, the temp files of its
         dead writers, its subfolders), so the commit, which lists the folder, records
@@ -273,7 +273,9 @@ class LocalTier(TierDirectory):
         saving the same checkpoint into one directory, at least one sees the other's and
         fails, so neither's clearing removes the other's finished files and no commit
         lists another save's bytes. A process that dies releases it with its
-        descriptors; the next save sweeps it."""
+        descriptors; the next save sweeps it. ``replaced``: the caller uncommitted its
+        own earlier copy of ``key`` for this save, whose files are removed here (INFO,
+        not the WARNING a killed save's leftovers get)."""
         prefix = self.step_prefix(key)
         if self.info(key) is not None:
             raise AlreadyExistsError(
@@ -296,7 +298,14 @@ class LocalTier(TierDirectory):
         except BaseException:
             self.release(key)
             raise
-        if removed:
+        if removed and replaced:
+            log.info(
+                "removed %d file(s) of the earlier copy of %s (uncommitted for this save) at %s",
+                removed,
+                self.label(key),
+                self.step_url(key),
+            )
+        elif removed:
             log.warning(
                 "removed %d file(s) an earlier, uncommitted save of %s left at %s",
                 removed,
@@ -327,7 +336,7 @@ class LocalTier(TierDirectory):
             self.store.abort_multipart(lock)
             self.store.remove_prefix_dir(self.step_prefix(key))
 
-    def clear_ranks(self, key: Key, group: Any) -> None:
+    def clear_ranks(self, key: Key, group: Any, *, replaced: bool = False) -> None:
         """:meth:`clear` on every rank of ``group`` (a collective): each directory's
         first rank clears ``key``'s folder, and no rank returns (and writes there)
         before every directory is cleared; raises on every rank if any failed (each
@@ -336,7 +345,7 @@ class LocalTier(TierDirectory):
         error: BaseException | None = None
         try:
             if owner:
-                self.clear(key)
+                self.clear(key, replaced=replaced)
         except Exception as exc:
             error = exc
         try:

@@ -219,7 +219,7 @@ class NemoTier:
         finally:
             with self._cond:
                 self._forgetting.discard(name)
-        self._local().clear_ranks(name, group)
+        self._local().clear_ranks(name, group, replaced=True)
 
     def release(self, name: str) -> None:
         """Give up the save lock on ``name``'s folder that :meth:`forget` took, if this
