@@ -55,13 +55,14 @@ from .errors import (
     DistributedSaveError,
 )
 from .format.commit import read_committed
-from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager, list_checkpoints
+from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
 from .manager.folders import (
     TieredRuns,
     checked_keep_local,
     commit_folder,
     committed_copy,
     gathered,
+    newest_local_files,
     payload_call,
     save_to_tier,
     tier_folder,
@@ -183,12 +184,7 @@ class AcceleratePayload:
         accelerate's weights file."""
         if self._shared is not None:
             return self._shared
-        found = list_checkpoints(LocalStore(self.local_dir), "", TransferOptions())
-        if found:
-            shared = _shared_files([f.name for f in found[-1].files])
-            if shared:
-                return shared
-        return _DEFAULT_SHARED
+        return _shared_files(newest_local_files(self.local_dir)) or _DEFAULT_SHARED
 
     def save(self, state: Any, prefix_url: str, options: TransferOptions) -> None:
         """``accelerator.save_state`` of ``state`` (a :class:`_SaveCall`) into the local

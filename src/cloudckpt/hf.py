@@ -66,13 +66,16 @@ from .errors import (
     UnsafePathError,
 )
 from .io.sink import choose_part_size
-from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager, list_checkpoints
+from .manager import MARKER_NAME, CheckpointInfo, CheckpointManager
 from .manager.folders import (
     TieredRuns,
+    checked_keep_local,
+    checked_path,
     committed_copy,
     drained_steps,
     files_under,
     gathered,
+    newest_local_files,
     payload_call,
     run_group,
     save_to_tier,
@@ -161,6 +164,14 @@ def _link(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+def _link_files(src: Path, dst: Path, names: Iterable[str]) -> None:
+    """Each of ``names`` (relative paths) under ``src`` linked at the same path under
+    ``dst`` (:func:`_link`), its folders made."""
+    for name in names:
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        _link(src / name, dst / name)
 
 
 def file_owners(listings: Sequence[Sequence[str]]) -> dict[str, int]:
@@ -264,13 +275,7 @@ class TrainerPayload:
         ``trainer_state.json``."""
         if self._shared is not None:
             return self._shared
-        if self.local_dir is not None and self.local_dir.is_dir():
-            found = list_checkpoints(LocalStore(self.local_dir), "", TransferOptions())
-            if found:
-                shared = _shared_files(f.name for f in found[-1].files)
-                if shared:
-                    return shared
-        return _DEFAULT_SHARED
+        return _shared_files(newest_local_files(self.local_dir)) or _DEFAULT_SHARED
 
     def needs_room(self, state: Any) -> bool:
         """Whether a save of ``state`` takes room in the tier: only where the Trainer's
@@ -294,9 +299,7 @@ class TrainerPayload:
         if not is_distributed():
             if not call.folder.is_dir():
                 raise NotFoundError(f"the Trainer's checkpoint folder {call.folder} is missing")
-            for name in call.written():
-                (folder / name).parent.mkdir(parents=True, exist_ok=True)
-                _link(call.folder / name, folder / name)
+            _link_files(call.folder, folder, call.written())
             return None  # the tier's commit lists the folder
         group = run_group()
         missing = None
@@ -319,10 +322,7 @@ class TrainerPayload:
         owners = file_owners(listings)
         me = rank()
         try:
-            for name in names:
-                if owners[name] == me:
-                    (folder / name).parent.mkdir(parents=True, exist_ok=True)
-                    _link(call.folder / name, folder / name)
+            _link_files(call.folder, folder, [n for n in names if owners[n] == me])
         except Exception as exc:
             error = exc
         settle(
@@ -429,14 +429,19 @@ def _refuse_links_in(folder: Path) -> None:
         for here, dirs, files in os.walk(folder):  # links to folders are not entered
             found += [Path(here) / n for n in (*dirs, *files) if (Path(here) / n).is_symlink()]
     if found:
-        link = os.readlink(found[0])
-        raise UnsafePathError(
-            f"{found[0]} is a symbolic link (to {link}) in the Trainer's {folder.name}, "
-            "which it is about to save into: it would write through it, into the files "
-            "it points to; remove it",
-            path=str(found[0]),
-            link=link,
+        raise _link_error(
+            found[0],
+            f"in the Trainer's {folder.name}, which it is about to save into: it would "
+            "write through it, into the files it points to",
         )
+
+
+def _link_error(path: Path, where: str) -> UnsafePathError:
+    """The error of the symbolic link ``path`` found ``where``, naming its target."""
+    link = os.readlink(path)
+    return UnsafePathError(
+        f"{path} is a symbolic link (to {link}) {where}; remove it", path=str(path), link=link
+    )
 
 
 def unshare(folder: Path, mine: Callable[[str], bool] = lambda name: True) -> list[str]:
@@ -481,19 +486,14 @@ class CallbackBase:
         storage_options: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> None:
-        if keep_local is not None and (
-            not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1
-        ):
-            raise ConfigError(f"keep_local={keep_local!r} must be a positive integer or None")
-        if local_dir is not None and not isinstance(local_dir, (str, os.PathLike)):
-            raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
+        checked_keep_local(keep_local)
         check_seconds("timeout", timeout)
         self.policy = TrainerRetention()
         #: The run in the bucket (the URL is resolved, and checked, here); the manager
         #: with the local tier once training begins.
         self.manager = _open_run(url, options, storage_options)
         self.url = self.manager.root_url
-        self.local_dir = None if local_dir is None else Path(local_dir).expanduser()
+        self.local_dir = None if local_dir is None else checked_path("local_dir", local_dir)
         self.keep_local = keep_local
         self.timeout = timeout
         self.output_dir: Path | None = None
@@ -710,9 +710,7 @@ def fetch_latest(
     (``WORLD_SIZE``), it raises :class:`~cloudckpt.errors.ConfigError`.
     """
     _check_launched("fetch_latest")
-    if not isinstance(local_dir, (str, os.PathLike)):
-        raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
-    local = Path(local_dir).expanduser()
+    local = checked_path("local_dir", local_dir)
     manager = _open_run(url, options, storage_options, kind=TrainerPayload())
     tier = _tier_of(local, manager.root_url, tier_dir)
     if tier is not None:  # a manager of its own: it only restores (never drains)
@@ -742,9 +740,7 @@ def _tier_of(local: Path, url: str, tier_dir: str | os.PathLike[str] | None) -> 
     default for the run ``url`` under ``local`` when it exists (on any rank: the ranks
     agree), else None."""
     if tier_dir is not None:
-        if not isinstance(tier_dir, (str, os.PathLike)):
-            raise ConfigError(f"tier_dir={tier_dir!r} must be a path (str or os.PathLike)")
-        path = Path(tier_dir).expanduser()
+        path = checked_path("tier_dir", tier_dir)
         if path.exists() and not path.is_dir():
             raise ConfigError(f"tier_dir={str(tier_dir)!r} is not a directory")
         return path
@@ -773,12 +769,9 @@ def _no_link(path: Path) -> None:
     """UnsafePathError when ``path`` is a symbolic link: neither returned, read through
     nor written through."""
     if path.is_symlink():
-        link = os.readlink(path)
-        raise UnsafePathError(
-            f"{path} is a symbolic link (to {link}) inside local_dir; fetch_latest "
-            "neither reads, writes through nor returns a link there: remove it",
-            path=str(path),
-            link=link,
+        raise _link_error(
+            path,
+            "inside local_dir; fetch_latest neither reads, writes through nor returns a link there",
         )
 
 

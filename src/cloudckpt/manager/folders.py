@@ -29,24 +29,27 @@ from .marker import (
     CheckpointInfo,
     Written,
     commit_step,
+    list_checkpoints,
     read_marker,
     root_prefix,
     step_dir,
 )
 from .payload import PayloadKind
 from .retention import KeepLast, RetentionPolicy
-from .tiers import LocalTier, check_positive
+from .tiered import TieredRun
+from .tiers import check_positive
 
 __all__ = [
     "TieredRuns",
     "checked_keep_local",
+    "checked_path",
     "checked_step",
     "commit_folder",
     "committed_copy",
     "drained_steps",
     "files_under",
     "gathered",
-    "local_tier",
+    "newest_local_files",
     "open_run",
     "payload_call",
     "run_group",
@@ -98,9 +101,7 @@ def tiered_run(
     ``local_dir`` (made at the first call, its payload kind ``kind(directory)``);
     ConfigError when a call passes other ``options`` or ``storage_options`` than the
     first (a second manager would drain the same steps)."""
-    if not isinstance(local_dir, (str, os.PathLike)):
-        raise ConfigError(f"local_dir={local_dir!r} must be a path (str or os.PathLike)")
-    path = Path(local_dir).expanduser().resolve()
+    path = checked_path("local_dir", local_dir).resolve()
     key = (os.fspath(url).rstrip("/"), str(path))
     settings = (options, json.dumps(dict(storage_options or {}), sort_keys=True, default=repr))
     with _tiered_lock:
@@ -155,6 +156,24 @@ def tier_folder(prefix_url: str, options: TransferOptions, kind: str) -> Path:
     return Path(os.path.abspath(target.store.root / target.key))
 
 
+def checked_path(name: str, value: object) -> Path:
+    """``value`` (the argument ``name``) as a path, ``~`` expanded; ConfigError naming
+    it when it is not a ``str`` or ``os.PathLike``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name}={value!r} must be a path (str or os.PathLike)")
+    return Path(value).expanduser()
+
+
+def newest_local_files(local_dir: Path | None) -> list[str]:
+    """The files the newest step committed in the local tier ``local_dir`` holds (none
+    without one): what a trainer's payload kind learns its coordinator files from
+    before a save of its process has told it."""
+    if local_dir is None or not local_dir.is_dir():
+        return []
+    found = list_checkpoints(LocalStore(local_dir), "", TransferOptions())
+    return [f.name for f in found[-1].files] if found else []
+
+
 def checked_keep_local(value: int | None) -> int | None:
     """``keep_local`` checked by the rule of the manager's retention counts: a positive
     integer (ConfigError naming it otherwise), or None (every local step kept)."""
@@ -180,9 +199,7 @@ def save_to_tier(
     drains the step in the background. Several: every rank queues the step for its
     drainer after the same collective commit (the manager's order for an
     ``async_save``), the drain group made here, by every rank in step."""
-    tiered = manager._tiered
-    if tiered is None:
-        raise ConfigError(f"{manager!r} has no local tier (local_dir=)")
+    tiered = _tiered_of(manager)
     tiered.tier.keep = keep_local
     if policies is not None:
         manager.policies = list(policies)
@@ -196,25 +213,18 @@ def save_to_tier(
     return info
 
 
-def local_tier(manager: CheckpointManager) -> LocalTier:
-    """``manager``'s local tier (ConfigError when it has none)."""
+def _tiered_of(manager: CheckpointManager) -> TieredRun:
+    """``manager``'s local tier run (ConfigError when it has no ``local_dir``)."""
     tiered = manager._tiered
     if tiered is None:
         raise ConfigError(f"{manager!r} has no local tier (local_dir=)")
-    return tiered.tier
+    return tiered
 
 
 def drained_steps(manager: CheckpointManager) -> set[int]:
-    """The steps of ``manager``'s local tier committed in the bucket: those its drain
-    records say so of, and those this process drained (since gone from the tier or
-    the bucket by retention). No request to the bucket."""
-    tier = local_tier(manager)
-    tiered = manager._tiered
-    assert tiered is not None
-    waiting = set(tiered.waiting())
-    with tiered._lock:
-        drained = set(tiered.drained)
-    return drained | {c.step for c in tier.list() if tier.due(c.step) and c.step not in waiting}
+    """The steps of ``manager``'s local tier committed in the bucket
+    (:meth:`~.tiered.TieredRun.drained_steps`: no request to the bucket)."""
+    return _tiered_of(manager).drained_steps()
 
 
 def run_group() -> Any:

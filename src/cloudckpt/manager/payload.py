@@ -57,7 +57,9 @@ class PayloadKind(Protocol):
     """Writes and reads the payload of one checkpoint under ``prefix_url`` (ends in ``/``).
 
     ``load(..., local=True)``: ``prefix_url`` is this node's local tier, whose files a
-    kind may map rather than read (docs/tiers.md).
+    kind may map rather than read (docs/tiers.md). A kind may also define
+    ``needs_room(state) -> bool``: False when its save into a local tier takes no room
+    there (the Hugging Face kind's hard links), so the tier's room check is skipped.
     """
 
     name: str

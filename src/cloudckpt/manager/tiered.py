@@ -130,6 +130,16 @@ class TieredRun:
         with self._lock:
             self._in_bucket.discard(step)
 
+    def drained_steps(self) -> set[int]:
+        """The local steps committed in the bucket: those the tier's drain records say
+        so of, and those this process drained (since gone from the tier or the bucket
+        by retention). No request to the bucket."""
+        waiting = set(self.waiting())
+        with self._lock:
+            drained = set(self.drained)
+        tier = self.tier
+        return drained | {c.step for c in tier.list() if tier.due(c.step) and c.step not in waiting}
+
     def _entered_bucket(self, step: int) -> None:
         with self._lock:
             self._in_bucket.add(step)  # committed there: by this drain, or another save
